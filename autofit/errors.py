@@ -1,0 +1,35 @@
+"""The exception hierarchy. Only `cli.py` turns these into messages and exit codes."""
+
+from __future__ import annotations
+
+
+class AutofitError(Exception):
+    """Base class of every error autofit raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(AutofitError):
+    """The user asked for something malformed: a flag, a value, a file (exit 2).
+
+    The message names the flag or file, says what was expected and what to do.
+    Several problems are joined into one message (collect every problem, raise once).
+    """
+
+    exit_code = 2
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class NothingFits(AutofitError):
+    """A search ended without a single configuration that fits (exit 3)."""
+
+    exit_code = 3
+
+
+class RegressionFound(AutofitError):
+    """`autofit regress` found a configuration slower, heavier, or no longer fitting (exit 1)."""
+
+    exit_code = 1

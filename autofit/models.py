@@ -1,0 +1,152 @@
+"""Model sources for `--model`: shape presets, a config.json, a local folder, a hub id.
+
+This module reads configs as plain JSON and never imports torch: the search process
+must not initialise CUDA. Building the model happens in the probe (`probe.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+          "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False}
+
+# Architecture presets: config only, random weights. A random 7B has the memory and speed of
+# the trained one, which is all a probe measures. Numbers from each family's published config.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama2-7b": {**_LLAMA, "hidden_size": 4096, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32,
+                  "intermediate_size": 11008, "vocab_size": 32000,
+                  "max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "llama3-8b": {**_LLAMA, "hidden_size": 4096, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "intermediate_size": 14336, "vocab_size": 128256,
+                  "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "mistral-7b": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                   "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                   "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32768,
+                   "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                   "sliding_window": None},
+    "qwen2.5-7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                   "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+                   "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                   "use_sliding_window": False},
+    # A few MB: tests and CPU demos. Same code paths as the 7B shapes.
+    "tiny-llama": {**_LLAMA, "hidden_size": 128, "num_hidden_layers": 4,
+                   "num_attention_heads": 4, "num_key_value_heads": 4,
+                   "intermediate_size": 344, "vocab_size": 1024,
+                   "max_position_embeddings": 8192, "rope_theta": 10000.0},
+}
+
+PRESET_HELP = {
+    "llama2-7b": "Llama-2-7B shape (h 4096, 32 layers, vocab 32000)",
+    "llama3-8b": "Llama-3-8B shape (GQA 8 KV heads, vocab 128256)",
+    "mistral-7b": "Mistral-7B v0.3 shape (GQA, vocab 32768)",
+    "qwen2.5-7b": "Qwen2.5-7B shape (h 3584, 28 layers, vocab 152064)",
+    "tiny-llama": "4-layer Llama, ~1M parameters: tests and CPU demos",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from, and the architecture config as plain JSON."""
+
+    kind: str
+    """preset | config | local | hub"""
+    ref: str
+    """Preset name, config.json path, folder, or hub id."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def random_weights(self) -> bool:
+        return self.kind in ("preset", "config")
+
+    @property
+    def name(self) -> str:
+        """A short name for run folders."""
+        base = Path(self.ref).name if self.kind in ("local", "config") else self.ref
+        if self.kind == "config":
+            base = Path(self.ref).parent.name or "config"
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in base.replace("/", "--"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ref": self.ref, "config": self.config}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSource":
+        return cls(kind=d["kind"], ref=d["ref"], config=dict(d.get("config") or {}))
+
+
+def _read_json(path: Path, flag: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag}: cannot read {path} as a model config.json ({e}).") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(
+            f"{flag}: {path} is not a transformers config.json (it has no 'model_type')."
+        )
+    return data
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or os.sep in text.rstrip(os.sep) and text.count("/") > 1
+
+
+def resolve_model(text: str, flag: str = "--model") -> ModelSource:
+    """Turn what the user typed into a ModelSource, or raise a UsageError that says what to do."""
+    if text in PRESETS:
+        return ModelSource("preset", text, dict(PRESETS[text]))
+    path = Path(text).expanduser()
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise UsageError(
+                f"{flag}: folder {text} has no config.json; give a folder saved with "
+                "save_pretrained, a config.json, a hub id, or a preset "
+                f"({', '.join(PRESETS)})."
+            )
+        return ModelSource("local", str(path.resolve()), _read_json(cfg, flag))
+    if path.is_file():
+        return ModelSource("config", str(path.resolve()), _read_json(path, flag))
+    if _looks_like_path(text) or text.endswith(".json"):
+        raise UsageError(
+            f"{flag}: no such file or folder: {text}. Give an existing model folder, a "
+            f"config.json, a hub id, or a preset ({', '.join(PRESETS)})."
+        )
+    if text.count("/") == 1 and all(text.split("/")):
+        return ModelSource("hub", text, _hub_config(text, flag))
+    raise UsageError(
+        f"{flag}: {text!r} is not a preset, a folder, a config.json or a hub id (owner/name). "
+        f"Presets: {', '.join(PRESETS)}; `autofit probe --help` describes them."
+    )
+
+
+def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
+    """config.json of a hub model: from the local cache, or downloaded when online."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        path = hf_hub_download(repo_id, "config.json")
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"{flag}: hub model {repo_id!r} is not in the local cache and could not be "
+            f"downloaded ({first}). Download it once with `huggingface-cli download "
+            f"{repo_id}` or give a local folder or a preset ({', '.join(PRESETS)})."
+        ) from None
+    return _read_json(Path(path), flag)
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    return int(config.get("num_hidden_layers") or config.get("n_layer") or 0)

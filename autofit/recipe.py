@@ -1,0 +1,105 @@
+"""The training recipe as plain data: one source for the probe and every exporter.
+
+The probe builds `TrainingArguments`, `LoraConfig` and `BitsAndBytesConfig` from these
+dicts; the exporters write the same dicts into the recipes. What is measured is what runs.
+No torch import here: the exporters run in the search process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .spec import TrialConfig
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def weights_dtype(cfg: TrialConfig) -> str:
+    """torch dtype name the base weights are loaded in.
+
+    LoRA: the frozen base in the training precision (peft keeps adapters in fp32).
+    Full fine-tuning: bf16 trains bf16 weights directly; fp16 keeps fp32 master weights
+    under fp16 autocast (a GradScaler cannot unscale fp16 parameters).
+    """
+    if cfg.method == "full" and cfg.precision == "fp16":
+        return "float32"
+    return DTYPE_NAMES[cfg.precision]
+
+
+def learning_rate(cfg: TrialConfig) -> float:
+    return 2e-4 if cfg.method == "lora" else 2e-5
+
+
+def training_arguments(
+    cfg: TrialConfig, *, on_cpu: bool, max_steps: int, gradient_accumulation_steps: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of `transformers.TrainingArguments` (output_dir aside)."""
+    every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps or cfg.gradient_accumulation_steps,
+        "max_steps": max_steps,
+        "learning_rate": learning_rate(cfg),
+        "bf16": cfg.precision == "bf16",
+        "fp16": cfg.precision == "fp16",
+        "optim": cfg.optimizer,
+        "activation_checkpointing": every > 0,
+        "report_to": "none",
+        "save_strategy": "no",
+        "remove_unused_columns": False,
+        "use_cpu": on_cpu,
+        "seed": 0,
+    }
+    if every > 0:
+        args["activation_checkpointing_kwargs"] = {
+            "use_reentrant": False,  # needed for every_n_layers and with frozen inputs
+            "every_n_layers": every,  # 1 = every decoder layer
+            "offload": offload,  # saved layer inputs in pinned host memory
+        }
+    return args
+
+
+def lora_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
+    """Keyword arguments of `peft.LoraConfig`, or None for full fine-tuning."""
+    if cfg.method != "lora":
+        return None
+    return {
+        "r": cfg.lora_r,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": float(cfg.lora_dropout),
+        "target_modules": cfg.lora_targets.split(","),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def quantization_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
+    """Keyword arguments of `transformers.BitsAndBytesConfig` (dtype as a name), or None."""
+    if cfg.quantization == "nf4":
+        return {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": DTYPE_NAMES[cfg.precision],
+        }
+    if cfg.quantization == "8bit":
+        return {"load_in_8bit": True}
+    return None
+
+
+def kbit_preparation(cfg: TrialConfig) -> dict[str, Any] | None:
+    """Arguments of `peft.prepare_model_for_kbit_training` for a quantized base.
+
+    peft turns checkpointing on for every layer by default; pass the config's own setting
+    so "QLoRA without checkpointing" does not silently checkpoint. Trainer then enables
+    the partial or offloaded variant from the TrainingArguments.
+    """
+    if cfg.quantization == "none":
+        return None
+    return {"use_gradient_checkpointing": cfg.checkpoint_every > 0,
+            "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+
+
+def allocator_env(cfg: TrialConfig) -> dict[str, str]:
+    """Environment the training process needs before CUDA starts."""
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cfg.expandable_segments else {}

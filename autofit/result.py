@@ -1,0 +1,90 @@
+"""What a probe produced: an `Outcome` and a `ProbeResult` (the contract between processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Outcome(str, enum.Enum):
+    FIT = "fit"
+    OOM = "oom"
+    HOST_OOM = "host_oom"
+    TIMEOUT = "timeout"
+    UNSTABLE = "unstable"
+    UNSUPPORTED = "unsupported"
+    CRASH = "crash"
+
+    def is_fit(self) -> bool:
+        return self is Outcome.FIT
+
+    def is_memory(self) -> bool:
+        """Did not fit in memory (device or host): an observation the search learns from."""
+        return self in (Outcome.OOM, Outcome.HOST_OOM)
+
+    def is_infeasible(self) -> bool:
+        """Ran into a limit of this machine: recorded so the sampler avoids it, not as a FAIL."""
+        return self in (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.UNSTABLE,
+                        Outcome.TIMEOUT)
+
+    def keeps_worker(self) -> bool:
+        """Only a clean fit leaves a warm worker process trusted for the next probe."""
+        return self is Outcome.FIT
+
+
+@dataclass
+class ProbeResult:
+    """One probe's measurements. Sizes in bytes, times in seconds."""
+
+    outcome: Outcome
+    config: dict[str, Any]
+    device: str = ""
+    model: str = ""
+    tokens_per_s: float | None = None
+    tokens_per_s_min: float | None = None
+    tokens_per_s_max: float | None = None
+    peak_memory_bytes: int | None = None
+    """Reserved peak plus memory outside the PyTorch allocator (on the CPU: RSS added)."""
+    max_memory_allocated: int | None = None
+    max_memory_reserved: int | None = None
+    memory_outside_allocator: int | None = None
+    memory_after_load: int | None = None
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    num_alloc_retries: int | None = None
+    memory_growth_bytes: int | None = None
+    memory_limit_bytes: int | None = None
+    headroom_bytes: int | None = None
+    oom_shortfall_bytes: int | None = None
+    reason: str = ""
+    error_tail: str = ""
+    step_times: list[float] = field(default_factory=list)
+    micro_step_s: float | None = None
+    optimizer_step_s: float | None = None
+    probe_accumulation: int | None = None
+    checkpointed_layers: list[int] | None = None
+    n_layers: int | None = None
+    trainable_params: int | None = None
+    total_params: int | None = None
+    loss: float | None = None
+    train_seconds: float | None = None
+    """Time inside the probe from model build to the last timed step."""
+    wall_seconds: float | None = None
+    """Time from the runner's request to its having the result."""
+    worker: str = ""
+    log_path: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["outcome"] = self.outcome.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProbeResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["outcome"] = Outcome(kw["outcome"])
+        return cls(**kw)

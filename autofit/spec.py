@@ -1,0 +1,250 @@
+"""`TrialConfig`: one fine-tuning configuration, every setting explicit.
+
+The keys are data (`KEYS`): their type, default, allowed values, help and whether
+they change what is learned. `autofit probe --set KEY=VALUE`, the search spaces
+and the exporters all read them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import UsageError
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+QUANTIZATIONS = ("none", "8bit", "nf4")
+METHODS = ("lora", "full")
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# TrainingArguments `optim` names autofit knows how to measure. A test checks each one
+# against transformers' `OptimizerNames`, so a rename there fails the suite, not a user.
+OPTIMIZERS = (
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "adamw_bnb_8bit",
+    "adafactor",
+    "sgd",
+    "lion_8bit",
+    "paged_lion_8bit",
+)
+_CKPT_RE = re.compile(r"^(off|on|every_([1-9][0-9]*))(\+offload)?$")
+
+
+def parse_checkpointing(value: str) -> tuple[int, bool]:
+    """`off` -> (0, False); `on` -> (1, False); `every_2+offload` -> (2, True).
+
+    The first number is transformers' `every_n_layers` (0 = checkpointing off).
+    """
+    m = _CKPT_RE.match(value)
+    if not m or value == "off+offload":
+        raise ValueError(value)
+    if m.group(1) == "off":
+        return 0, False
+    every = int(m.group(2)) if m.group(2) else 1
+    return every, bool(m.group(3))
+
+
+def _check_ckpt(value: str) -> bool:
+    try:
+        parse_checkpointing(value)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting of a TrialConfig."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    allowed: tuple[Any, ...] | None = None
+    check: Callable[[Any], bool] | None = None
+    expected: str = ""
+    changes_learning: bool = False
+    """True where the value changes what is learned (truncation, quantization, ...)."""
+
+    def parse(self, text: str) -> Any:
+        """A `--set` string to a value of this key's type (no range check)."""
+        if self.type is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if self.type is int:
+            return int(text)
+        return text.strip()
+
+    def problem(self, value: Any) -> str | None:
+        """A message if `value` is not allowed for this key, else None."""
+        want = self.expected or (
+            "one of " + ", ".join(map(str, self.allowed)) if self.allowed else self.type.__name__
+        )
+        ok = isinstance(value, self.type) and not (self.type is int and isinstance(value, bool))
+        if ok and self.allowed is not None:
+            ok = value in self.allowed
+        if ok and self.check is not None:
+            ok = self.check(value)
+        return None if ok else f"{self.name}={value!r} is not allowed; expected {want}"
+
+
+def _positive(v: int) -> bool:
+    return v >= 1
+
+
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in [
+        Key("method", str, "lora", "lora (adapters on a frozen base) or full fine-tuning", METHODS),
+        Key("max_length", int, 2048, "tokens per sequence; every probed sequence is this long",
+            check=lambda v: v >= 8, expected="an integer >= 8", changes_learning=True),
+        Key("micro_batch_size", int, 1, "sequences per forward/backward pass",
+            check=_positive, expected="an integer >= 1"),
+        Key("global_batch", int, 16,
+            "sequences per optimizer step; accumulation = ceil(global_batch / micro_batch_size)",
+            check=_positive, expected="an integer >= 1"),
+        Key("precision", str, "bf16", "bf16, fp16 (with loss scaling) or fp32", PRECISIONS,
+            changes_learning=True),
+        Key("gradient_checkpointing", str, "off",
+            "off | on (every layer) | every_N (every N-th layer), optionally +offload "
+            "(saved activations in host memory)", check=_check_ckpt,
+            expected="off, on, every_N or on+offload / every_N+offload (for example every_2)"),
+        Key("quantization", str, "none", "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)",
+            QUANTIZATIONS, changes_learning=True),
+        Key("optimizer", str, "adamw_torch_fused", "TrainingArguments `optim` name", OPTIMIZERS,
+            changes_learning=True),
+        Key("attn_implementation", str, "sdpa", "attention kernel", ATTENTION),
+        Key("expandable_segments", bool, False,
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
+        Key("lora_r", int, 16, "LoRA rank (higher: more capacity, more memory)", check=_positive,
+            expected="an integer >= 1"),
+        Key("lora_alpha", int, 32, "LoRA scaling numerator", check=_positive,
+            expected="an integer >= 1"),
+        Key("lora_targets", str, "q_proj,v_proj", "comma-separated module names for adapters",
+            check=lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
+            expected="comma-separated module names such as q_proj,v_proj"),
+        Key("lora_dropout", str, "0.0", "dropout on the adapter input",
+            check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
+            expected="a number in [0, 1) such as 0.05"),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One fine-tuning configuration. Build it with `TrialConfig.from_mapping`."""
+
+    method: str = "lora"
+    max_length: int = 2048
+    micro_batch_size: int = 1
+    global_batch: int = 16
+    precision: str = "bf16"
+    gradient_checkpointing: str = "off"
+    quantization: str = "none"
+    optimizer: str = "adamw_torch_fused"
+    attn_implementation: str = "sdpa"
+    expandable_segments: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_targets: str = "q_proj,v_proj"
+    lora_dropout: str = "0.0"
+
+    def __post_init__(self) -> None:
+        problems = [p for k in KEYS.values() if (p := k.problem(getattr(self, k.name)))]
+        if self.quantization != "none" and self.method == "full":
+            problems.append(
+                f"quantization={self.quantization} needs method=lora: a quantized base cannot be "
+                "fully fine-tuned; set quantization=none or method=lora"
+            )
+        if problems:
+            raise UsageError(problems)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "--set") -> "TrialConfig":
+        """Build from typed or string values, collecting every problem into one UsageError."""
+        problems: list[str] = []
+        typed: dict[str, Any] = {}
+        for name, value in values.items():
+            key = KEYS.get(name)
+            if key is None:
+                problems.append(
+                    f"{source}: unknown key {name!r}; known keys: {', '.join(KEYS)}"
+                )
+                continue
+            if isinstance(value, str) and key.type is not str:
+                try:
+                    value = key.parse(value)
+                except ValueError:
+                    problems.append(f"{source}: {key.problem(value)}")
+                    continue
+            if isinstance(value, float) and key.name == "lora_dropout":
+                value = repr(value)
+            typed[name] = value
+        if problems:
+            raise UsageError(problems)
+        try:
+            return cls(**typed)
+        except UsageError as e:
+            raise UsageError([f"{source}: {p}" for p in e.problems]) from None
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return math.ceil(self.global_batch / self.micro_batch_size)
+
+    @property
+    def effective_batch(self) -> int:
+        """Sequences per optimizer step actually trained (>= global_batch)."""
+        return self.gradient_accumulation_steps * self.micro_batch_size
+
+    @property
+    def checkpoint_every(self) -> int:
+        return parse_checkpointing(self.gradient_checkpointing)[0]
+
+    @property
+    def checkpoint_offload(self) -> bool:
+        return parse_checkpointing(self.gradient_checkpointing)[1]
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.max_length
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        d["effective_batch"] = self.effective_batch
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrialConfig":
+        return cls(**{k: v for k, v in d.items() if k in KEYS})
+
+    def key(self) -> str:
+        """A stable identity: two configs with the same key are the same measurement."""
+        return ";".join(f"{k}={getattr(self, k)}" for k in KEYS)
+
+    def replace(self, **changes: Any) -> "TrialConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_sets(pairs: list[str]) -> dict[str, str]:
+    """`["precision=bf16", ...]` -> dict; malformed pairs are usage errors."""
+    out: dict[str, str] = {}
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise UsageError(
+            [f"--set: {p!r} is not KEY=VALUE; for example --set micro_batch_size=2" for p in bad]
+        )
+    for p in pairs:
+        k, v = p.split("=", 1)
+        out[k.strip()] = v
+    return out
