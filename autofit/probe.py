@@ -69,6 +69,8 @@ class Memory:
         self.sampled_peak = 0
         self._phase_peak = 0
         self.over_limit = False
+        self.runaway: Any = None
+        """Called from the sampling thread when the CPU probe runs far past its limit."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if device == "cuda" and nvml_index is not None:
@@ -120,8 +122,8 @@ class Memory:
             self._phase_peak = max(self._phase_peak, now)
             if self.device == "cpu" and self.limit and now > self.limit:
                 self.over_limit = True
-                if now > 2 * self.limit:  # stop before the host itself runs out
-                    os.kill(os.getpid(), 9)
+                if now > 2 * self.limit + 2**30 and self.runaway is not None:
+                    self.runaway(now)  # far past the limit between two checks: stop here
 
     def stop(self) -> None:
         self._stop.set()
@@ -350,6 +352,17 @@ def run_probe(req: dict[str, Any], partial: dict[str, Any]) -> ProbeResult:
 
     mem = Memory(device, req.get("nvml_index"), limit if device == "cpu" else None)
     partial["mem"] = mem
+
+    def runaway(now: int) -> None:
+        res = ProbeResult(Outcome.OOM, cfg.to_dict(), peak_memory_bytes=now,
+                          oom_shortfall_bytes=now - (limit or 0),
+                          reason="autofit: memory limit exceeded: stopped far past the CPU limit")
+        res = judge_limit(res, limit, float(req.get("headroom", 0.05)))
+        res.device, res.model = describe_device(req), src.ref
+        write_json_atomic(req["result_path"], res.to_dict())
+        os._exit(0)
+
+    mem.runaway = runaway
     if device == "cuda":
         if not torch.cuda.is_available():
             raise Unsupported("CUDA was asked for but torch sees no GPU")

@@ -94,9 +94,10 @@ class Runner:
                  warmup_steps: int = 2, timed_steps: int = 5,
                  max_probe_accumulation: int | None = 4) -> None:
         self.target = target
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.standby_count = max(1, standby)
+        self.standby_count = max(0, standby)
+        """Processes kept importing ahead, besides the one a probe needs now (0: start on demand)."""
         self.warmup_steps = warmup_steps
         self.timed_steps = timed_steps
         self.max_probe_accumulation = max_probe_accumulation
@@ -133,6 +134,9 @@ class Runner:
 
     def _take(self, deadline: float) -> Standby | None:
         self._fill()
+        if not self._pool:
+            self._seq += 1
+            self._pool.append(Standby(self.log_dir, self._env(), self._seq))
         while time.monotonic() < deadline:
             for s in sorted(self._pool, key=lambda s: s.started):
                 if s.ready.is_set():

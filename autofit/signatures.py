@@ -48,6 +48,7 @@ UNSUPPORTED = (
     "No GPU found",
     "is not supported on CPU",
     "bitsandbytes library was compiled without GPU support",
+    "requires a CUDA or other accelerator backend",
 )
 
 _SIZE = r"([0-9.]+)\s*(B|KiB|MiB|GiB|TiB)"

@@ -190,12 +190,13 @@ class TrialConfig:
             if isinstance(value, float) and key.name == "lora_dropout":
                 value = repr(value)
             typed[name] = value
+        try:
+            cfg = cls(**typed)
+        except UsageError as e:
+            problems += [f"{source}: {p}" for p in e.problems]
         if problems:
             raise UsageError(problems)
-        try:
-            return cls(**typed)
-        except UsageError as e:
-            raise UsageError([f"{source}: {p}" for p in e.problems]) from None
+        return cfg
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -1,0 +1,43 @@
+"""A stand-in for the probe child, for what cannot happen on a CPU machine.
+
+It speaks the runner's protocol (print the ready line, read one request) and then does
+what FAKE_MODE says: print the real CUDA OOM text and exit, hang, be SIGKILLed, segfault,
+print garbage, or write a result file that is not JSON.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+CUDA_OOM = """Traceback (most recent call last):
+  File "train.py", line 12, in <module>
+    loss.backward()
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 39.38 GiB of which 1.50 GiB is free. Including non-PyTorch memory, this process has 37.86 GiB memory in use. Of the allocated memory 35.20 GiB is allocated by PyTorch, and 1.91 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.
+"""
+
+mode = os.environ.get("FAKE_MODE", "hang")
+if mode == "garbage":
+    print("\x00\x01 not the ready line {{{", flush=True)
+print("autofit-standby-ready", flush=True)
+req = json.loads(sys.stdin.readline())
+with open(os.path.join(os.path.dirname(req["result_path"]), "fake-child.pid"), "w") as f:
+    f.write(str(os.getpid()))
+if mode == "cuda_oom":
+    sys.stderr.write(CUDA_OOM)
+    sys.exit(1)
+elif mode == "hang":
+    time.sleep(3600)
+elif mode == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "segfault":
+    os.kill(os.getpid(), signal.SIGSEGV)
+elif mode == "garbage":
+    print("garbage on stdout after the request", flush=True)
+    with open(req["result_path"], "w") as f:
+        f.write("{not json")
+    sys.exit(0)
+elif mode == "host_oom_text":
+    sys.stderr.write("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1234 bytes.\n")
+    sys.exit(1)

@@ -1,0 +1,185 @@
+"""`autofit probe`: real training steps on tiny-llama in real child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import fake_env, probe_json, run_cli
+
+SHORT = ["--set", "max_length=128", "--set", "global_batch=4"]
+
+
+def test_tiny_llama_fits_and_reports_figures(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, "--set", "micro_batch_size=2", cwd=tmp_path)
+    assert r["outcome"] == "fit"
+    assert r["tokens_per_s"] > 0 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+    assert len(r["step_times"]) == 5
+    assert r["peak_memory_bytes"] > 0
+    assert r["device"].startswith("cpu")
+    assert r["config"]["micro_batch_size"] == 2
+    assert r["config"]["gradient_accumulation_steps"] == 2 and r["config"]["effective_batch"] == 4
+    assert r["config"]["precision"] == "bf16" and r["config"]["lora_r"] == 16  # defaults included
+    assert set(r["phase_peaks"]) == {"forward", "backward", "optimizer"}
+    assert r["trainable_params"] < r["total_params"]
+    assert r["loss"] is not None and r["loss"] > 0
+    assert Path(r["log_path"]).is_file()
+
+
+def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, "--memory-limit", "2MiB", cwd=tmp_path)
+    assert r["outcome"] == "oom"
+    assert r["oom_shortfall_bytes"] > 0
+    assert r["memory_limit_bytes"] == 2 * 2**20
+
+
+def test_peak_inside_headroom_is_an_oom(tmp_path: Path) -> None:
+    fit = probe_json(*SHORT, cwd=tmp_path)
+    # a limit just above the measured peak: the peak lands inside a 40% headroom
+    limit = int(fit["peak_memory_bytes"] * 1.3)
+    r = probe_json(*SHORT, "--memory-limit", f"{limit}B", "--headroom", "0.4", cwd=tmp_path)
+    assert r["outcome"] == "oom"
+    assert r["reason"].startswith(("headroom", "limit", "autofit: memory limit"))
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["gradient_checkpointing=every_2"], [0, 2]),
+    (["gradient_checkpointing=on"], [0, 1, 2, 3]),
+    (["gradient_checkpointing=off", "quantization=nf4"], []),  # peft's default would checkpoint all
+    (["gradient_checkpointing=every_3", "quantization=nf4"], [0, 3]),
+])
+def test_checkpointing_exactly_on_the_layers_asked(tmp_path: Path, sets: list[str], expected: list[int]) -> None:
+    args = [x for s in sets for x in ("--set", s)]
+    r = probe_json(*SHORT, *args, cwd=tmp_path)
+    assert r["outcome"] == "fit", r["error_tail"]
+    assert r["checkpointed_layers"] == expected
+    assert r["n_layers"] == 4
+
+
+@pytest.mark.parametrize("sets", [
+    ["quantization=8bit"],
+    ["optimizer=adamw_8bit"],
+    ["optimizer=paged_adamw_8bit"],
+])
+def test_bitsandbytes_runs_for_real_on_the_cpu(tmp_path: Path, sets: list[str]) -> None:
+    args = [x for s in sets for x in ("--set", s)]
+    r = probe_json(*SHORT, *args, cwd=tmp_path)
+    assert r["outcome"] == "fit", r["error_tail"]
+    assert r["config"][sets[0].split("=")[0]] == sets[0].split("=")[1]
+
+
+def test_missing_attention_kernel_is_unsupported(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, "--set", "attn_implementation=flash_attention_2", cwd=tmp_path)
+    assert r["outcome"] == "unsupported"
+    assert "flash" in r["reason"].lower()
+
+
+def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, "--set", "lora_targets=no_such_module", cwd=tmp_path)
+    assert r["outcome"] == "crash"
+    assert "Traceback" in r["error_tail"] and "no_such_module" in r["error_tail"]
+
+
+def test_real_cuda_oom_text_is_an_oom_with_shortfall(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, env=fake_env("cuda_oom"), cwd=tmp_path)
+    assert r["outcome"] == "oom"
+    assert r["oom_shortfall_bytes"] == int(0.5 * 2**30)  # tried 2.00 GiB, 1.50 GiB free
+    assert "CUDA out of memory" in r["error_tail"]
+
+
+def test_hang_is_a_timeout_and_its_group_is_stopped(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = probe_json(*SHORT, "--timeout", "3", "--log-dir", str(tmp_path), env=fake_env("hang"), cwd=tmp_path)
+    assert r["outcome"] == "timeout"
+    assert time.monotonic() - t0 < 60
+    pid = int((tmp_path / "fake-child.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_sigkill_not_sent_by_us_is_host_oom(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, env=fake_env("sigkill"), cwd=tmp_path)
+    assert r["outcome"] == "host_oom"
+    assert "SIGKILL" in r["reason"]
+
+
+def test_host_allocator_text_is_host_oom(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, env=fake_env("host_oom_text"), cwd=tmp_path)
+    assert r["outcome"] == "host_oom"
+
+
+def test_segfault_is_a_crash(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, env=fake_env("segfault"), cwd=tmp_path)
+    assert r["outcome"] == "crash"
+    assert "SIGSEGV" in r["reason"]
+
+
+def test_garbage_on_stdout_and_in_the_result_is_a_crash(tmp_path: Path) -> None:
+    r = probe_json(*SHORT, env=fake_env("garbage"), cwd=tmp_path)
+    assert r["outcome"] == "crash"
+    assert "unreadable result" in r["reason"]
+
+
+def test_ctrl_c_exits_130_and_stops_the_child(tmp_path: Path) -> None:
+    env = dict(os.environ, **fake_env("hang"))
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", "probe", "--model", "tiny-llama",
+                             "--device", "cpu", "--log-dir", str(tmp_path)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "fake-child.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "./no/such/folder"], "--model: no such file or folder"),
+    (["--model", "llama9-1t"], "is not a preset"),
+    (["--model", "tiny-llama", "--set", "frobnicate=1"], "unknown key 'frobnicate'"),
+    (["--model", "tiny-llama", "--set", "micro_batch_size=0"], "micro_batch_size=0 is not allowed"),
+    (["--model", "tiny-llama", "--set", "precision=fp8"], "precision='fp8' is not allowed"),
+    (["--model", "tiny-llama", "--set", "gradient_checkpointing=sometimes"], "gradient_checkpointing"),
+    (["--model", "tiny-llama", "--set", "micro_batch_size"], "is not KEY=VALUE"),
+    (["--model", "tiny-llama", "--memory-limit", "lots"], "--memory-limit: cannot read 'lots'"),
+    (["--model", "tiny-llama", "--gpu", "7"], "--gpu: GPU 7 does not exist"),
+    (["--model", "tiny-llama", "--set", "method=full", "--set", "quantization=nf4"], "needs method=lora"),
+])
+def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = run_cli("probe", *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_several_bad_inputs_are_reported_at_once(tmp_path: Path) -> None:
+    proc = run_cli("probe", "--model", "nope", "--set", "precision=fp8", "--set", "micro_batch_size=0",
+                   cwd=tmp_path)
+    assert proc.returncode == 2
+    for part in ("--model", "precision", "micro_batch_size"):
+        assert part in proc.stderr
+
+
+def test_help_lists_presets_and_keys() -> None:
+    out = run_cli("probe", "--help").stdout
+    for name in ("llama2-7b", "llama3-8b", "mistral-7b", "qwen2.5-7b", "tiny-llama", "max_length",
+                 "gradient_checkpointing", "examples:"):
+        assert name in out
+
+
+def test_env_lists_versions() -> None:
+    proc = run_cli("env")
+    assert proc.returncode == 0
+    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "driver"):
+        assert pkg in proc.stdout
