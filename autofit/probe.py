@@ -190,7 +190,16 @@ def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
     return folder
 
 
-def build_model(cfg: TrialConfig, src: ModelSource, device: str) -> Any:
+def weights_path(cfg: TrialConfig, src: ModelSource, device: str) -> str:
+    """Where from_pretrained reads weights: the source, or saved random weights for a quantized preset."""
+    if cfg.quantization == "none" or not src.random_weights:
+        return src.ref
+    import torch
+
+    return _random_weights_folder(src, getattr(torch, recipe.weights_dtype(cfg)), device)
+
+
+def build_model(cfg: TrialConfig, src: ModelSource, device: str, path: str) -> Any:
     """The base model, on `device`, in the config's dtype and quantization."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -201,7 +210,6 @@ def build_model(cfg: TrialConfig, src: ModelSource, device: str) -> Any:
         quant = dict(quant)
         if "bnb_4bit_compute_dtype" in quant:
             quant["bnb_4bit_compute_dtype"] = getattr(torch, quant["bnb_4bit_compute_dtype"])
-        path = src.ref if not src.random_weights else _random_weights_folder(src, dtype, device)
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation,
             quantization_config=BitsAndBytesConfig(**quant), device_map={"": 0 if device == "cuda" else "cpu"},
@@ -270,9 +278,7 @@ def make_callback(mem: Memory, cfg: TrialConfig, sync: Any) -> Any:
             self.skipped_steps = 0
             self.checkpointed: list[int] | None = None
             self.trainer: Any = None
-            self._t0 = self._last = self._opt0 = 0.0
-            self._micro: list[float] = []
-            self._opt = 0.0
+            self._t0 = self._opt0 = self._opt = 0.0
             self._step_reserved = 0
 
         def note(self, phase: str) -> None:
@@ -300,22 +306,18 @@ def make_callback(mem: Memory, cfg: TrialConfig, sync: Any) -> Any:
             if model is not None and not model.training:
                 raise RuntimeError("autofit: the model is in eval mode during training")
             sync()
-            self._t0 = self._last = time.perf_counter()
-            self._micro = []
+            self._t0 = time.perf_counter()
             self._step_reserved = 0
 
-        def _micro_end(self) -> None:
-            sync()
-            now = time.perf_counter()
-            self._micro.append(now - self._last)
-            self._last = now
+        # Micro-steps are not synchronised one by one: that would stop the CPU from queueing the
+        # next micro-step while the GPU works, and measure a slower loop than the real one. The
+        # clock is read (after synchronize) only around the optimizer step.
+        def on_substep_end(self, *a: Any, **kw: Any) -> None:
             self.note("backward")
 
-        def on_substep_end(self, *a: Any, **kw: Any) -> None:
-            self._micro_end()
-
         def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
-            self._micro_end()
+            self.note("backward")
+            sync()
             self._opt0 = time.perf_counter()
 
         def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
@@ -323,12 +325,13 @@ def make_callback(mem: Memory, cfg: TrialConfig, sync: Any) -> Any:
             self._opt = time.perf_counter() - self._opt0
             self.note("optimizer")
 
-        def on_step_end(self, *a: Any, **kw: Any) -> None:
+        def on_step_end(self, args: Any, *a: Any, **kw: Any) -> None:
             sync()
             acc = getattr(self.trainer, "accelerator", None)
             if acc is not None and getattr(acc, "optimizer_step_was_skipped", False):
                 self.skipped_steps += 1
-            self.steps.append({"seconds": time.perf_counter() - self._t0, "micro": list(self._micro),
+            micro = (self._opt0 - self._t0) / args.gradient_accumulation_steps
+            self.steps.append({"seconds": time.perf_counter() - self._t0, "micro": micro,
                                "optimizer": self._opt, "reserved": self._step_reserved})
 
     return ProbeCallback()
@@ -385,9 +388,13 @@ def run_probe(req: dict[str, Any], partial: dict[str, Any]) -> ProbeResult:
         mem.baseline = mem._raw()
         sync = lambda: None  # noqa: E731
 
+    # Random weights for a quantized preset are saved once, before anything is measured.
+    path = weights_path(cfg, src, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     mem.start()
     torch.manual_seed(0)
-    model = build_model(cfg, src, device)
+    model = build_model(cfg, src, device, path)
     model.config.use_cache = False
     kbit = recipe.kbit_preparation(cfg)
     lora = recipe.lora_arguments(cfg)
@@ -434,13 +441,14 @@ def run_probe(req: dict[str, Any], partial: dict[str, Any]) -> ProbeResult:
         )
 
     # Speed: the timed optimizer steps, extended to the config's accumulation where the probe
-    # ran fewer micro-steps (each extra micro-step costs the median micro-step of its step).
+    # ran fewer micro-steps (each extra micro-step costs the mean micro-step of its step:
+    # the time from the step's start to its optimizer call over the micro-steps it ran).
     timed_steps = cb.steps[warmup:]
     tokens_per_step = cfg.effective_batch * cfg.max_length
     extra = cfg.gradient_accumulation_steps - probe_ga
-    real = [s["seconds"] + extra * statistics.median(s["micro"]) for s in timed_steps]
+    real = [s["seconds"] + extra * s["micro"] for s in timed_steps]
     tps = [tokens_per_step / t for t in real]
-    micro_all = [m for s in timed_steps for m in s["micro"]]
+    micro_all = [s["micro"] for s in timed_steps]
 
     # Memory: the allocator's reserved peak plus what lives outside it (context, cuBLAS
     # workspaces, bitsandbytes paged memory), or NVML's sampled peak if that is higher.

@@ -1,0 +1,58 @@
+"""Shared by the benchmark scripts: where results go and what every result file records."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autofit.envinfo import collect  # noqa: E402
+
+GIB = 2**30
+
+
+def out_dir() -> Path:
+    """$OUT on the GPU machine (fetched back), else bench/results/."""
+    d = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save(name: str, figures: dict[str, Any]) -> Path:
+    env = collect()
+    gpu = env["gpus"][0]["name"] if env["gpus"] else "cpu"
+    payload = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "driver": env.get("driver"),
+        "cuda_driver": env.get("cuda_driver"),
+        "torch_cuda_build": env.get("torch_cuda_build"),
+        "versions": env["packages"],
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **figures,
+    }
+    path = out_dir() / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def brief(res: Any) -> dict[str, Any]:
+    """The figures of a ProbeResult worth keeping in a benchmark file."""
+    d = res.to_dict()
+    keep = ("outcome", "reason", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+            "peak_memory_bytes", "max_memory_reserved", "max_memory_allocated",
+            "memory_outside_allocator", "memory_after_load", "phase_peaks", "num_alloc_retries",
+            "memory_growth_bytes", "oom_shortfall_bytes", "checkpointed_layers", "wall_seconds",
+            "train_seconds", "probe_accumulation", "step_times", "device")
+    out = {k: d[k] for k in keep}
+    out["config"] = {k: d["config"][k] for k in ("max_length", "micro_batch_size", "global_batch",
+                                                 "gradient_accumulation_steps", "precision",
+                                                 "gradient_checkpointing", "quantization", "optimizer")}
+    out["peak_gib"] = round(d["peak_memory_bytes"] / GIB, 2) if d["peak_memory_bytes"] else None
+    return out
