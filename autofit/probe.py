@@ -32,6 +32,7 @@ from .models import ModelSource
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
+from .units import format_size
 
 READY = "autofit-standby-ready"
 
@@ -550,7 +551,7 @@ def failure_result(req: dict[str, Any], exc: BaseException, partial: dict[str, A
 
 def describe_device(req: dict[str, Any]) -> str:
     limit = req.get("memory_limit_bytes")
-    lim = f", {limit / 2**30:g} GiB limit" if limit else ""
+    lim = f", {format_size(limit)} limit" if limit else ""
     if req["device"] == "cpu":
         return f"cpu (no GPU: memory is host RSS added by the probe{lim})"
     name = req.get("gpu_name") or "GPU"

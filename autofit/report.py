@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from .result import ProbeResult
+from .memory import Shape, prior
+from .result import Outcome, ProbeResult
+from .spec import KEYS, TrialConfig
 from .units import format_size
 
 
@@ -53,3 +57,239 @@ def probe_summary(res: ProbeResult) -> str:
         lines.append("error tail   " + "\n             ".join(tail))
     lines.append(f"log          {res.log_path}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- run reports
+
+COLOURS = {"fit": "tab:green", "oom": "tab:red", "host_oom": "tab:purple", "timeout": "tab:orange",
+           "unstable": "tab:brown", "unsupported": "tab:gray", "crash": "black"}
+
+
+def best_of(results: list[ProbeResult]) -> ProbeResult | None:
+    """The objective: the longest length at which something fits, then the highest tokens/s."""
+    fits = [r for r in results if r.outcome.is_fit()]
+    return max(fits, key=lambda r: (r.config["max_length"], r.tokens_per_s or 0)) if fits else None
+
+
+def best_per_length(results: list[ProbeResult]) -> dict[int, ProbeResult]:
+    out: dict[int, ProbeResult] = {}
+    for r in results:
+        if r.outcome.is_fit():
+            L = r.config["max_length"]
+            if L not in out or (r.tokens_per_s or 0) > (out[L].tokens_per_s or 0):
+                out[L] = r
+    return dict(sorted(out.items(), reverse=True))
+
+
+def ranked_fits(results: list[ProbeResult]) -> list[ProbeResult]:
+    """Fits, best first, by the objective (for runners-up)."""
+    return sorted((r for r in results if r.outcome.is_fit()),
+                  key=lambda r: (r.config["max_length"], r.tokens_per_s or 0), reverse=True)
+
+
+def learning_changes(cfg: dict[str, Any], space_fixed: dict[str, Any] | None = None) -> list[str]:
+    """Settings of the winner that change what is learned, compared with the keys' defaults."""
+    out = []
+    for k in KEYS.values():
+        if k.changes_learning and k.name in cfg:
+            out.append(f"{k.name}={cfg[k.name]}")
+    return out
+
+
+def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
+    """Where a peak goes: the prior's terms, with the measured figures where there are some."""
+    cfg = TrialConfig.from_dict(res.config)
+    on_gpu = not res.device.startswith("cpu")
+    pr = prior(cfg, shape, on_gpu)
+    parts = pr.as_dict()
+    if res.max_memory_allocated and res.outcome.is_fit() and on_gpu:
+        fixed = pr.weights + pr.trainable + pr.logits
+        parts["activations"] = max(res.max_memory_allocated - fixed, 0)
+        parts["allocator overhead"] = max((res.max_memory_reserved or 0) - res.max_memory_allocated, 0)
+        parts["outside PyTorch"] = res.memory_outside_allocator or 0
+    return parts
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | None, path: Path,
+                 title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for outcome in COLOURS:
+        pts = [r for r in results if r.outcome.value == outcome and r.peak_memory_bytes]
+        if not pts:
+            continue
+        xs = [r.peak_memory_bytes / 2**30 for r in pts]
+        ys = [r.tokens_per_s or 0 for r in pts]
+        ax.scatter(xs, ys, c=COLOURS[outcome], label=f"{outcome} ({len(pts)})", alpha=0.8,
+                   edgecolors="white", linewidths=0.5)
+    best = best_of(results)
+    if best and best.peak_memory_bytes:
+        ax.scatter([best.peak_memory_bytes / 2**30], [best.tokens_per_s], s=220, facecolors="none",
+                   edgecolors="tab:green", linewidths=2, label="winner")
+    if limit:
+        ax.axvline(limit / 2**30, color="tab:red", linestyle="--", label=f"limit {limit / 2**30:g} GiB")
+    if usable:
+        ax.axvline(usable / 2**30, color="tab:orange", linestyle=":", label="headroom line")
+    ax.set_xlabel("peak memory (GiB)")
+    ax.set_ylabel("tokens/s (OOMs at 0)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) -> None:
+    """points: (seconds since the search started, tokens/s of each fit), in time order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    best, xs, ys = 0.0, [], []
+    for t, v in points:
+        best = max(best, v)
+        xs.append(t / 60)
+        ys.append(best)
+    if xs:
+        ax.step(xs, ys, where="post", color="tab:green")
+        ax.scatter([t / 60 for t, _ in points], [v for _, v in points], s=12, color="tab:gray", alpha=0.6)
+    ax.set_xlabel("minutes since the search started")
+    ax.set_ylabel("best tokens/s so far")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
+                  timeline: list[tuple[float, float]], stop_reason: str = "") -> dict[str, Any] | None:
+    """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result)."""
+    results = [ProbeResult.from_dict(r) for r in rows]
+    with open(run_dir / "trials.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    target = spec["targets"][0]
+    limit = target.get("memory_limit_bytes")
+    usable = int(limit * (1 - target.get("headroom", 0.05))) if limit else None
+    best = best_of(results)
+    ranked = ranked_fits(results)
+    best_doc = None
+    if best is not None:
+        best_doc = {**best.to_dict(), "run_id": spec["run_id"], "model": spec["model"]["ref"],
+                    "target": target, "learning_changes": learning_changes(best.config),
+                    "runners_up": [r.to_dict() for r in ranked[1:6]]}
+        (run_dir / "best.json").write_text(json.dumps(best_doc, indent=1) + "\n")
+    else:
+        (run_dir / "best.json").unlink(missing_ok=True)
+    where = _describe_target(target)
+    plot_scatter(results, limit, usable, run_dir / "throughput_vs_memory.png",
+                 f"{spec['model']['ref']} on {where}")
+    plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
+    (run_dir / "report.md").write_text(
+        report_markdown(spec, rows, results, best, limit, usable, stop_reason))
+    return best_doc
+
+
+def _describe_target(t: dict[str, Any]) -> str:
+    lim = f"{format_size(t['memory_limit_bytes'])} limit on " if t.get("memory_limit_bytes") else ""
+    if t["device"] == "cpu":
+        return f"{lim}the CPU (no GPU: memory is host RSS added by each probe)"
+    return f"{lim}{t.get('gpu_name') or 'GPU'} (GPU {t.get('gpu_index')})"
+
+
+def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
+                    best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str) -> str:
+    shape = Shape.from_config(spec["model"]["config"])
+    target = spec["targets"][0]
+    lines = [f"# autofit report: {spec['run_id']}", "",
+             f"- model: `{spec['model']['ref']}` ({spec['model']['kind']}"
+             + (", random weights: memory and speed as trained weights" if spec["model"]["kind"] in
+                ("preset", "config") else "") + ")",
+             f"- where: {_describe_target(target)}"
+             + (" — an emulated card has the card's memory but this GPU's speed" if limit and
+                target["device"] == "cuda" else ""),
+             f"- space: `{spec['space']['name']}`, budget {spec['budget_s'] / 60:.0f} min, "
+             f"headroom {target.get('headroom', 0.05):.0%}",
+             f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
+             f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
+             + (f"; stopped: {stop_reason}" if stop_reason else ""), ""]
+    if best is None:
+        lines += ["## Nothing fits", "", nothing_fits_message(results, limit), ""]
+    else:
+        cfg = best.config
+        lines += ["## Winner", "",
+                  f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
+                  f"**{_gib(best.peak_memory_bytes)} GiB**" + (f" of {_gib(limit)} GiB" if limit else ""), "",
+                  "| setting | value |", "|---|---|"]
+        for k in KEYS:
+            mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
+            lines.append(f"| {k} | `{cfg[k]}`{mark} |")
+        lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
+                  f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
+                  "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
+        lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak GiB | config |",
+                  "|---|---|---|---|"]
+        for L, r in best_per_length(results).items():
+            lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_gib(r.peak_memory_bytes)} | {config_brief(r.config)} |")
+        lines.append("")
+    lines += ["## Where the memory goes", "",
+              "Terms from the analytic model of the shape; activations, allocator overhead and memory "
+              "outside PyTorch are measured where the probe ran to the end.", ""]
+    explained = [("winner", best)] if best else []
+    ooms = [r for r in results if r.outcome.is_memory()]
+    if ooms:
+        ref = best.peak_memory_bytes if best and best.peak_memory_bytes else 0
+        near = min(ooms, key=lambda r: abs((r.peak_memory_bytes or 0) - ref) if ref else
+                   TrialConfig.from_dict(r.config).tokens_per_micro_batch)
+        explained.append(("nearest OOM", near))
+    if explained:
+        lines += ["| GiB | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
+                  "|---|" + "---|" * len(explained)]
+        parts = [explain_memory(r, shape) for _, r in explained]
+        for term in parts[0]:
+            lines.append(f"| {term} | " + " | ".join(_gib(p[term]) for p in parts) + " |")
+        lines.append("| **measured peak** | " + " | ".join(
+            _gib(r.peak_memory_bytes) + (f" (short {_gib(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
+                                         else "") for _, r in explained) + " |")
+        lines.append("")
+    lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
+              "![best so far](best_so_far.png)", "", "## All probes", "",
+              "| trial | config | outcome | tokens/s | peak GiB | predicted GiB | wall s |",
+              "|---|---|---|---|---|---|---|"]
+    for row, r in zip(rows, results):
+        tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+        lines.append(f"| {row.get('trial', '')} | {config_brief(r.config)} | {r.outcome.value} | {tps} | "
+                     f"{_gib(r.peak_memory_bytes)} | {_gib(row.get('predicted_peak'))} | "
+                     f"{(r.wall_seconds or 0):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
+    with_peak = [r for r in results if r.peak_memory_bytes]
+    smallest = min(with_peak, key=lambda r: r.peak_memory_bytes or 0) if with_peak else None
+    msg = "No configuration fits"
+    msg += f" under the {_gib(limit)} GiB limit." if limit else "."
+    if smallest is not None:
+        msg += (f" The smallest peak reached was {_gib(smallest.peak_memory_bytes)} GiB "
+                f"({config_brief(smallest.config)})")
+        if smallest.oom_shortfall_bytes:
+            msg += f", {_gib(smallest.oom_shortfall_bytes)} GiB short"
+        msg += "."
+    outcomes = {r.outcome for r in results}
+    if outcomes and outcomes <= {Outcome.UNSUPPORTED, Outcome.CRASH}:
+        msg += " Every probe was unsupported or crashed: see the probe logs."
+    msg += (" Allow next: quantization (--space qlora: a 4-bit base), a shorter --max-length, "
+            "gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
+    return msg

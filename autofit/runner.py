@@ -26,6 +26,7 @@ from .models import ModelSource
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
+from .units import format_size
 
 READY = "autofit-standby-ready"
 # Tests replace the child with a small program that follows the same protocol (a CUDA OOM
@@ -44,7 +45,7 @@ class Target:
     headroom: float = 0.05
 
     def describe(self) -> str:
-        lim = f", {self.memory_limit_bytes / 2**30:g} GiB limit" if self.memory_limit_bytes else ""
+        lim = f", {format_size(self.memory_limit_bytes)} limit" if self.memory_limit_bytes else ""
         if self.device == "cpu":
             return f"cpu{lim}"
         return f"cuda:{self.gpu_index} {self.gpu_name}{lim}"
@@ -104,6 +105,18 @@ class Runner:
         self._pool: list[Standby] = []
         self._seq = 0
         self._ours_killed: set[int] = set()
+        self._current: Standby | None = None
+        self._aborted = threading.Event()
+
+    def abort(self) -> None:
+        """From another thread (Ctrl-C): stop the running probe's process group and the standbys."""
+        self._aborted.set()
+        child = self._current
+        if child is not None:
+            self._ours_killed.add(child.proc.pid)
+            child.kill()
+        for s in list(self._pool):
+            s.kill()
 
     # -- standby pool -------------------------------------------------------------------
 
@@ -123,6 +136,8 @@ class Runner:
         return env
 
     def _fill(self) -> None:
+        if self._aborted.is_set():
+            return
         self._pool = [s for s in self._pool if s.alive() or not s.ready.is_set()]
         while len(self._pool) < self.standby_count:
             self._seq += 1
@@ -133,6 +148,8 @@ class Runner:
         self._fill()
 
     def _take(self, deadline: float) -> Standby | None:
+        if self._aborted.is_set():
+            return None
         self._fill()
         if not self._pool:
             self._seq += 1
@@ -191,12 +208,15 @@ class Runner:
             return self._finish(ProbeResult(Outcome.TIMEOUT, cfg.to_dict(),
                                             reason=f"no probe process was ready within {timeout:.0f} s"),
                                 asked, log_path, "")
+        self._current = child
         try:
             return self._drive(child, req, cfg, asked, deadline, timeout, result_path, log_path, cancel)
         except KeyboardInterrupt:
             child.kill()
             self.close()
             raise
+        finally:
+            self._current = None
 
     def _drive(self, child: Standby, req: dict[str, Any], cfg: TrialConfig, asked: float,
                deadline: float, timeout: float, result_path: Path, log_path: Path,

@@ -67,7 +67,7 @@ def format_size(n: float | None) -> str:
     if n is None:
         return "-"
     if abs(n) >= 1024**3:
-        return f"{n / 1024**3:.1f} GiB"
+        return f"{n / 1024**3:.1f} GiB".replace(".0 GiB", " GiB")
     return f"{n / 1024**2:.0f} MiB"
 
 

@@ -1,0 +1,181 @@
+"""Memory: an analytic prior from the model's shape, and a model fitted from the probes.
+
+The search uses it to skip configurations predicted to exceed the limit by more than the
+model's measured error, and the report uses the prior's terms to explain a peak. Within a
+group of settings (precision, checkpointing, quantization, optimizer, attention, ...) the
+peak is close to affine in tokens per micro-batch, so two fits in a group pin it down.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from .spec import TrialConfig
+
+GIB = 2**30
+CUDA_CONTEXT = int(0.75 * GIB)  # measured on an H200 (CUDA 13): context + cuBLAS handles
+ALLOCATOR_SLACK = 0.05  # reserved over allocated, typical of the caching allocator
+OPTIMIZER_STATE_BYTES = {  # bytes of optimizer state per fp32 trainable parameter
+    "adamw_torch": 8, "adamw_torch_fused": 8,  # two fp32 moments
+    "adamw_8bit": 2, "paged_adamw_8bit": 2, "adamw_bnb_8bit": 2,  # two 8-bit moments
+    "paged_adamw_32bit": 8,
+    "lion_8bit": 1, "paged_lion_8bit": 1,  # one 8-bit moment
+    "adafactor": 0, "sgd": 0,  # factored second moment (tiny) / no state
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the prior needs from a transformers config.json."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> "Shape":
+        heads = int(c.get("num_attention_heads", 1))
+        return cls(hidden=int(c.get("hidden_size", 0)), layers=int(c.get("num_hidden_layers", 0)),
+                   intermediate=int(c.get("intermediate_size", 4 * int(c.get("hidden_size", 0)))),
+                   vocab=int(c.get("vocab_size", 0)), heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   tied=bool(c.get("tie_word_embeddings", False)))
+
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer in one decoder layer."""
+        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
+                "down_proj": (self.intermediate, h)}
+
+    def linear_params(self) -> int:
+        return self.layers * sum(i * o for i, o in self.module_dims().values())
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def total_params(self) -> int:
+        return self.linear_params() + self.embedding_params() + (2 * self.layers + 1) * self.hidden
+
+
+@dataclass
+class Breakdown:
+    """Where the bytes of a peak go, by the prior (all in bytes)."""
+
+    weights: int
+    trainable: int
+    """Adapter (or all) parameters + gradients + optimizer state."""
+    activations: int
+    logits: int
+    allocator: int
+    outside: int
+
+    def total(self) -> int:
+        return self.weights + self.trainable + self.activations + self.logits + self.allocator + self.outside
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "adapter/trainable params + grads + optimizer": self.trainable,
+                "activations": self.activations, "logits and loss": self.logits,
+                "allocator overhead": self.allocator, "outside PyTorch": self.outside}
+
+
+def compute_bytes(cfg: TrialConfig) -> int:
+    return 4 if cfg.precision == "fp32" else 2
+
+
+def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
+    """The analytic estimate of a configuration's peak, term by term."""
+    b = compute_bytes(cfg)
+    weight_b = 4 if cfg.precision == "fp32" or (cfg.method == "full" and cfg.precision == "fp16") else 2
+    lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
+    if cfg.quantization == "nf4":
+        weights = int(lin * 0.5 * 1.03) + emb * b  # 4-bit linear layers + double-quantised scales
+    elif cfg.quantization == "8bit":
+        weights = int(lin * 1.02) + emb * b  # int8 + per-row scales
+    else:
+        weights = (lin + emb) * weight_b
+    state = OPTIMIZER_STATE_BYTES.get(cfg.optimizer, 8)
+    if cfg.method == "lora":
+        dims = shape.module_dims()
+        n = shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1])
+                               for t in cfg.lora_targets.split(",") if t in dims)
+        trainable = n * (4 + 4 + state)  # fp32 adapter weights + fp32 grads + optimizer state
+    else:
+        # grads in the weights' dtype; torch's AdamW keeps its moments in the parameter dtype
+        moments = state if state <= 2 else 2 * weight_b
+        trainable = (lin + emb) * (weight_b + moments)
+    tokens = cfg.tokens_per_micro_batch
+    per_layer = tokens * b * (8 * shape.hidden + 4 * shape.intermediate)  # kept for backward
+    boundary = tokens * b * shape.hidden  # a checkpointed layer keeps only its input
+    every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
+    ck = len(range(0, shape.layers, every)) if every else 0
+    activations = (shape.layers - ck) * per_layer + ck * (0 if offload else boundary) + (per_layer if ck else 0)
+    logits = tokens * shape.vocab * (b + 4 + 4)  # logits, their fp32 upcast for the loss, its grad
+    allocated = weights + trainable + activations + logits
+    return Breakdown(weights, trainable, activations, logits, int(allocated * ALLOCATOR_SLACK),
+                     CUDA_CONTEXT if on_gpu else 0)
+
+
+def group_key(cfg: TrialConfig) -> str:
+    """Settings that change the peak other than through tokens per micro-batch."""
+    d = cfg.to_dict()
+    for k in ("micro_batch_size", "global_batch", "gradient_accumulation_steps", "effective_batch"):
+        d.pop(k)
+    if cfg.attn_implementation == "eager":  # eager attention is quadratic in length
+        return repr(sorted(d.items()))
+    d.pop("max_length")
+    return repr(sorted(d.items()))
+
+
+@dataclass
+class MemoryModel:
+    """Prior + per-group affine fits + the measured error of its own predictions."""
+
+    shape: Shape
+    on_gpu: bool = True
+    prior_margin: float = 0.25
+    """Relative margin while the model has not been checked against enough probes."""
+    points: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    errors: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+
+    def observe(self, cfg: TrialConfig, peak: int, predicted: int | None = None) -> None:
+        """Record a measured peak (and how far the prediction made before it was off)."""
+        self.points.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, peak))
+        self.ratios.append(peak / max(prior(cfg, self.shape, self.on_gpu).total(), 1))
+        if predicted:
+            self.errors.append(abs(predicted - peak) / peak)
+
+    def predict(self, cfg: TrialConfig) -> int:
+        pts = self.points.get(group_key(cfg), [])
+        t = cfg.tokens_per_micro_batch
+        distinct = sorted({x for x, _ in pts})
+        if len(distinct) >= 2:
+            xs, ys = [x for x, _ in pts], [y for _, y in pts]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            sxx = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+            return int(my + slope * (t - mx))
+        pr = prior(cfg, self.shape, self.on_gpu)
+        if pts:
+            # one point: its intercept, the prior's slope (activations + logits per token)
+            x0, y0 = pts[-1]
+            slope = (pr.activations + pr.logits) * (1 + ALLOCATOR_SLACK) / t
+            return int(y0 + slope * (t - x0))
+        scale = statistics.median(self.ratios) if self.ratios else 1.0
+        return int(pr.total() * scale)
+
+    def margin(self) -> float:
+        """Relative error to allow before calling a prediction hopeless."""
+        if len(self.errors) < 3:
+            return self.prior_margin
+        return max(0.05, 1.5 * max(self.errors[-8:]))
+
+    def hopeless(self, cfg: TrialConfig, usable: int) -> bool:
+        return self.predict(cfg) > usable * (1 + self.margin())

@@ -1,0 +1,441 @@
+"""The Optuna driver: ask, pre-check, probe, tell; budget, skipping, resume, several workers.
+
+The search process never imports torch: probes run in child processes (`runner.py`).
+The study is the source of truth: every probe's full result is stored with its trial, so
+`trials.jsonl`, `best.json` and the report can be rebuilt from it wherever probes ran,
+and a resumed search re-runs no finished probe.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from .memory import MemoryModel, Shape
+from .models import ModelSource
+from .result import Outcome, ProbeResult
+from .runner import Runner, Target
+from .space import CKPT_COST, QUANT_COST, Space
+from .spec import TrialConfig
+
+LENGTH_WEIGHT = 1e7  # objective = length rank * this + tokens/s: longer length first, then speed
+INTERRUPTED = "interrupted"
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study:
+    """Open (or create) the study at an Optuna storage URL or a journal file path."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store: Any = storage
+    if storage.endswith(".journal"):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        store = JournalStorage(JournalFileBackend(storage))
+    elif storage.startswith("sqlite"):
+        store = optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
+    # Constraints (Trial.set_constraint) mark OOMs infeasible: the sampler learns from them,
+    # where a FAIL would be ignored. constant_liar keeps parallel workers apart.
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, constant_liar=True)
+    if create:
+        return optuna.create_study(storage=store, study_name=name, direction="maximize",
+                                   sampler=sampler, load_if_exists=True)
+    return optuna.load_study(storage=store, study_name=name, sampler=sampler)
+
+
+def probe_results(trials: list[FrozenTrial]) -> list[tuple[FrozenTrial, ProbeResult]]:
+    """The probes that ran to an outcome, in trial order."""
+    out = []
+    for t in trials:
+        if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs and t.state.is_finished():
+            out.append((t, ProbeResult.from_dict(t.user_attrs["result"])))
+    return sorted(out, key=lambda p: p[0].number)
+
+
+# --------------------------------------------------------------------------- what is known
+
+
+@dataclass
+class Knowledge:
+    """Everything the study has learned so far, rebuilt from its trials."""
+
+    space: Space
+    model: ModelSource
+    usable: int | None
+    on_gpu: bool
+    probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
+    by_key: dict[str, FrozenTrial] = field(default_factory=dict)
+    memory: MemoryModel | None = None
+
+    @classmethod
+    def build(cls, trials: list[FrozenTrial], space: Space, model: ModelSource, usable: int | None,
+              on_gpu: bool) -> "Knowledge":
+        k = cls(space, model, usable, on_gpu)
+        k.memory = MemoryModel(Shape.from_config(model.config), on_gpu=on_gpu)
+        k.probes = probe_results(trials)
+        for t, res in k.probes:
+            k.by_key.setdefault(t.user_attrs["config_key"], t)
+            if res.outcome.is_fit() and res.peak_memory_bytes:
+                k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
+                                 t.user_attrs.get("predicted_peak"))
+        return k
+
+    def fits(self) -> list[ProbeResult]:
+        return [r for _, r in self.probes if r.outcome.is_fit()]
+
+    def memory_failures(self) -> list[TrialConfig]:
+        return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
+
+    def best(self) -> ProbeResult | None:
+        fits = self.fits()
+        return max(fits, key=lambda r: (r.config["max_length"], r.tokens_per_s or 0)) if fits else None
+
+    def best_length(self) -> int | None:
+        b = self.best()
+        return b.config["max_length"] if b else None
+
+    def dominated_by_oom(self, cfg: TrialConfig) -> TrialConfig | None:
+        """A known memory failure with the same settings and no more tokens per micro-batch."""
+        for o in self.memory_failures():
+            if (o.replace(micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
+                          global_batch=cfg.global_batch) == cfg
+                    and o.micro_batch_size <= cfg.micro_batch_size and o.max_length <= cfg.max_length):
+                return o
+        return None
+
+    def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
+        """A fit that differs only by cheaper checkpointing or quantization: never slower."""
+        ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else None
+        qu = QUANT_COST.index(cfg.quantization)
+        if ck is None:
+            return None
+        for r in self.fits():
+            f = TrialConfig.from_dict(r.config)
+            if f.gradient_checkpointing not in CKPT_COST:
+                continue
+            same = f.replace(gradient_checkpointing=cfg.gradient_checkpointing, quantization=cfg.quantization)
+            fck, fqu = CKPT_COST.index(f.gradient_checkpointing), QUANT_COST.index(f.quantization)
+            if same == cfg and fck <= ck and fqu <= qu and (fck, fqu) != (ck, qu):
+                return r
+        return None
+
+    def verdict(self, cfg: TrialConfig) -> tuple[str, str]:
+        """('probe', '') or why the config need not be probed: (kind, detail)."""
+        seen = self.by_key.get(cfg.key())
+        if seen is not None:
+            return "duplicate", f"same as trial {seen.number}"
+        best_len = self.best_length()
+        if best_len is not None and cfg.max_length < best_len:
+            return "shorter", f"length {best_len} already fits"
+        dom = self.dominated_by_oom(cfg)
+        if dom is not None:
+            return "dominated", (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
+                                 f"length {dom.max_length})")
+        if self.usable and self.memory is not None and self.memory.hopeless(cfg, self.usable):
+            return "predicted", (f"predicted peak {self.memory.predict(cfg) / 2**30:.1f} GiB exceeds the usable "
+                                 f"{self.usable / 2**30:.1f} GiB by more than the model's error "
+                                 f"({self.memory.margin():.0%})")
+        slower = self.dominated_in_speed(cfg)
+        if slower is not None:
+            return "slower", "a fit with less recomputation or no quantization differs only there"
+        return "probe", ""
+
+    def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
+        return [c for c in candidates if self.verdict(c)[0] == "probe"]
+
+    def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
+        """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
+        rows = [(r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
+                for _, r in self.probes if r.wall_seconds and r.outcome.is_fit()]
+        if not rows:
+            return None
+        per_token = max(w / t for w, t in rows)
+        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4)
+
+
+def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
+    acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
+    return steps * acc * cfg.tokens_per_micro_batch
+
+
+def promise(cfg: TrialConfig) -> tuple[Any, ...]:
+    """Which untried config to probe when the sampler only repeats itself: longest length,
+    least recomputation, no quantization, then the largest micro-batch."""
+    ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
+    return (cfg.max_length, -ck, -QUANT_COST.index(cfg.quantization), cfg.micro_batch_size,
+            -int(cfg.expandable_segments))
+
+
+# --------------------------------------------------------------------------- the search
+
+
+@dataclass
+class SearchSettings:
+    space: Space
+    model: ModelSource
+    targets: list[Target]
+    run_dir: Path
+    storage: str
+    study_name: str
+    budget_s: float
+    seed: int = 0
+    probe_timeout_s: float = 900.0
+    warmup_steps: int = 2
+    timed_steps: int = 5
+    max_probe_accumulation: int | None = 4
+    standby: int = 1
+    local_storage: bool = True
+    """The study lives in the run folder: RUNNING trials found at start are stale."""
+
+
+@dataclass
+class Event:
+    """One line of progress: a probe or a skip."""
+
+    number: int
+    worker: str
+    config: dict[str, Any]
+    kind: str
+    result: ProbeResult | None
+    predicted: int | None
+    detail: str
+    best: ProbeResult | None
+    seconds_left: float
+
+
+class Search:
+    """Runs workers (one per target) against one study until the budget or the space runs out."""
+
+    def __init__(self, s: SearchSettings, on_event: Callable[[Event], None] | None = None) -> None:
+        self.s = s
+        self.on_event = on_event or (lambda e: None)
+        self.stop = threading.Event()
+        self.stop_reason = ""
+        self.lock = threading.Lock()
+        self.runners: list[Runner] = []
+        self.deadline = 0.0
+        self.candidates = s.space.candidates()
+        self.errors: list[BaseException] = []
+
+    def usable(self, t: Target) -> int | None:
+        return int(t.memory_limit_bytes * (1 - t.headroom)) if t.memory_limit_bytes else None
+
+    def prepare(self) -> optuna.Study:
+        study = open_study(self.s.storage, self.s.study_name, create=True, seed=self.s.seed)
+        trials = study.get_trials(deepcopy=False)
+        if self.s.local_storage:
+            for t in trials:  # a killed search left these: their probes never finished
+                if t.state == TrialState.RUNNING:
+                    study._storage.set_trial_user_attr(t._trial_id, "kind", INTERRUPTED)
+                    study.tell(t.number, state=TrialState.FAIL)
+        seed_cfg = self.s.space.config(self.s.space.seed())
+        if not any(t.user_attrs.get("config_key") == seed_cfg.key() for t in trials):
+            study.enqueue_trial(self.s.space.seed(), user_attrs={"seeded": "common recipe"},
+                                skip_if_exists=True)
+        return study
+
+    def run(self) -> str:
+        """Search until done; returns why it stopped. KeyboardInterrupt stops every probe first."""
+        self.prepare()
+        self.deadline = time.monotonic() + self.s.budget_s
+        threads = []
+        for target in self.s.targets:
+            runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
+                            warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
+                            max_probe_accumulation=self.s.max_probe_accumulation)
+            runner.warm_up()
+            self.runners.append(runner)
+            th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
+            threads.append(th)
+            th.start()
+        try:
+            while any(th.is_alive() for th in threads):
+                for th in threads:
+                    th.join(timeout=0.2)
+        except KeyboardInterrupt:
+            self.stop_reason = INTERRUPTED
+            self.stop.set()
+            for r in self.runners:
+                r.abort()
+            for th in threads:
+                th.join(timeout=30)
+            raise
+        finally:
+            for r in self.runners:
+                r.close()
+        if self.errors:
+            raise self.errors[0]
+        return self.stop_reason or "done"
+
+    def _worker_main(self, target: Target, runner: Runner) -> None:
+        try:
+            study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
+            self._worker(study, target, runner)
+        except BaseException as e:  # surfaced by run(); the other workers stop
+            self.errors.append(e)
+            self.stop.set()
+
+    def _finish(self, why: str) -> None:
+        with self.lock:
+            if not self.stop_reason:
+                self.stop_reason = why
+        self.stop.set()
+
+    def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
+        usable = self.usable(target)
+        steps = self.s.warmup_steps + self.s.timed_steps
+        streak = 0
+        while not self.stop.is_set():
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                return self._finish("budget spent")
+            know = Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, usable,
+                                   target.device == "cuda")
+            viable = know.viable(self.candidates)
+            if not viable:
+                return self._finish("no remaining configuration can win")
+            if streak >= 2:  # the sampler keeps proposing what is known: take the most promising
+                pick = max(viable, key=promise)
+                study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
+                                    user_attrs={"seeded": "most promising untried"})
+                streak = 0
+            trial = study.ask()
+            cfg = self._config(trial)
+            trial.set_user_attr("config_key", cfg.key())
+            trial.set_user_attr("config", cfg.to_dict())
+            trial.set_user_attr("worker", target.describe())
+            kind, detail = know.verdict(cfg)
+            predicted = know.memory.predict(cfg) if know.memory else None
+            if kind == "probe":
+                kind, detail = self._claimed(study, trial, cfg)
+            if kind != "probe":
+                streak += 1
+                self._tell_skip(study, trial, cfg, kind, detail, know, predicted)
+                self._event(trial.number, target, cfg, kind, None, predicted, detail, know.best())
+                continue
+            streak = 0
+            est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
+            if est is not None and est > left:
+                trial.set_user_attr("kind", "budget")
+                study.tell(trial, state=TrialState.FAIL)
+                return self._finish("budget: the next probe would not finish in time")
+            trial.set_user_attr("kind", "probe")
+            trial.set_user_attr("predicted_peak", predicted)
+            res = runner.run(cfg, self.s.model, name=f"trial-{trial.number:04d}",
+                             timeout=min(self.s.probe_timeout_s, left),
+                             cancel=lambda: self._claimed(study, trial, cfg)[0] != "probe")
+            if self.stop.is_set() and self.stop_reason == INTERRUPTED:
+                trial.set_user_attr("kind", INTERRUPTED)
+                study.tell(trial, state=TrialState.FAIL)
+                return None
+            if res.reason.startswith("cancelled"):
+                self._tell_skip(study, trial, cfg, "duplicate", "another worker probed it", know, predicted)
+                continue
+            self._tell_probe(study, trial, cfg, res, usable)
+            know = Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, usable,
+                                   target.device == "cuda")
+            self._event(trial.number, target, cfg, "probe", res, predicted, res.reason, know.best())
+        return None
+
+    def _config(self, trial: optuna.Trial) -> TrialConfig:
+        params = {k: trial.suggest_categorical(k, v) for k, v in self.s.space.dimensions.items()}
+        return self.s.space.config(params)
+
+    def _claimed(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig) -> tuple[str, str]:
+        """Another worker took this config first (a lower trial number, running or done)."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
+            if (t.number < trial.number and t.user_attrs.get("config_key") == cfg.key()
+                    and t.user_attrs.get("kind", "probe") == "probe"):
+                return "duplicate", f"trial {t.number} of another worker has it"
+        return "probe", ""
+
+    def _tell_skip(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, kind: str,
+                   detail: str, know: Knowledge, predicted: int | None) -> None:
+        trial.set_user_attr("kind", kind)
+        trial.set_user_attr("detail", detail)
+        trial.set_user_attr("predicted_peak", predicted)
+        seen = know.by_key.get(cfg.key())
+        if kind == "duplicate" and seen is not None and seen.state == TrialState.COMPLETE:
+            _constrain(trial, seen.user_attrs.get("constraint", 1.0))
+            study.tell(trial, seen.value)
+        elif kind in ("dominated", "predicted"):
+            over = (predicted / know.usable - 1) if predicted and know.usable else 0.0
+            _constrain(trial, max(over, 0.01))
+            study.tell(trial, 0.0)
+        else:  # shorter, slower, or a duplicate still running elsewhere: not better, not measured
+            study.tell(trial, state=TrialState.PRUNED)
+
+    def _tell_probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
+                    usable: int | None) -> None:
+        trial.set_user_attr("result", res.to_dict())
+        with self.lock:
+            with open(self.s.run_dir / "trials.jsonl", "a") as f:
+                f.write(json.dumps({"trial": trial.number, **res.to_dict()}) + "\n")
+        if res.outcome is Outcome.CRASH:
+            study.tell(trial, state=TrialState.FAIL)
+            return
+        if res.outcome.is_fit():
+            peak = res.peak_memory_bytes or 0
+            _constrain(trial, (peak / usable - 1) if usable else -1.0)
+            study.tell(trial, objective(cfg, res, self.s.space))
+            return
+        over = 1.0
+        if usable and res.peak_memory_bytes:
+            over = max(res.peak_memory_bytes / usable - 1, 0.01)
+        _constrain(trial, over)
+        study.tell(trial, 0.0)
+
+    def _event(self, number: int, target: Target, cfg: TrialConfig, kind: str, res: ProbeResult | None,
+               predicted: int | None, detail: str, best: ProbeResult | None) -> None:
+        with self.lock:
+            self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, detail, best,
+                                max(0.0, self.deadline - time.monotonic())))
+
+
+def _constrain(trial: optuna.Trial, value: float) -> None:
+    """<= 0 feasible (peak over the usable memory, minus one), > 0 out of memory or unusable."""
+    trial.set_user_attr("constraint", value)
+    trial.set_constraint("memory", value)
+
+
+def objective(cfg: TrialConfig, res: ProbeResult, space: Space) -> float:
+    rank = sorted(space.values("max_length")).index(cfg.max_length)
+    return rank * LENGTH_WEIGHT + float(res.tokens_per_s or 0)
+
+
+def new_run_id(model: ModelSource) -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
+
+
+def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """Probe rows (trial number, predicted peak, full result) and the timeline of fits."""
+    trials = study.get_trials(deepcopy=False)
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    t0 = min(starts) if starts else None
+    rows, timeline = [], []
+    for t, res in probe_results(trials):
+        rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
+                     **res.to_dict()})
+        if res.outcome.is_fit() and t.datetime_complete and t0:
+            timeline.append(((t.datetime_complete - t0).total_seconds(), float(res.tokens_per_s or 0)))
+    return rows, timeline
+
+
+def skipped_counts(study: optuna.Study) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        kind = t.user_attrs.get("kind")
+        if kind and kind != "probe":
+            out[kind] = out.get(kind, 0) + 1
+    return out

@@ -1,0 +1,173 @@
+"""Search spaces: `search_spaces/*.yaml` loaded and validated into dimensions.
+
+A space has `fixed` settings (one value each) and `dimensions` (a list of allowed values
+each); every key is a TrialConfig key. A malformed space lists every problem at once,
+naming the file, the key and the value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+from .spec import KEYS, TrialConfig
+
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+# Checkpointing and quantization ordered from cheapest to most expensive in time: with the
+# rest equal, a later value is never faster (more recomputation, offload copies, dequantising).
+CKPT_COST = ("off", "every_4", "every_3", "every_2", "on", "every_4+offload", "every_2+offload", "on+offload")
+QUANT_COST = ("none", "nf4", "8bit")
+
+
+@dataclass(frozen=True)
+class Space:
+    name: str
+    fixed: dict[str, Any]
+    dimensions: dict[str, list[Any]]
+    source: str = ""
+    divisors_only: bool = False
+    """Only micro-batch sizes that divide global_batch (keeps the effective batch exact)."""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def values(self, key: str) -> list[Any]:
+        if key in self.dimensions:
+            return list(self.dimensions[key])
+        return [self.fixed.get(key, KEYS[key].default)]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Allowed max_length values, longest first."""
+        return sorted(self.values("max_length"), reverse=True)
+
+    def config(self, params: dict[str, Any]) -> TrialConfig:
+        return TrialConfig.from_mapping({**self.fixed, **params}, source=self.source or self.name)
+
+    def allowed(self, cfg: TrialConfig) -> bool:
+        return not self.divisors_only or cfg.global_batch % cfg.micro_batch_size == 0
+
+    def candidates(self) -> list[TrialConfig]:
+        """Every configuration of the space (the exhaustive grid)."""
+        keys = list(self.dimensions)
+        out = []
+        for combo in itertools.product(*(self.dimensions[k] for k in keys)):
+            try:
+                cfg = self.config(dict(zip(keys, combo)))
+            except UsageError:
+                continue  # an invalid combination (full + nf4): not a candidate
+            if self.allowed(cfg):
+                out.append(cfg)
+        return out
+
+    def seed(self) -> dict[str, Any]:
+        """The common forum recipe: micro-batch 1, checkpointing on, bf16, the longest length."""
+        prefs = {"micro_batch_size": 1, "gradient_checkpointing": "on", "precision": "bf16",
+                 "max_length": self.lengths[0]}
+        out = {}
+        for k, vals in self.dimensions.items():
+            want = prefs.get(k)
+            out[k] = want if want in vals else (min(vals) if k == "micro_batch_size" else vals[0])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "fixed": self.fixed,
+                "dimensions": self.dimensions, "divisors_only": self.divisors_only}
+
+    def replaced(self, **dims: list[Any]) -> "Space":
+        """The space with some dimensions replaced (--max-length, --global-batch)."""
+        fixed, dimensions = dict(self.fixed), dict(self.dimensions)
+        for k, vals in dims.items():
+            fixed.pop(k, None)
+            dimensions.pop(k, None)
+            if len(vals) == 1:
+                fixed[k] = vals[0]
+            else:
+                dimensions[k] = vals
+        space = Space(self.name, fixed, dimensions, self.source, self.divisors_only, self.notes)
+        validate(space)
+        return space
+
+
+def validate(space: Space) -> None:
+    """Every problem of a space at once."""
+    where = space.source or space.name
+    problems = []
+    for section, items in (("fixed", {k: [v] for k, v in space.fixed.items()}), ("dimensions", space.dimensions)):
+        for key, vals in items.items():
+            if key not in KEYS:
+                problems.append(f"{where}: {section}.{key}: unknown key; known keys: {', '.join(KEYS)}")
+                continue
+            if not isinstance(vals, list) or not vals:
+                problems.append(f"{where}: {section}.{key}: expected a non-empty list of values, got {vals!r}")
+                continue
+            for v in vals:
+                if isinstance(v, str) and KEYS[key].type is not str:
+                    try:
+                        v = KEYS[key].parse(v)
+                    except ValueError:
+                        pass
+                if key == "lora_dropout" and isinstance(v, float):
+                    v = repr(v)
+                msg = KEYS[key].problem(v)
+                if msg:
+                    problems.append(f"{where}: {section}.{key}: {msg}")
+            if len(set(map(str, vals))) != len(vals):
+                problems.append(f"{where}: {section}.{key}: a value is listed twice in {vals!r}")
+    both = set(space.fixed) & set(space.dimensions)
+    problems += [f"{where}: {k} is both fixed and a dimension; keep one" for k in sorted(both)]
+    if not problems and not space.candidates():
+        problems.append(f"{where}: no valid configuration: every combination breaks a rule "
+                        "(for example quantization with method: full)")
+    if problems:
+        raise UsageError(problems)
+
+
+def _normal(key: str, value: Any) -> Any:
+    """YAML reads `off`/`on` as booleans and 0.05 as a float: give string keys their strings."""
+    k = KEYS.get(key)
+    if k is None or k.type is not str:
+        return value
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (int, float)):
+        return repr(float(value)) if key == "lora_dropout" else str(value)
+    return value
+
+
+def load_space(ref: str | Path) -> Space:
+    """A space by name (`lora`) or path (`my.yaml`)."""
+    path = Path(ref)
+    if not path.suffix and not path.exists():
+        path = SPACES_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        have = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
+        raise UsageError(f"--space: no such file {ref}; give a YAML path or a shipped space ({have}).")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"--space: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--space: {path}: expected a mapping with 'fixed' and 'dimensions'.")
+    problems = [f"{path}: unknown section {k!r}; expected fixed, dimensions, divisors_only, method"
+                for k in data if k not in ("fixed", "dimensions", "divisors_only", "method")]
+    fixed = data.get("fixed") or {}
+    dims = data.get("dimensions") or {}
+    if not isinstance(fixed, dict) or not isinstance(dims, dict):
+        problems.append(f"{path}: 'fixed' and 'dimensions' must be mappings of key: value(s).")
+        raise UsageError(problems)
+    if "method" in data:
+        fixed = {"method": data["method"], **fixed}
+    fixed = {k: _normal(k, v) for k, v in fixed.items()}
+    dims = {k: [_normal(k, x) for x in v] if isinstance(v, list) else v for k, v in dims.items()}
+    space = Space(path.stem, dict(fixed), dims, str(path), bool(data.get("divisors_only", False)))
+    try:
+        validate(space)
+    except UsageError as e:
+        raise UsageError(problems + e.problems) from None
+    if problems:
+        raise UsageError(problems)
+    return space
