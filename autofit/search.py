@@ -197,6 +197,8 @@ class SearchSettings:
     standby: int = 1
     local_storage: bool = True
     """The study lives in the run folder: RUNNING trials found at start are stale."""
+    guided: bool = True
+    """Alternate the sampler's proposals with the most promising untried config."""
 
 
 @dataclass
@@ -295,7 +297,7 @@ class Search:
     def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
         usable = self.usable(target)
         steps = self.s.warmup_steps + self.s.timed_steps
-        streak = 0
+        streak = probed = 0
         while not self.stop.is_set():
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -305,7 +307,10 @@ class Search:
             viable = know.viable(self.candidates)
             if not viable:
                 return self._finish("no remaining configuration can win")
-            if streak >= 2:  # the sampler keeps proposing what is known: take the most promising
+            # Every other probe, or when the sampler keeps proposing what is already known, take
+            # the most promising untried config (least recomputation at the largest micro-batch
+            # the memory model lets through): the fast configs sit at that edge.
+            if streak >= 2 or (probed % 2 == 1 and self.s.guided):
                 pick = max(viable, key=promise)
                 study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
                                     user_attrs={"seeded": "most promising untried"})
@@ -325,6 +330,7 @@ class Search:
                 self._event(trial.number, target, cfg, kind, None, predicted, detail, know.best())
                 continue
             streak = 0
+            probed += 1
             est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
             if est is not None and est > left:
                 trial.set_user_attr("kind", "budget")

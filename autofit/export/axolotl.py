@@ -1,0 +1,67 @@
+"""`--format axolotl`: an axolotl YAML config."""
+
+from __future__ import annotations
+
+import yaml
+
+from .common import ExportRun, Rendered, comment_block
+from .yaml_targets import AXOLOTL
+
+
+def render(r: ExportRun) -> Rendered:
+    cfg = r.config
+    lost: list[str] = []
+    out: dict = {
+        "base_model": r.model["ref"] if r.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL",
+        "model_type": "AutoModelForCausalLM",
+        "load_in_8bit": cfg.quantization == "8bit",
+        "load_in_4bit": cfg.quantization == "nf4",
+    }
+    if cfg.method == "lora":
+        out.update({"adapter": "qlora" if cfg.quantization == "nf4" else "lora", "lora_r": cfg.lora_r,
+                    "lora_alpha": cfg.lora_alpha, "lora_dropout": float(cfg.lora_dropout),
+                    "lora_target_modules": cfg.lora_targets.split(",")})
+    if cfg.quantization == "nf4":
+        out["bnb_config_kwargs"] = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    out.update({
+        "sequence_len": cfg.max_length,
+        "sample_packing": True,  # full max_length blocks, as measured
+        "pad_to_sequence_len": True,
+        "micro_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "max_steps": 1000,
+        "optimizer": cfg.optimizer,
+        "learning_rate": 2e-4 if cfg.method == "lora" else 2e-5,
+        "bf16": cfg.precision == "bf16",
+        "fp16": cfg.precision == "fp16",
+        "tf32": False,
+    })
+    every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
+    if every == 0:
+        out["gradient_checkpointing"] = False
+    elif offload:
+        out["gradient_checkpointing"] = "offload"
+    else:
+        out["gradient_checkpointing"] = True
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if every > 1:
+        lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: axolotl {AXOLOTL['version']} "
+                    "checkpoints every layer or none; written as every layer (more memory headroom, slower "
+                    "than measured)")
+    attn = {"sdpa": "sdp_attention", "flash_attention_2": "flash_attention", "eager": "eager_attention"}
+    if cfg.attn_implementation in attn:
+        out[attn[cfg.attn_implementation]] = True
+    else:
+        lost.append(f"attn_implementation={cfg.attn_implementation}: no axolotl {AXOLOTL['version']} key")
+    if cfg.expandable_segments:
+        lost.append("expandable_segments=True: not an axolotl key; export "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
+    out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
+    out["output_dir"] = "./autofit-out"
+    unknown = set(out) - AXOLOTL["keys"]
+    assert not unknown, unknown  # the key list and this exporter move together
+    head = comment_block(r.provenance() + [f"axolotl config (keys of axolotl {AXOLOTL['version']}). "
+                                           "Run: axolotl train this.yaml"])
+    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) if lost else ""
+    text = head + "\n" + yaml.safe_dump(out, sort_keys=False) + (tail + "\n" if tail else "")
+    return Rendered(text, lost)

@@ -1,0 +1,42 @@
+"""`--format hf-trainer`: a standalone transformers Trainer + peft script."""
+
+from __future__ import annotations
+
+from .common import ExportRun, Rendered, check_fields
+from .script_parts import HELPERS, checked_names, header, settings
+
+MAIN = '''
+
+def main():
+    from transformers import Trainer, TrainingArguments
+
+    a = arguments()
+    emulate(a.emulate_memory_gib)
+    tokenizer = load_tokenizer(a.model)
+    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    data = [{"input_ids": b, "labels": list(b), "attention_mask": [1] * len(b)} for b in blocks]
+    model = adapt(build_model(a.model))
+    args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})
+    tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[throughput_callback(tokens_per_step)])
+    trainer.train()
+    trainer.save_model(a.output_dir)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def render(r: ExportRun) -> Rendered:
+    import peft
+    import transformers
+
+    names = checked_names(r)
+    check_fields(transformers.TrainingArguments, names["training"], f"transformers {transformers.__version__} "
+                 "TrainingArguments")
+    check_fields(peft.LoraConfig, names["lora"], f"peft {peft.__version__} LoraConfig")
+    check_fields(transformers.BitsAndBytesConfig, names["quant"], "transformers BitsAndBytesConfig")
+    check_fields(peft.prepare_model_for_kbit_training, names["kbit"], "peft prepare_model_for_kbit_training")
+    return Rendered(header(r, "train.py") + settings(r) + HELPERS + MAIN)

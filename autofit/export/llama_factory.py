@@ -1,0 +1,64 @@
+"""`--format llama-factory`: a LLaMA-Factory training YAML."""
+
+from __future__ import annotations
+
+import yaml
+
+from .common import ExportRun, Rendered, comment_block
+from .yaml_targets import LLAMA_FACTORY
+
+
+def render(r: ExportRun) -> Rendered:
+    cfg = r.config
+    lost: list[str] = []
+    out: dict = {
+        "model_name_or_path": r.model["ref"] if r.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL",
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": cfg.method,
+    }
+    if cfg.method == "lora":
+        out.update({"lora_rank": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": float(cfg.lora_dropout),
+                    "lora_target": cfg.lora_targets})
+    if cfg.quantization != "none":
+        out.update({"quantization_bit": 4 if cfg.quantization == "nf4" else 8,
+                    "quantization_method": "bitsandbytes"})
+        if cfg.quantization == "nf4":
+            out.update({"quantization_type": "nf4", "double_quantization": True})
+    out.update({
+        "dataset": "my_dataset",
+        "template": "empty",
+        "cutoff_len": cfg.max_length,
+        "packing": True,  # full cutoff_len blocks, as measured
+        "per_device_train_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "learning_rate": 2e-4 if cfg.method == "lora" else 2e-5,
+        "max_steps": 1000,
+        "bf16": cfg.precision == "bf16",
+        "fp16": cfg.precision == "fp16",
+        "optim": cfg.optimizer,
+        # LLaMA-Factory checkpoints every layer unless told not to
+        "disable_gradient_checkpointing": cfg.checkpoint_every == 0,
+        "output_dir": "./autofit-out",
+        "report_to": "none",
+    })
+    if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
+        lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
+                    f"{LLAMA_FACTORY['version']} checkpoints every layer or none; written as every layer")
+    if cfg.method == "full" and cfg.precision == "bf16":
+        out["pure_bf16"] = True  # autofit trained bf16 weights directly
+    flash = LLAMA_FACTORY["flash_attn"].get(cfg.attn_implementation)
+    if flash:
+        out["flash_attn"] = flash
+    else:
+        lost.append(f"attn_implementation={cfg.attn_implementation}: no LLaMA-Factory flash_attn value")
+    if cfg.expandable_segments:
+        lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
+    unknown = set(out) - LLAMA_FACTORY["keys"]
+    assert not unknown, unknown
+    head = comment_block(r.provenance() + [f"LLaMA-Factory config (keys of LLaMA-Factory "
+                                           f"{LLAMA_FACTORY['version']}). Run: llamafactory-cli train this.yaml",
+                                           "Register my_dataset in data/dataset_info.json first."])
+    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) if lost else ""
+    return Rendered(head + "\n" + yaml.safe_dump(out, sort_keys=False) + (tail + "\n" if tail else ""), lost)

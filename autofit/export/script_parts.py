@@ -1,0 +1,225 @@
+"""Pieces of the exported Python recipes (hf-trainer and trl share them).
+
+They are text: the recipes must run without autofit installed.
+"""
+
+from __future__ import annotations
+
+import pprint
+from typing import Any
+
+from .. import recipe
+from .common import ExportRun, comment_block
+
+HEADER = '''#!/usr/bin/env python3
+{provenance}
+"""Fine-tune with the configuration autofit measured as the fastest that fits.
+
+    python {name} --dataset data.jsonl --output-dir out [--model PATH_OR_HUB_ID] [--max-steps N]
+
+--dataset: JSONL with a "text" field per line, or a plain text file. The text is tokenized,
+joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
+measured this configuration (its speed and memory hold for exactly that).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# The allocator setting must be in place before torch starts CUDA.
+for _key, _value in {allocator!r}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch
+'''
+
+SETTINGS = '''
+MODEL = {model!r}
+# A shape preset has no weights and no tokenizer: random weights (same memory and speed as
+# trained ones) and a byte-level stand-in tokenizer are used unless --model is given.
+MODEL_CONFIG = {model_config}
+MAX_LENGTH = {max_length}
+WEIGHTS_DTYPE = {dtype!r}
+ATTN_IMPLEMENTATION = {attn!r}
+# Exactly the arguments autofit measured ({effective} sequences per optimizer step).
+TRAINING_ARGS = {training_args}
+LORA = {lora}
+QUANTIZATION = {quant}
+KBIT_PREPARATION = {kbit}
+'''
+
+HELPERS = '''
+
+def byte_tokenizer():
+    """A stand-in tokenizer: one token per UTF-8 byte, plus <eos>. For measuring, not for models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    print("note: byte-level stand-in tokenizer (the model has none); use --model with real weights",
+          file=sys.stderr)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def load_tokenizer(model_ref):
+    from transformers import AutoTokenizer
+
+    if model_ref is None:
+        return byte_tokenizer()
+    tok = AutoTokenizer.from_pretrained(model_ref)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def read_texts(path):
+    with open(path, encoding="utf-8") as f:
+        if path.endswith((".jsonl", ".json")):
+            return [json.loads(line)["text"] for line in f if line.strip()]
+        return [f.read()]
+
+
+def packed_blocks(texts, tokenizer, length):
+    """Token ids of all texts, joined with <eos> and cut into full blocks of `length`."""
+    ids = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // length
+    if n == 0:
+        sys.exit(f"error: --dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def build_model(model_ref):
+    """The base model in the measured dtype, quantization and attention kernel."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = getattr(torch, WEIGHTS_DTYPE)
+    device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+    quant = None
+    if QUANTIZATION is not None:
+        quant = dict(QUANTIZATION)
+        if "bnb_4bit_compute_dtype" in quant:
+            quant["bnb_4bit_compute_dtype"] = getattr(torch, quant["bnb_4bit_compute_dtype"])
+        quant = BitsAndBytesConfig(**quant)
+    if model_ref is None:
+        config = AutoConfig.for_model(**MODEL_CONFIG)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        if quant is None:
+            return model
+        folder = tempfile.mkdtemp()  # random weights need saving once to be quantized on load
+        model.save_pretrained(folder)
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        model_ref = folder
+    return AutoModelForCausalLM.from_pretrained(model_ref, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                quantization_config=quant, device_map=device_map)
+
+
+def adapt(model):
+    """LoRA (and k-bit preparation) exactly as measured; checkpointing is left to the trainer."""
+    model.config.use_cache = False
+    if KBIT_PREPARATION is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, **KBIT_PREPARATION)
+    if LORA is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**LORA))
+    return model
+
+
+def throughput_callback(tokens_per_step):
+    """Prints tokens/s and peak memory per optimizer step, and a summary at the end."""
+    from transformers import TrainerCallback
+
+    class Throughput(TrainerCallback):
+        def __init__(self):
+            self.times = []
+            self.t0 = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+
+        def on_train_end(self, args, state, control, **kw):
+            steady = self.times[2:] or self.times
+            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady)}
+            if torch.cuda.is_available():
+                summary["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+                summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+                free, total = torch.cuda.mem_get_info()
+                summary["device_used"] = total - free
+            print("recipe-summary " + json.dumps(summary), flush=True)
+
+    return Throughput()
+
+
+def arguments():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=MODEL if MODEL_CONFIG is None else None,
+                   help="folder or hub id (default: the measured model%s)" % (
+                       "; the measured preset has random weights" if MODEL_CONFIG else ""))
+    p.add_argument("--dataset", required=True, help="JSONL with a 'text' field, or a text file")
+    p.add_argument("--output-dir", default="autofit-out")
+    p.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
+    p.add_argument("--emulate-memory-gib", type=float,
+                   help="cap this process's GPU memory (check the recipe for a smaller card on a bigger one)")
+    a = p.parse_args()
+    if a.model is None and MODEL_CONFIG is None:
+        p.error("--model is required")
+    return a
+
+
+def emulate(limit_gib):
+    if limit_gib and torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        outside = total - free - torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((limit_gib * 2**30 - outside) / total)
+'''
+
+
+def settings(r: ExportRun, max_steps: int = 1000) -> str:
+    cfg = r.config
+    on_cpu = r.best.get("target", {}).get("device") == "cpu"
+    args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps)
+    args["logging_steps"] = 10
+    fmt = lambda obj: pprint.pformat(obj, indent=1, width=100, sort_dicts=False)  # noqa: E731
+    return SETTINGS.format(
+        model=r.model["ref"] if r.model["kind"] not in ("preset", "config") else None,
+        model_config=fmt(r.model["config"]) if r.model["kind"] in ("preset", "config") else "None",
+        max_length=cfg.max_length, dtype=recipe.weights_dtype(cfg), attn=cfg.attn_implementation,
+        effective=cfg.effective_batch, training_args=fmt(args), lora=fmt(recipe.lora_arguments(cfg)),
+        quant=fmt(recipe.quantization_arguments(cfg)), kbit=fmt(recipe.kbit_preparation(cfg)))
+
+
+def header(r: ExportRun, name: str) -> str:
+    return HEADER.format(provenance=comment_block(r.provenance()), name=name,
+                         allocator=recipe.allocator_env(r.config))
+
+
+def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:
+    cfg = r.config
+    return {"training": recipe.training_arguments(cfg, on_cpu=False, max_steps=max_steps),
+            "lora": recipe.lora_arguments(cfg) or {}, "quant": recipe.quantization_arguments(cfg) or {},
+            "kbit": recipe.kbit_preparation(cfg) or {}}

@@ -1,0 +1,59 @@
+"""`--format trl`: the same recipe through TRL's SFTTrainer and SFTConfig.
+
+TRL's defaults differ from Trainer's (checkpointing on, learning rate 2e-5, length 1024,
+packing off, packing strategy `bfd` which needs FlashAttention): every setting is written.
+"""
+
+from __future__ import annotations
+
+from .common import ExportRun, Rendered, check_fields
+from .script_parts import HELPERS, checked_names, header, settings
+
+TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
+
+MAIN = '''
+
+def main():
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    a = arguments()
+    emulate(a.emulate_memory_gib)
+    tokenizer = load_tokenizer(a.model)
+    # Tokenized and packed here the same way as the Trainer recipe; TRL's own "wrapped" packing
+    # then keeps these full MAX_LENGTH blocks as they are.
+    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    data = Dataset.from_dict({"input_ids": blocks})
+    model = adapt(build_model(a.model))
+    config = SFTConfig(
+        output_dir=a.output_dir,
+        **{**TRAINING_ARGS, "max_steps": a.max_steps},
+        max_length=MAX_LENGTH,
+        packing=True,
+        packing_strategy="wrapped",  # the default "bfd" needs FlashAttention
+        padding_free=False,
+        dataset_text_field="text",
+    )
+    tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * MAX_LENGTH
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[throughput_callback(tokens_per_step)])
+    trainer.train()
+    trainer.save_model(a.output_dir)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def render(r: ExportRun) -> Rendered:
+    try:
+        import trl
+    except ImportError:
+        from ..errors import UsageError
+
+        raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
+                         "trl`) and export again.") from None
+    names = checked_names(r)
+    check_fields(trl.SFTConfig, set(names["training"]) | TRL_ARGS, f"trl {trl.__version__} SFTConfig")
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN)

@@ -1,0 +1,34 @@
+"""Key lists of the YAML-configured trainers, kept with the exporter and versioned.
+
+axolotl and LLaMA-Factory are not dependencies of autofit: these are the keys of the
+versions named, checked by the tests against what the exporters write.
+"""
+
+from __future__ import annotations
+
+AXOLOTL = {
+    "version": "0.12",
+    "keys": {
+        "base_model", "model_type", "tokenizer_type", "load_in_8bit", "load_in_4bit", "adapter",
+        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "sample_packing",
+        "pad_to_sequence_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps",
+        "num_epochs", "optimizer", "learning_rate", "lr_scheduler", "bf16", "fp16", "tf32",
+        "gradient_checkpointing", "gradient_checkpointing_kwargs", "sdp_attention", "flash_attention",
+        "eager_attention", "datasets", "output_dir", "logging_steps", "seed", "bnb_config_kwargs",
+    },
+    "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
+                   "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
+}
+
+LLAMA_FACTORY = {
+    "version": "0.9.3",
+    "keys": {
+        "model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha",
+        "lora_dropout", "lora_target", "quantization_bit", "quantization_method", "double_quantization",
+        "quantization_type", "dataset", "template", "cutoff_len", "packing", "per_device_train_batch_size",
+        "gradient_accumulation_steps", "learning_rate", "max_steps", "bf16", "fp16", "pure_bf16", "optim",
+        "output_dir", "flash_attn", "disable_gradient_checkpointing", "logging_steps", "seed",
+        "lr_scheduler_type", "report_to", "overwrite_output_dir",
+    },
+    "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
+}
