@@ -86,7 +86,7 @@ class Knowledge:
         k.probes = probe_results(trials)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
-            if res.outcome.is_fit() and res.peak_memory_bytes:
+            if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
                 k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
                                  t.user_attrs.get("predicted_peak"))
         return k
@@ -307,10 +307,11 @@ class Search:
             viable = know.viable(self.candidates)
             if not viable:
                 return self._finish("no remaining configuration can win")
-            # Every other probe, or when the sampler keeps proposing what is already known, take
-            # the most promising untried config (least recomputation at the largest micro-batch
-            # the memory model lets through): the fast configs sit at that edge.
-            if streak >= 2 or (probed % 2 == 1 and self.s.guided):
+            # The first probes after the seed, then every other one, or whenever the sampler keeps
+            # proposing what is already known: the most promising untried config (least
+            # recomputation at the largest micro-batch the memory model lets through), since the
+            # fast configs sit at that edge. The sampler explores the rest of the space.
+            if streak >= 2 or (self.s.guided and (probed <= 3 or probed % 2 == 1)):
                 pick = max(viable, key=promise)
                 study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
                                     user_attrs={"seeded": "most promising untried"})

@@ -169,6 +169,7 @@ def throughput_callback(tokens_per_step):
                 summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
                 free, total = torch.cuda.mem_get_info()
                 summary["device_used"] = total - free
+                summary["memory_reserved_now"] = torch.cuda.memory_reserved()
             print("recipe-summary " + json.dumps(summary), flush=True)
 
     return Throughput()
