@@ -395,7 +395,8 @@ def cmd_search(a: argparse.Namespace) -> int:
         study_name=spec["study_name"], budget_s=spec["budget_s"], seed=spec["seed"],
         probe_timeout_s=probe["timeout_s"], warmup_steps=probe["warmup_steps"],
         timed_steps=probe["timed_steps"], max_probe_accumulation=probe["max_probe_accumulation"],
-        standby=a.standby, local_storage=not a.storage)
+        standby=a.standby if a.standby is not None else (2 if targets[0].device == "cuda" else 1),
+        local_storage=not a.storage)
     if not a.json:
         print(f"autofit: searching {model.ref} on {', '.join(t.describe() for t in targets)}; "
               f"space {space.name} ({len(space.candidates())} configs); budget {spec['budget_s'] / 60:.1f} min; "
@@ -586,8 +587,9 @@ def _add_run_commands(sub: Any, fmt: Any) -> None:
     se.add_argument("--resume", metavar="RUN_FOLDER", help="continue a search; finished probes are not re-run")
     se.add_argument("--json", action="store_true", help="print a JSON summary (no live table)")
     se.add_argument("--seed", type=int, default=0, help="sampler seed")
-    se.add_argument("--standby", type=int, default=1,
-                    help="probe processes importing ahead of need, per worker (default 1)")
+    se.add_argument("--standby", type=int, default=None,
+                    help="probe processes importing ahead of need, per worker (default: 2 on a GPU, "
+                         "1 on the CPU); importing torch+transformers+peft takes 15-20 s on a GPU host")
     se.add_argument("--probe-timeout", type=float, default=900.0, help="seconds before one probe is stopped")
     se.add_argument("--warmup-steps", type=int, default=2, help="optimizer steps before timing (>= 2)")
     se.add_argument("--timed-steps", type=int, default=5, help="timed optimizer steps (>= 5)")

@@ -36,7 +36,18 @@ def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
         raise UsageError(f"{flag}: {path} is not valid YAML ({e}).") from None
     if not isinstance(spec, dict) or "model" not in spec or "space" not in spec:
         raise UsageError(f"{flag}: {path} lacks 'model' or 'space'; it is not an autofit run spec.")
+    spec["storage"] = local_storage(Path(run_dir), str(spec.get("storage", "")))
     return spec
+
+
+def local_storage(run_dir: Path, storage: str) -> str:
+    """A study file inside a run folder that was moved or copied: follow the folder."""
+    for name, url in (("study.db", f"sqlite:///{(run_dir / 'study.db').resolve()}"),
+                      ("study.journal", str((run_dir / "study.journal").resolve()))):
+        stored = storage[len("sqlite:///"):] if storage.startswith("sqlite:///") else storage
+        if stored.endswith(name) and not Path(stored).exists() and (run_dir / name).exists():
+            return url
+    return storage
 
 
 def space_of(spec: dict[str, Any]) -> Space:
