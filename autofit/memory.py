@@ -181,4 +181,8 @@ class MemoryModel:
         return max(0.05, 1.5 * max(self.errors[-8:]))
 
     def hopeless(self, cfg: TrialConfig, usable: int) -> bool:
+        """Predicted over the usable memory by more than the model's error. Until one peak has
+        been measured the model is unchecked, and nothing is skipped on its word alone."""
+        if not self.ratios:
+            return False
         return self.predict(cfg) > usable * (1 + self.margin())

@@ -280,12 +280,12 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
     with_peak = [r for r in results if r.peak_memory_bytes]
     smallest = min(with_peak, key=lambda r: r.peak_memory_bytes or 0) if with_peak else None
     msg = "No configuration fits"
-    msg += f" under the {_gib(limit)} GiB limit." if limit else "."
+    msg += f" under the {format_size(limit)} limit." if limit else "."
     if smallest is not None:
-        msg += (f" The smallest peak reached was {_gib(smallest.peak_memory_bytes)} GiB "
+        msg += (f" The smallest peak reached was {format_size(smallest.peak_memory_bytes)} "
                 f"({config_brief(smallest.config)})")
         if smallest.oom_shortfall_bytes:
-            msg += f", {_gib(smallest.oom_shortfall_bytes)} GiB short"
+            msg += f", {format_size(smallest.oom_shortfall_bytes)} short"
         msg += "."
     outcomes = {r.outcome for r in results}
     if outcomes and outcomes <= {Outcome.UNSUPPORTED, Outcome.CRASH}:

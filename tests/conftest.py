@@ -36,3 +36,69 @@ def probe_json(*args: str, env: dict[str, str] | None = None, cwd: Path | None =
 
 def fake_env(mode: str) -> dict[str, str]:
     return {"AUTOFIT_PROBE_COMMAND": f"{sys.executable} {FAKE_CHILD}", "FAKE_MODE": mode}
+
+
+SEARCH_LIMIT = "150MiB"  # tiny-llama on the CPU: micro-batch 8 at length 512 does not fit, 1-2 do
+
+
+def search_cli(out: Path, *args: str, budget: str = "60s", env: dict[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu",
+                   "--memory-limit", SEARCH_LIMIT, "--budget", budget, "--out", str(out), "--json", *args,
+                   env=env, timeout=timeout)
+
+
+def read_trials(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "trials.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real search on the CPU, shared by the tests that read its run folder (copy before editing)."""
+    out = tmp_path_factory.mktemp("runs")
+    proc = search_cli(out, budget="75s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(json.loads(proc.stdout)["run_dir"])
+
+
+def _pg_bin(name: str) -> str | None:
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def postgres_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real PostgreSQL server: AUTOFIT_TEST_POSTGRES, or a private instance started here."""
+    if os.environ.get("AUTOFIT_TEST_POSTGRES"):
+        yield os.environ["AUTOFIT_TEST_POSTGRES"]
+        return
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    assert initdb and pg_ctl, ("PostgreSQL server binaries not found: install Debian's postgresql package "
+                               "(.ci/run does) or set AUTOFIT_TEST_POSTGRES to a server URL")
+    import socket
+
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="autofit-pg-"))  # reachable by the postgres user
+    data = base / "data"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: run the server as the postgres user
+        os.chmod(base, 0o777)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    init = subprocess.run([*as_user, initdb, "-D", str(data), "-U", "autofit", "--auth=trust"],
+                          capture_output=True, text=True)
+    assert init.returncode == 0, init.stderr
+    subprocess.run([*as_user, pg_ctl, "-D", str(data), "-l", str(base / "log"), "-w", "-o",
+                    f"-p {port} -k {base} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    subprocess.run([_pg_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port), "-U", "autofit",
+                    "autofit_test"], check=True, capture_output=True)
+    try:
+        yield f"postgresql+psycopg://autofit@127.0.0.1:{port}/autofit_test"
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)

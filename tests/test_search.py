@@ -1,0 +1,299 @@
+"""`autofit search`: real Optuna studies over real tiny-llama probes on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from autofit.errors import UsageError
+from autofit.memory import MemoryModel, Shape, prior
+from autofit.models import PRESETS
+from autofit.rundir import read_spec
+from autofit.search import open_study
+from autofit.space import SPACES_DIR, load_space
+from autofit.spec import TrialConfig
+from conftest import ROOT, read_trials, run_cli, search_cli
+
+
+def finished_keys(trials: list[dict]) -> list[str]:
+    return [TrialConfig.from_dict(t["config"]).key() for t in trials]
+
+
+# ----------------------------------------------------------------------------- one search, many checks
+
+
+def test_search_finds_a_fit_and_writes_every_output(tiny_run: Path) -> None:
+    for name in ("spec.yaml", "study.db", "trials.jsonl", "best.json", "report.md", "env.json",
+                 "throughput_vs_memory.png", "best_so_far.png"):
+        assert (tiny_run / name).is_file(), name
+    trials = read_trials(tiny_run)
+    assert any(t["outcome"] == "fit" for t in trials)
+    for t in trials:
+        assert {"config", "outcome", "tokens_per_s", "peak_memory_bytes"} <= set(t)
+        assert Path(t["log_path"]).is_file()
+    report = (tiny_run / "report.md").read_text()
+    assert "## Winner" in report and "Where the memory goes" in report and "CPU" in report
+
+
+def test_some_configs_oom_and_are_recorded_as_infeasible(tiny_run: Path) -> None:
+    trials = read_trials(tiny_run)
+    ooms = [t for t in trials if t["outcome"] == "oom"]
+    assert ooms, "the limit should make the largest micro-batches run out of memory"
+    spec = read_spec(tiny_run)
+    study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
+    by_number = {t.number: t for t in study.get_trials()}
+    for t in ooms:
+        ft = by_number[t["trial"]]
+        assert ft.state == optuna.trial.TrialState.COMPLETE  # not FAIL: the sampler learns from it
+        assert ft.user_attrs["constraint"] > 0
+    fits = [by_number[t["trial"]] for t in trials if t["outcome"] == "fit"]
+    assert all(ft.user_attrs["constraint"] <= 0 for ft in fits)
+
+
+def test_best_json_is_the_best_fit_at_the_longest_fitting_length(tiny_run: Path) -> None:
+    trials = read_trials(tiny_run)
+    fits = [t for t in trials if t["outcome"] == "fit"]
+    longest = max(t["config"]["max_length"] for t in fits)
+    expected = max((t for t in fits if t["config"]["max_length"] == longest), key=lambda t: t["tokens_per_s"])
+    best = json.loads((tiny_run / "best.json").read_text())
+    assert best["config"] == expected["config"]
+    assert best["tokens_per_s"] == expected["tokens_per_s"]
+    assert best["peak_memory_bytes"] <= best["target"]["memory_limit_bytes"] * 0.95
+
+
+def test_configs_dominated_by_a_known_oom_are_not_probed(tiny_run: Path) -> None:
+    trials = sorted(read_trials(tiny_run), key=lambda t: t["trial"])
+    for i, t in enumerate(trials):
+        if t["outcome"] not in ("oom", "host_oom"):
+            continue
+        o = TrialConfig.from_dict(t["config"])
+        for later in trials[i + 1:]:
+            c = TrialConfig.from_dict(later["config"])
+            same = o.replace(micro_batch_size=c.micro_batch_size, max_length=c.max_length) == c
+            assert not (same and c.micro_batch_size >= o.micro_batch_size and c.max_length >= o.max_length), \
+                f"trial {later['trial']} is dominated by the OOM of trial {t['trial']}"
+
+
+def test_every_probe_records_its_predicted_peak(tiny_run: Path) -> None:
+    trials = read_trials(tiny_run)
+    assert all(t.get("predicted_peak") for t in trials)
+
+
+def test_no_config_is_probed_twice(tiny_run: Path) -> None:
+    keys = finished_keys(read_trials(tiny_run))
+    assert len(keys) == len(set(keys))
+
+
+def test_report_rebuilds_from_the_study(tiny_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / tiny_run.name
+    shutil.copytree(tiny_run, copy)
+    (copy / "trials.jsonl").unlink()
+    (copy / "best.json").unlink()
+    proc = run_cli("report", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((copy / "best.json").read_text())["config"] == \
+        json.loads((tiny_run / "best.json").read_text())["config"]
+    assert len(read_trials(copy)) == len(read_trials(tiny_run))
+
+
+# ----------------------------------------------------------------------------- budget, resume, workers
+
+
+def test_the_budget_holds(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    proc = search_cli(tmp_path, budget="12s")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode in (0, 3), proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert "budget" in summary["stop_reason"] or "no remaining" in summary["stop_reason"]
+    for t in read_trials(Path(summary["run_dir"])):
+        assert t["wall_seconds"] <= 12.5
+    assert elapsed < 12 + 25  # start-up, the report and plots on top of the budget
+
+
+def _wait_for_probes(run_dir_parent: Path, n: int, deadline: float) -> Path | None:
+    while time.monotonic() < deadline:
+        for trials in run_dir_parent.glob("*/trials.jsonl"):
+            if len(trials.read_text().splitlines()) >= n:
+                return trials.parent
+        time.sleep(0.2)
+    return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: int) -> None:
+    cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", "cpu-demo", "--device",
+           "cpu", "--memory-limit", "150MiB", "--budget", "5m", "--out", str(tmp_path), "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = _wait_for_probes(tmp_path, 2, time.monotonic() + 180)
+    assert run_dir is not None
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130
+        assert (run_dir / "report.md").is_file()  # the folder is consistent
+    before = read_trials(run_dir)
+    resumed = run_cli("search", "--resume", str(run_dir), "--budget", "40s", "--json")
+    assert resumed.returncode in (0, 3), resumed.stderr[-2000:]
+    after = read_trials(run_dir)
+    assert len(after) >= len(before)
+    assert [t["trial"] for t in after[:len(before)]] == [t["trial"] for t in before]
+    keys = finished_keys(after)
+    assert len(keys) == len(set(keys)), Counter(keys).most_common(2)
+
+
+def _two_workers(tmp_path: Path, storage: str) -> list[dict]:
+    common = ["--storage", storage, "--study-name", "shared", "--budget", "35s", "--json", "--device", "cpu",
+              "--memory-limit", "150MiB"]
+    first = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
+                              "cpu-demo", "--out", str(tmp_path / "a"), *common],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the second worker joins once the study exists
+        try:
+            if "spec" in open_study(storage, "shared", create=False, seed=0).user_attrs:
+                break
+        except KeyError:
+            pass
+        time.sleep(0.3)
+    second = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--out", str(tmp_path / "b"), *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = []
+    for p in (first, second):
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode in (0, 3), stderr[-2000:]
+        out.append(json.loads(stdout))
+    study = open_study(storage, "shared", create=False, seed=0)
+    probes = [t for t in study.get_trials() if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs]
+    workers = {t.user_attrs["worker"] for t in probes}
+    keys = [t.user_attrs["config_key"] for t in probes]
+    assert len(keys) == len(set(keys)), Counter(keys).most_common(2)
+    assert len(probes) >= 2 and workers
+    return out
+
+
+def test_two_workers_on_one_journal_study_never_probe_the_same_config(tmp_path: Path) -> None:
+    out = _two_workers(tmp_path, str(tmp_path / "shared.journal"))
+    assert {Path(o["run_dir"]).parent.name for o in out} == {"a", "b"}
+
+
+@pytest.mark.postgres
+def test_two_workers_on_a_postgresql_study_never_probe_the_same_config(tmp_path: Path, postgres_url: str) -> None:
+    _two_workers(tmp_path, postgres_url)
+
+
+def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
+    proc = run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu", "--memory-limit",
+                   "3MiB", "--budget", "40s", "--out", str(tmp_path))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "No configuration fits under the 3 MiB limit" in proc.stderr
+    assert "The smallest peak reached was" in proc.stderr and "short" in proc.stderr
+    assert "quantization" in proc.stderr and "shorter --max-length" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- spaces and flags
+
+
+@pytest.mark.parametrize("path", sorted(SPACES_DIR.glob("*.yaml")) + sorted((ROOT / "bench" / "spaces").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_space_validates(path: Path) -> None:
+    space = load_space(path)
+    assert space.candidates()
+    assert path.read_text().startswith("#"), "a space opens with a comment on what it is for"
+    assert "autofit search" in path.read_text() or "grid" in path.read_text()
+    seed = space.config(space.seed())
+    assert seed.micro_batch_size == min(space.values("micro_batch_size"))
+
+
+def test_shipped_spaces_are_the_three_the_readme_names() -> None:
+    assert {"lora", "qlora", "full"} <= {p.stem for p in SPACES_DIR.glob("*.yaml")}
+
+
+def test_a_malformed_space_lists_every_problem_at_once(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"fixed": {"precision": "fp8", "frobnicate": 1},
+                                   "dimensions": {"micro_batch_size": [0, 2], "gradient_checkpointing": "on",
+                                                  "optimizer": ["adamw_torch", "adamw_torch"]}}))
+    with pytest.raises(UsageError) as e:
+        load_space(bad)
+    text = str(e.value)
+    for part in ("bad.yaml", "precision='fp8'", "frobnicate", "micro_batch_size=0",
+                 "gradient_checkpointing: expected a non-empty list", "listed twice"):
+        assert part in text, part
+    proc = run_cli("search", "--model", "tiny-llama", "--space", str(bad), "--device", "cpu")
+    assert proc.returncode == 2 and "frobnicate" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny-llama", "--budget", "soon"], "--budget: cannot read 'soon'"),
+    (["--model", "tiny-llama", "--max-length", "long"], "--max-length: 'long' is not a positive integer"),
+    (["--model", "tiny-llama", "--space", "nosuchspace"], "--space: no such file nosuchspace"),
+    (["--resume", "/nonexistent/run"], "--resume: no such folder"),
+    (["--space", "cpu-demo"], "--model is required"),
+    (["--model", "tiny-llama", "--gpu", "3"], "--gpu: GPU 3 does not exist"),
+])
+def test_bad_search_flags_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = run_cli("search", *args, "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_max_length_and_global_batch_replace_the_space(tmp_path: Path) -> None:
+    space = load_space("cpu-demo").replaced(max_length=[128], global_batch=[4])
+    assert space.lengths == [128] and space.fixed["global_batch"] == 4
+
+
+def test_help_ends_with_examples() -> None:
+    for cmd in ("search", "export", "regress", "report", "env", "probe"):
+        out = run_cli(cmd, "--help").stdout
+        assert "examples:" in out, cmd
+
+
+def test_importing_the_search_does_not_import_torch() -> None:
+    code = ("import sys, autofit.search, autofit.cli, autofit.report, autofit.regress; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# ----------------------------------------------------------------------------- the memory model
+
+
+def test_prior_matches_the_h200_grid_within_ten_percent() -> None:
+    grid = json.loads((ROOT / "bench" / "results" / "grid-s1-s2.json").read_text())
+    shape = Shape.from_config(PRESETS["llama2-7b"])
+    checked = 0
+    for pt in grid["points"]:
+        if pt["outcome"] != "fit":
+            continue
+        cfg = TrialConfig.from_mapping({**{k: v for k, v in pt["config"].items()
+                                           if k != "gradient_accumulation_steps"}, "lora_targets": "q_proj,v_proj"})
+        predicted = prior(cfg, shape).total()
+        assert abs(predicted / pt["peak_memory_bytes"] - 1) < 0.10, (pt["config"], predicted, pt["peak_memory_bytes"])
+        checked += 1
+    assert checked >= 20
+
+
+def test_two_points_pin_a_group_down() -> None:
+    m = MemoryModel(Shape.from_config(PRESETS["llama2-7b"]))
+    base = TrialConfig(max_length=2048)
+    assert not m.hopeless(base.replace(micro_batch_size=64), usable=1)  # unchecked: skips nothing
+    m.observe(base.replace(micro_batch_size=1), 10 * 2**30)
+    m.observe(base.replace(micro_batch_size=2), 14 * 2**30)
+    assert m.predict(base.replace(micro_batch_size=4)) == 22 * 2**30
+    assert m.hopeless(base.replace(micro_batch_size=8), usable=20 * 2**30)
+    assert not m.hopeless(base.replace(micro_batch_size=3), usable=20 * 2**30)
