@@ -183,3 +183,87 @@ def test_env_lists_versions() -> None:
     assert proc.returncode == 0
     for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "driver"):
         assert pkg in proc.stdout
+
+
+# ----------------------------------------------------------------------------- model sources
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llama saved with save_pretrained: a real local model folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autofit.models import PRESETS
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"])).save_pretrained(folder)
+    return folder
+
+
+def test_a_local_folder_loads_with_from_pretrained(tmp_path: Path, saved_tiny: Path) -> None:
+    proc = run_cli("probe", "--model", str(saved_tiny), "--device", "cpu", "--json", *SHORT, cwd=tmp_path,
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    r = json.loads(proc.stdout)
+    assert r["outcome"] == "fit", r["error_tail"]
+    assert r["model"] == str(saved_tiny.resolve())
+    # nf4 from the folder's real weights
+    proc = run_cli("probe", "--model", str(saved_tiny), "--device", "cpu", "--json", *SHORT,
+                   "--set", "quantization=nf4", cwd=tmp_path)
+    assert json.loads(proc.stdout)["outcome"] == "fit"
+
+
+def test_a_config_json_path_builds_random_weights(tmp_path: Path, saved_tiny: Path) -> None:
+    import json
+
+    proc = run_cli("probe", "--model", str(saved_tiny / "config.json"), "--device", "cpu", "--json", *SHORT,
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["outcome"] == "fit"
+
+
+def test_a_hub_id_not_in_the_cache_offline_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run_cli("probe", "--model", "someorg/not-cached-model", "--device", "cpu", cwd=tmp_path,
+                   env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2
+    assert "not in the local cache" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny: Path) -> None:
+    # lay the folder out as the hub cache does (models--owner--name/snapshots/<rev>/ + refs/main)
+    cache = tmp_path / "hub"
+    repo = cache / "models--someorg--tiny"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in saved_tiny.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli("probe", "--model", "someorg/tiny", "--device", "cpu", "--json", *SHORT, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    assert json.loads(proc.stdout)["outcome"] == "fit"
+
+
+# ----------------------------------------------------------------------------- the keys
+
+
+def test_key_defaults_match_the_dataclass() -> None:
+    from autofit.spec import KEYS, TrialConfig
+
+    cfg = TrialConfig()
+    for k in KEYS.values():
+        assert getattr(cfg, k.name) == k.default, k.name
+
+
+def test_every_optimizer_name_is_a_transformers_optim() -> None:
+    from transformers.training_args import OptimizerNames
+
+    from autofit.spec import OPTIMIZERS
+
+    names = {o.value for o in OptimizerNames}
+    assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
