@@ -9,7 +9,6 @@ and a resumed search re-runs no finished probe.
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field

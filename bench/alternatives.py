@@ -46,7 +46,7 @@ def one_run(model_name: str, limit: int, ckpt: bool, steps: int, start_batch: in
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
             torch.cuda.synchronize()
-            marks.append((time.perf_counter(), trainer._train_batch_size))
+            marks.append((time.perf_counter(), state.train_batch_size))
 
     data = RandomTokens(start_batch * (steps + 2), 2048, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as out:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import yaml
-
-from .common import ExportRun, Rendered, comment_block
+from .common import ExportRun, Rendered, yaml_recipe
 from .yaml_targets import AXOLOTL
 
 
@@ -12,7 +10,7 @@ def render(r: ExportRun) -> Rendered:
     cfg = r.config
     lost: list[str] = []
     out: dict = {
-        "base_model": r.model["ref"] if r.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL",
+        "base_model": r.weights_ref,
         "model_type": "AutoModelForCausalLM",
         "load_in_8bit": cfg.quantization == "8bit",
         "load_in_4bit": cfg.quantization == "nf4",
@@ -58,10 +56,5 @@ def render(r: ExportRun) -> Rendered:
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
     out["output_dir"] = "./autofit-out"
-    unknown = set(out) - AXOLOTL["keys"]
-    assert not unknown, unknown  # the key list and this exporter move together
-    head = comment_block(r.provenance() + [f"axolotl config (keys of axolotl {AXOLOTL['version']}). "
-                                           "Run: axolotl train this.yaml"])
-    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) if lost else ""
-    text = head + "\n" + yaml.safe_dump(out, sort_keys=False) + (tail + "\n" if tail else "")
-    return Rendered(text, lost)
+    return yaml_recipe(r, out, AXOLOTL["keys"], [f"axolotl config (keys of axolotl {AXOLOTL['version']}). "
+                                                  "Run: axolotl train this.yaml"], lost)

@@ -25,6 +25,11 @@ class ExportRun:
     best: dict[str, Any]
     env: dict[str, Any]
 
+    @property
+    def weights_ref(self) -> str:
+        """The model to name in a config: the source, or a placeholder for a random-weight preset."""
+        return self.model["ref"] if self.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL"
+
     def provenance(self) -> list[str]:
         """Comment lines: run id, GPU, limit, versions, measured tokens/s and peak."""
         t = self.best.get("target", {})
@@ -94,3 +99,15 @@ def check_fields(cls: Any, keys: list[str] | set[str], what: str) -> None:
 
 def comment_block(lines: list[str], prefix: str = "# ") -> str:
     return "\n".join(prefix + ln for ln in lines)
+
+
+def yaml_recipe(r: ExportRun, body: dict[str, Any], allowed: set[str], intro: list[str],
+                lost: list[str]) -> Rendered:
+    """A YAML config: provenance and intro as comments, the keys, what could not be expressed."""
+    import yaml
+
+    unknown = set(body) - allowed
+    assert not unknown, unknown  # the versioned key list and the exporter move together
+    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""
+    text = comment_block(r.provenance() + intro) + "\n" + yaml.safe_dump(body, sort_keys=False) + tail
+    return Rendered(text, lost)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .common import ExportRun, Rendered, check_fields
-from .script_parts import HELPERS, checked_names, header, settings
+from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 MAIN = '''
 
@@ -20,12 +20,6 @@ def main():
     tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[throughput_callback(tokens_per_step)])
-    trainer.train()
-    trainer.save_model(a.output_dir)
-
-
-if __name__ == "__main__":
-    main()
 '''
 
 
@@ -39,4 +33,4 @@ def render(r: ExportRun) -> Rendered:
     check_fields(peft.LoraConfig, names["lora"], f"peft {peft.__version__} LoraConfig")
     check_fields(transformers.BitsAndBytesConfig, names["quant"], "transformers BitsAndBytesConfig")
     check_fields(peft.prepare_model_for_kbit_training, names["kbit"], "peft prepare_model_for_kbit_training")
-    return Rendered(header(r, "train.py") + settings(r) + HELPERS + MAIN)
+    return Rendered(header(r, "train.py") + settings(r) + HELPERS + MAIN + TAIL)

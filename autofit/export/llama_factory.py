@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import yaml
-
-from .common import ExportRun, Rendered, comment_block
+from .common import ExportRun, Rendered, yaml_recipe
 from .yaml_targets import LLAMA_FACTORY
 
 
@@ -12,7 +10,7 @@ def render(r: ExportRun) -> Rendered:
     cfg = r.config
     lost: list[str] = []
     out: dict = {
-        "model_name_or_path": r.model["ref"] if r.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL",
+        "model_name_or_path": r.weights_ref,
         "stage": "sft",
         "do_train": True,
         "finetuning_type": cfg.method,
@@ -55,10 +53,6 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
-    unknown = set(out) - LLAMA_FACTORY["keys"]
-    assert not unknown, unknown
-    head = comment_block(r.provenance() + [f"LLaMA-Factory config (keys of LLaMA-Factory "
-                                           f"{LLAMA_FACTORY['version']}). Run: llamafactory-cli train this.yaml",
-                                           "Register my_dataset in data/dataset_info.json first."])
-    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) if lost else ""
-    return Rendered(head + "\n" + yaml.safe_dump(out, sort_keys=False) + (tail + "\n" if tail else ""), lost)
+    intro = [f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). "
+             "Run: llamafactory-cli train this.yaml", "Register my_dataset in data/dataset_info.json first."]
+    return yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost)

@@ -224,3 +224,12 @@ def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:
     return {"training": recipe.training_arguments(cfg, on_cpu=False, max_steps=max_steps),
             "lora": recipe.lora_arguments(cfg) or {}, "quant": recipe.quantization_arguments(cfg) or {},
             "kbit": recipe.kbit_preparation(cfg) or {}}
+
+
+TAIL = '''    trainer.train()
+    trainer.save_model(a.output_dir)
+
+
+if __name__ == "__main__":
+    main()
+'''

@@ -7,7 +7,7 @@ packing off, packing strategy `bfd` which needs FlashAttention): every setting i
 from __future__ import annotations
 
 from .common import ExportRun, Rendered, check_fields
-from .script_parts import HELPERS, checked_names, header, settings
+from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
 
@@ -37,12 +37,6 @@ def main():
     tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * MAX_LENGTH
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                          callbacks=[throughput_callback(tokens_per_step)])
-    trainer.train()
-    trainer.save_model(a.output_dir)
-
-
-if __name__ == "__main__":
-    main()
 '''
 
 
@@ -56,4 +50,4 @@ def render(r: ExportRun) -> Rendered:
                          "trl`) and export again.") from None
     names = checked_names(r)
     check_fields(trl.SFTConfig, set(names["training"]) | TRL_ARGS, f"trl {trl.__version__} SFTConfig")
-    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN)
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN + TAIL)
