@@ -236,8 +236,16 @@ class Search:
         study = open_study(self.s.storage, self.s.study_name, create=True, seed=self.s.seed)
         trials = study.get_trials(deepcopy=False)
         if self.s.local_storage:
-            for t in trials:  # a killed search left these: their probes never finished
-                if t.state == TrialState.RUNNING:
+            for t in trials:  # a killed search left these RUNNING
+                if t.state != TrialState.RUNNING:
+                    continue
+                if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs:
+                    # the probe finished and its result is stored: record it, do not run it again
+                    res = ProbeResult.from_dict(t.user_attrs["result"])
+                    trial = optuna.trial.Trial(study, t._trial_id)
+                    self._tell_result(study, trial, TrialConfig.from_dict(res.config), res,
+                                      self.usable(self.s.targets[0]))
+                else:  # its probe never finished: it runs again
                     study._storage.set_trial_user_attr(t._trial_id, "kind", INTERRUPTED)
                     study.tell(t.number, state=TrialState.FAIL)
         seed_cfg = self.s.space.config(self.s.space.seed())
@@ -384,16 +392,23 @@ class Search:
 
     def _tell_probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
                     usable: int | None) -> None:
-        trial.set_user_attr("result", res.to_dict())
+        trial.set_user_attr("result", res.to_dict())  # first: a search killed after this resumes it
+        self._tell_result(study, trial, cfg, res, usable)
         with self.lock:
             with open(self.s.run_dir / "trials.jsonl", "a") as f:
-                f.write(json.dumps({"trial": trial.number, **res.to_dict()}) + "\n")
+                f.write(json.dumps({"trial": trial.number, "predicted_peak": trial.user_attrs.get(
+                    "predicted_peak"), **res.to_dict()}) + "\n")
+
+    def _tell_result(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
+                     usable: int | None) -> None:
+        """A probe's outcome to the study: fits with their value, memory failures as infeasible."""
         if res.outcome is Outcome.CRASH:
             study.tell(trial, state=TrialState.FAIL)
             return
         if res.outcome.is_fit():
             peak = res.peak_memory_bytes or 0
-            _constrain(trial, (peak / usable - 1) if usable else -1.0)
+            value = (peak / usable - 1) if usable else -1.0
+            _constrain(trial, value)
             study.tell(trial, objective(cfg, res, self.s.space))
             return
         over = 1.0

@@ -38,12 +38,14 @@ def fake_env(mode: str) -> dict[str, str]:
     return {"AUTOFIT_PROBE_COMMAND": f"{sys.executable} {FAKE_CHILD}", "FAKE_MODE": mode}
 
 
-SEARCH_LIMIT = "150MiB"  # tiny-llama on the CPU: micro-batch 8 at length 512 does not fit, 1-2 do
+# tests/data/oom-space.yaml under this limit: length 2048 runs out of memory, length 128 fits.
+SEARCH_SPACE = str(Path(__file__).resolve().parent / "data" / "oom-space.yaml")
+SEARCH_LIMIT = "90MiB"
 
 
 def search_cli(out: Path, *args: str, budget: str = "60s", env: dict[str, str] | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu",
+    return run_cli("search", "--model", "tiny-llama", "--space", SEARCH_SPACE, "--device", "cpu",
                    "--memory-limit", SEARCH_LIMIT, "--budget", budget, "--out", str(out), "--json", *args,
                    env=env, timeout=timeout)
 

@@ -22,7 +22,7 @@ from autofit.rundir import read_spec
 from autofit.search import open_study
 from autofit.space import SPACES_DIR, load_space
 from autofit.spec import TrialConfig
-from conftest import ROOT, read_trials, run_cli, search_cli
+from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli, search_cli
 
 
 def finished_keys(trials: list[dict]) -> list[str]:
@@ -48,7 +48,7 @@ def test_search_finds_a_fit_and_writes_every_output(tiny_run: Path) -> None:
 def test_some_configs_oom_and_are_recorded_as_infeasible(tiny_run: Path) -> None:
     trials = read_trials(tiny_run)
     ooms = [t for t in trials if t["outcome"] == "oom"]
-    assert ooms, "the limit should make the largest micro-batches run out of memory"
+    assert ooms, "the limit should make the common recipe at the longest length run out of memory"
     spec = read_spec(tiny_run)
     study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
     by_number = {t.number: t for t in study.get_trials()}
@@ -134,8 +134,8 @@ def _wait_for_probes(run_dir_parent: Path, n: int, deadline: float) -> Path | No
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: int) -> None:
-    cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", "cpu-demo", "--device",
-           "cpu", "--memory-limit", "150MiB", "--budget", "5m", "--out", str(tmp_path), "--json"]
+    cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE, "--device",
+           "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(tmp_path), "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = _wait_for_probes(tmp_path, 2, time.monotonic() + 180)
     assert run_dir is not None
@@ -156,7 +156,7 @@ def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: 
 
 def _two_workers(tmp_path: Path, storage: str) -> list[dict]:
     common = ["--storage", storage, "--study-name", "shared", "--budget", "35s", "--json", "--device", "cpu",
-              "--memory-limit", "150MiB"]
+              "--memory-limit", "150MiB"]  # generous: both workers keep finding configs to probe
     first = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
                               "cpu-demo", "--out", str(tmp_path / "a"), *common],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -207,7 +207,8 @@ def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- spaces and flags
 
 
-@pytest.mark.parametrize("path", sorted(SPACES_DIR.glob("*.yaml")) + sorted((ROOT / "bench" / "spaces").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted(SPACES_DIR.glob("*.yaml")) + sorted((ROOT / "bench" / "spaces").glob("*.yaml"))
+                         + [Path(SEARCH_SPACE)],
                          ids=lambda p: p.name)
 def test_every_shipped_space_validates(path: Path) -> None:
     space = load_space(path)
