@@ -9,6 +9,7 @@ and a resumed search re-runs no finished probe.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -155,12 +156,16 @@ class Knowledge:
 
     def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
         """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
-        rows = [(r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
+        # training time, not wall time: the first probe's wall time includes waiting for imports
+        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
                 for _, r in self.probes if r.wall_seconds and r.outcome.is_fit()]
         if not rows:
             return None
         per_token = max(w / t for w, t in rows)
-        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4)
+        overheads = [r.wall_seconds - r.train_seconds for _, r in self.probes[1:]
+                     if r.wall_seconds and r.train_seconds]
+        overhead = statistics.median(overheads) if overheads else 1.0
+        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
 
 
 def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
