@@ -342,8 +342,6 @@ def _joined_spec(a: argparse.Namespace) -> dict[str, Any] | None:
     """A study that already exists at --storage under --study-name: join it with its own spec."""
     if not (a.storage and a.study_name):
         return None
-    import optuna
-
     from .search import open_study
 
     try:
@@ -352,7 +350,6 @@ def _joined_spec(a: argparse.Namespace) -> dict[str, Any] | None:
         return None
     except Exception as e:  # a storage that cannot be reached
         raise UsageError(f"--storage: cannot open {a.storage} ({type(e).__name__}: {e}).") from None
-    _ = optuna
     return study.user_attrs.get("spec")
 
 

@@ -87,8 +87,8 @@ def ranked_fits(results: list[ProbeResult]) -> list[ProbeResult]:
                   key=lambda r: (r.config["max_length"], r.tokens_per_s or 0), reverse=True)
 
 
-def learning_changes(cfg: dict[str, Any], space_fixed: dict[str, Any] | None = None) -> list[str]:
-    """Settings of the winner that change what is learned, compared with the keys' defaults."""
+def learning_changes(cfg: dict[str, Any]) -> list[str]:
+    """The winner's settings that change what is learned (length, precision, quantization, optimizer)."""
     out = []
     for k in KEYS.values():
         if k.changes_learning and k.name in cfg:

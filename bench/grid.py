@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import GIB, brief, out_dir, save
+from common import brief, out_dir, save
 
 from autofit.cli import resolve_targets
 from autofit.envinfo import package_versions
@@ -108,7 +108,6 @@ def main() -> None:
         b = sc["best"]
         print(f"{name}: {sc['fits']} fits; best "
               + (f"{b['tokens_per_s']:,.0f} tok/s at {b['peak_gib']} GiB ({config_brief(b['config'])})" if b else "none"))
-    _ = (GIB, out_dir)
 
 
 if __name__ == "__main__":
