@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find, by measurement, the fastest fine-tuning configuration that fits on a GPU.",
         epilog=textwrap.dedent("""\
             examples:
-              autofit search --model tiny-llama --budget 5m          # runs anywhere (CPU without a GPU)
+              autofit search --model tiny-llama --space cpu-demo --budget 3m   # runs anywhere (CPU without a GPU)
               autofit search --gpu 0 --budget 30m --model llama2-7b --memory-limit 40GiB
               autofit export runs/<id> --format hf-trainer -o train.py
               autofit regress runs/<id> --junit regress.xml
@@ -562,7 +562,7 @@ examples:
   autofit search --model ./my-model --gpu 0,1 --budget 1h           # one worker per GPU, one study
   autofit search --resume runs/20261202T101500Z-llama2-7b            # after Ctrl-C or a crash
   # several hosts, one study (each host runs the same command):
-  autofit search --model llama2-7b --storage postgresql://user:pw@db/autofit --study-name s1
+  autofit search --model llama2-7b --storage postgresql+psycopg://user:pw@db/autofit --study-name s1
 
 exit codes: 0 a fit was found, 2 usage error, 3 nothing fits, 130 interrupted (resume it)
 """
@@ -578,7 +578,7 @@ def _add_run_commands(sub: Any, fmt: Any) -> None:
     se.add_argument("--max-length", help="replace the space's lengths (comma list: longest that fits wins)")
     se.add_argument("--global-batch", help="replace the space's sequences per optimizer step")
     se.add_argument("--out", default="runs", help="where run folders go (default runs/)")
-    se.add_argument("--storage", help="Optuna storage URL shared by workers (postgresql://..., sqlite:///...) "
+    se.add_argument("--storage", help="Optuna storage URL shared by workers (postgresql+psycopg://..., sqlite:///...) "
                                       "or a .journal file path")
     se.add_argument("--study-name", help="study to create or join at --storage")
     se.add_argument("--resume", metavar="RUN_FOLDER", help="continue a search; finished probes are not re-run")

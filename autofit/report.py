@@ -139,7 +139,7 @@ def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | No
     if usable:
         ax.axvline(usable / 2**30, color="tab:orange", linestyle=":", label="headroom line")
     ax.set_xlabel("peak memory (GiB)")
-    ax.set_ylabel("tokens/s (OOMs at 0)")
+    ax.set_ylabel("tokens/s (0: no step finished)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
