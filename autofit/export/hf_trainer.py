@@ -10,12 +10,8 @@ MAIN = '''
 def main():
     from transformers import Trainer, TrainingArguments
 
-    a = arguments()
-    emulate(a.emulate_memory_gib)
-    tokenizer = load_tokenizer(a.model)
-    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    a, tokenizer, blocks, model = prepare()
     data = [{"input_ids": b, "labels": list(b), "attention_mask": [1] * len(b)} for b in blocks]
-    model = adapt(build_model(a.model))
     args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})
     tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
     trainer = Trainer(model=model, args=args, train_dataset=data,

@@ -191,6 +191,15 @@ def arguments():
     return a
 
 
+def prepare():
+    """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
+    a = arguments()
+    emulate(a.emulate_memory_gib)
+    tokenizer = load_tokenizer(a.model)
+    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    return a, tokenizer, blocks, adapt(build_model(a.model))
+
+
 def emulate(limit_gib):
     if limit_gib and torch.cuda.is_available():
         torch.zeros(1, device="cuda")

@@ -17,14 +17,10 @@ def main():
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    a = arguments()
-    emulate(a.emulate_memory_gib)
-    tokenizer = load_tokenizer(a.model)
-    # Tokenized and packed here the same way as the Trainer recipe; TRL's own "wrapped" packing
-    # then keeps these full MAX_LENGTH blocks as they are.
-    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    # Tokenized and packed the same way as the Trainer recipe; TRL's own "wrapped" packing then
+    # keeps these full MAX_LENGTH blocks as they are.
+    a, tokenizer, blocks, model = prepare()
     data = Dataset.from_dict({"input_ids": blocks})
-    model = adapt(build_model(a.model))
     config = SFTConfig(
         output_dir=a.output_dir,
         **{**TRAINING_ARGS, "max_steps": a.max_steps},
