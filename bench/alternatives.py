@@ -91,7 +91,7 @@ def main() -> None:
             r = one_run(a.model, parse_size(lim), ckpt, a.steps, a.start_batch, 0.05)
             print(r, flush=True)
             runs.append(r)
-    save(a.name, {"model": a.model, "runs": runs})
+            save(a.name, {"model": a.model, "runs": runs})  # after each run: a cut-off keeps the rest
 
 
 if __name__ == "__main__":
