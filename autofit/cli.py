@@ -221,10 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
 class Progress:
     """A live table of probes on a terminal; one plain line per probe otherwise."""
 
-    def __init__(self, enabled: bool, limit: int | None) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.tty = enabled and sys.stdout.isatty()
         self.enabled = enabled
-        self.limit = limit
         self.rows: list[tuple[str, ...]] = []
         self.best = ""
         self.left = 0.0
@@ -400,7 +399,7 @@ def cmd_search(a: argparse.Namespace) -> int:
               f"run folder {run_dir}", file=sys.stderr)
     interrupted = False
     reason = ""
-    with Progress(not a.json, targets[0].memory_limit_bytes) as progress:
+    with Progress(not a.json) as progress:
         try:
             reason = Search(settings, progress).run()
         except KeyboardInterrupt:

@@ -97,12 +97,3 @@ def collect() -> dict[str, Any]:
         "gpus": [g.__dict__ for g in gpus()],
     }
 
-
-def gpu_model(env: dict[str, Any], index: int | None) -> str:
-    """The GPU a run used, by name ('cpu' when none)."""
-    if index is None:
-        return "cpu"
-    for g in env.get("gpus", []):
-        if g["index"] == index:
-            return str(g["name"])
-    return "unknown GPU"

@@ -147,6 +147,3 @@ def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
         ) from None
     return _read_json(Path(path), flag)
 
-
-def layer_count(config: dict[str, Any]) -> int:
-    return int(config.get("num_hidden_layers") or config.get("n_layer") or 0)

@@ -28,11 +28,11 @@ import traceback
 from typing import Any
 
 from . import recipe
+from .envinfo import package_versions
 from .models import ModelSource
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
-from .units import format_size
 
 READY = "autofit-standby-ready"
 
@@ -362,7 +362,7 @@ def run_probe(req: dict[str, Any], partial: dict[str, Any]) -> ProbeResult:
                           oom_shortfall_bytes=now - (limit or 0),
                           reason="autofit: memory limit exceeded: stopped far past the CPU limit")
         res = judge_limit(res, limit, float(req.get("headroom", 0.05)))
-        res.device, res.model = describe_device(req), src.ref
+        res.device, res.model = req["device_label"], src.ref
         write_json_atomic(req["result_path"], res.to_dict())
         os._exit(0)
 
@@ -549,15 +549,6 @@ def failure_result(req: dict[str, Any], exc: BaseException, partial: dict[str, A
     return res
 
 
-def describe_device(req: dict[str, Any]) -> str:
-    limit = req.get("memory_limit_bytes")
-    lim = f", {format_size(limit)} limit" if limit else ""
-    if req["device"] == "cpu":
-        return f"cpu (no GPU: memory is host RSS added by the probe{lim})"
-    name = req.get("gpu_name") or "GPU"
-    return f"cuda:{req.get('gpu_index', 0)} {name}{lim}"
-
-
 def handle(req: dict[str, Any]) -> ProbeResult:
     partial: dict[str, Any] = {}
     try:
@@ -567,22 +558,10 @@ def handle(req: dict[str, Any]) -> ProbeResult:
             raise
         res = failure_result(req, exc, partial)
     res = judge_limit(res, req.get("memory_limit_bytes"), float(req.get("headroom", 0.05)))
-    res.device = describe_device(req)
+    res.device = req["device_label"]
     res.model = req["model"]["ref"]
-    res.versions = versions()
+    res.versions = package_versions()
     return res
-
-
-def versions() -> dict[str, str]:
-    from importlib import metadata
-
-    out = {}
-    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:

@@ -24,14 +24,6 @@ class Outcome(str, enum.Enum):
         """Did not fit in memory (device or host): an observation the search learns from."""
         return self in (Outcome.OOM, Outcome.HOST_OOM)
 
-    def is_infeasible(self) -> bool:
-        """Ran into a limit of this machine: recorded so the sampler avoids it, not as a FAIL."""
-        return self in (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.UNSTABLE,
-                        Outcome.TIMEOUT)
-
-    def keeps_worker(self) -> bool:
-        """Only a clean fit leaves a warm worker process trusted for the next probe."""
-        return self is Outcome.FIT
 
 
 @dataclass

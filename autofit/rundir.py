@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +69,3 @@ def target_dict(t: Target) -> dict[str, Any]:
     return {"device": t.device, "gpu_index": t.gpu_index, "gpu_name": t.gpu_name,
             "memory_limit_bytes": t.memory_limit_bytes, "headroom": t.headroom}
 
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())

@@ -44,10 +44,11 @@ class Target:
     memory_limit_bytes: int | None = None
     headroom: float = 0.05
 
-    def describe(self) -> str:
+    def describe(self, long: bool = False) -> str:
+        """`cuda:0 NVIDIA H200, 40 GiB limit`; `long` adds what memory means on the CPU (for results)."""
         lim = f", {format_size(self.memory_limit_bytes)} limit" if self.memory_limit_bytes else ""
         if self.device == "cpu":
-            return f"cpu{lim}"
+            return f"cpu (no GPU: memory is host RSS added by the probe{lim})" if long else f"cpu{lim}"
         return f"cuda:{self.gpu_index} {self.gpu_name}{lim}"
 
 
@@ -183,6 +184,7 @@ class Runner:
             "config": cfg.to_dict(),
             "model": model.to_dict(),
             "device": t.device,
+            "device_label": t.describe(long=True),
             "gpu_index": t.gpu_index,
             "gpu_name": t.gpu_name,
             "nvml_index": t.gpu_index,
@@ -291,7 +293,7 @@ class Runner:
         res.log_path = str(log_path)
         res.worker = worker
         if not res.device:
-            res.device = self.target.describe() if self.target.device != "cpu" else "cpu"
+            res.device = self.target.describe(long=True)
         if res.memory_limit_bytes is None:
             res.memory_limit_bytes = self.target.memory_limit_bytes
         return res

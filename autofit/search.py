@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .memory import MemoryModel, Shape
 from .models import ModelSource
+from .report import best_of
 from .result import Outcome, ProbeResult
 from .runner import Runner, Target
 from .space import CKPT_COST, QUANT_COST, Space
@@ -98,8 +99,7 @@ class Knowledge:
         return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
 
     def best(self) -> ProbeResult | None:
-        fits = self.fits()
-        return max(fits, key=lambda r: (r.config["max_length"], r.tokens_per_s or 0)) if fits else None
+        return best_of(self.fits())
 
     def best_length(self) -> int | None:
         b = self.best()
@@ -362,9 +362,8 @@ class Search:
                 self._tell_skip(study, trial, cfg, "duplicate", "another worker probed it", know, predicted)
                 continue
             self._tell_probe(study, trial, cfg, res, usable)
-            know = Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, usable,
-                                   target.device == "cuda")
-            self._event(trial.number, target, cfg, "probe", res, predicted, res.reason, know.best())
+            best = best_of([r for r in (know.best(), res) if r is not None])
+            self._event(trial.number, target, cfg, "probe", res, predicted, res.reason, best)
         return None
 
     def _config(self, trial: optuna.Trial) -> TrialConfig:
