@@ -9,7 +9,7 @@ from typing import Any
 from .memory import Shape, prior
 from .result import Outcome, ProbeResult
 from .spec import KEYS, TrialConfig
-from .units import format_size
+from .units import format_duration, format_size
 
 
 def config_brief(cfg: dict[str, Any]) -> str:
@@ -220,7 +220,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
              f"- where: {_describe_target(target)}"
              + (" — an emulated card has the card's memory but this GPU's speed" if limit and
                 target["device"] == "cuda" else ""),
-             f"- space: `{spec['space']['name']}`, budget {spec['budget_s'] / 60:.0f} min, "
+             f"- space: `{spec['space']['name']}`, budget {format_duration(spec['budget_s'])}, "
              f"headroom {target.get('headroom', 0.05):.0%}",
              f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
              f"{sum(r.outcome.is_memory() for r in results)} out of memory)"

@@ -1,11 +1,13 @@
 """What a user can do today without autofit: transformers Trainer's `auto_find_batch_size`.
 
-Starting from micro-batch 16 (accelerate halves it after each OOM), with checkpointing on
-and off, under each memory limit: the time it takes to settle (from `train()` to the first
-optimizer step at the batch size it keeps), the batch size it keeps, its tokens/s over the
-steps after that, its peak (reserved + outside the allocator) and whether that peak keeps
-the 5% headroom. It changes the effective batch (no accumulation is added back), which
-changes what is learned. One process; the model is rebuilt for every run.
+Starting from micro-batch 16 (accelerate multiplies it by 0.9 after each OOM), with
+checkpointing on and off, under each memory limit: the time it takes to settle (from
+`train()` to the first optimizer step at the batch size it keeps), the batch sizes it tried,
+the one it keeps, its tokens/s over the steps after that, the peak of its pick (reserved +
+outside the allocator, counted from the start of the attempt it keeps, so the failed attempts'
+memory does not count against it) and whether that peak keeps the 5% headroom. It changes
+the effective batch (no accumulation is added back), which changes what is learned. One
+process; the model is rebuilt for every run.
 
     python bench/alternatives.py --limits 40GiB,24GiB
 """
@@ -42,9 +44,16 @@ def one_run(model_name: str, limit: int, ckpt: bool, steps: int, start_batch: in
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
                                              task_type="CAUSAL_LM"))
     marks: list[tuple[float, int]] = []
+    tried: list[int] = []  # accelerate restarts the training loop with a smaller batch after each OOM
+    process_peak = [0]  # the whole process, failed attempts included
 
     class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        def on_train_begin(self, args, state, control, **kw):
+            tried.append(state.train_batch_size or args.per_device_train_batch_size)
+            process_peak[0] = max(process_peak[0], torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()  # the pick's own peak from here
+
+        def on_step_end(self, args, state, control, **kw):
             torch.cuda.synchronize()
             marks.append((time.perf_counter(), state.train_batch_size))
 
@@ -65,12 +74,14 @@ def one_run(model_name: str, limit: int, ckpt: bool, steps: int, start_batch: in
     times = [b - a for a, b in zip(mine, mine[1:])][2:]  # after two warm-up steps at the final size
     tps = statistics.median(final * 2048 / t for t in times) if times else None
     peak = torch.cuda.max_memory_reserved() + outside
+    process_peak[0] = max(process_peak[0] + outside, peak)
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
     return {"checkpointing": ckpt, "limit_gib": limit / GIB, "start_batch": start_batch,
-            "settled_batch": final, "settle_seconds": settle, "tokens_per_s": tps,
+            "batches_tried": tried, "settled_batch": final, "settle_seconds": settle, "tokens_per_s": tps,
             "peak_memory_bytes": int(peak), "peak_gib": round(peak / GIB, 2),
+            "process_peak_gib": round(process_peak[0] / GIB, 2),
             "keeps_headroom": peak <= limit * (1 - headroom),
             "effective_batch": final, "note": "effective batch = settled micro-batch (no accumulation)"}
 
@@ -88,7 +99,11 @@ def main() -> None:
     runs = []
     for lim in a.limits.split(","):
         for ckpt in (True, False):
-            r = one_run(a.model, parse_size(lim), ckpt, a.steps, a.start_batch, 0.05)
+            try:
+                r = one_run(a.model, parse_size(lim), ckpt, a.steps, a.start_batch, 0.05)
+            except Exception as e:  # noqa: BLE001  (recorded, and the other runs still happen)
+                r = {"checkpointing": ckpt, "limit_gib": parse_size(lim) / GIB, "start_batch": a.start_batch,
+                     "error": f"{type(e).__name__}: {e}"[:2000], "tokens_per_s": None, "keeps_headroom": False}
             print(r, flush=True)
             runs.append(r)
             save(a.name, {"model": a.model, "runs": runs})  # after each run: a cut-off keeps the rest

@@ -5,7 +5,7 @@ set -u
 export PYTHONUNBUFFERED=1
 cd bench
 mkdir -p /tmp/keep
-timeout 80 python3 alternatives.py --limits 40GiB,24GiB --steps 6
+timeout 200 python3 alternatives.py --limits 40GiB,24GiB --steps 8   # ~100 s measured
 timeout 225 python3 search_bench.py --space spaces/s1-grid.yaml --grid results/grid-s1-s2.json \
   --alternatives "$OUT/alternatives-s1-s2.json" --budget 100s --keep /tmp/keep
 tar czf "$OUT/search-runs-s1-s2.tgz" -C /tmp/keep --exclude='*.log' --exclude='.standby*' . || true
