@@ -277,19 +277,26 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
 
 
 def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
-    with_peak = [r for r in results if r.peak_memory_bytes]
-    smallest = min(with_peak, key=lambda r: r.peak_memory_bytes or 0) if with_peak else None
+    """Why nothing fits, from what the probes hit: memory, unstable training, or errors."""
+    memory = [r for r in results if r.outcome.is_memory() and r.peak_memory_bytes]
+    unstable = [r for r in results if r.outcome is Outcome.UNSTABLE]
     msg = "No configuration fits"
     msg += f" under the {format_size(limit)} limit." if limit else "."
-    if smallest is not None:
-        msg += (f" The smallest peak reached was {format_size(smallest.peak_memory_bytes)} "
+    if memory:
+        smallest = min(memory, key=lambda r: r.peak_memory_bytes or 0)
+        msg += (f" The smallest peak that ran out of memory was {format_size(smallest.peak_memory_bytes)} "
                 f"({config_brief(smallest.config)})")
         if smallest.oom_shortfall_bytes:
             msg += f", {format_size(smallest.oom_shortfall_bytes)} short"
         msg += "."
+    if unstable:
+        msg += (f" {len(unstable)} probe(s) ran within memory but training was unstable "
+                f"({unstable[0].reason}, {config_brief(unstable[0].config)}): check the model's weights, "
+                "and prefer bf16 to fp16; see the probe logs.")
     outcomes = {r.outcome for r in results}
     if outcomes and outcomes <= {Outcome.UNSUPPORTED, Outcome.CRASH}:
         msg += " Every probe was unsupported or crashed: see the probe logs."
-    msg += (" Allow next: quantization (--space qlora: a 4-bit base), a shorter --max-length, "
-            "gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
+    if memory or not unstable:
+        msg += (" Allow next: quantization (--space qlora: a 4-bit base), a shorter --max-length, "
+                "gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
     return msg

@@ -156,9 +156,10 @@ class Knowledge:
 
     def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
         """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
-        # training time, not wall time: the first probe's wall time includes waiting for imports
+        # training time, not wall time: the first probe's wall time includes waiting for imports.
+        # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
         rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
-                for _, r in self.probes if r.wall_seconds and r.outcome.is_fit()]
+                for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
         if not rows:
             return None
         per_token = max(w / t for w, t in rows)

@@ -28,8 +28,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
                           env=full_env, cwd=cwd, timeout=timeout)
 
 
-def probe_json(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
-    proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--json", *args, env=env, cwd=cwd)
+def probe_json(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+               model: str = "tiny-llama") -> dict[str, Any]:
+    proc = run_cli("probe", "--model", model, "--device", "cpu", "--json", *args, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -256,3 +256,25 @@ def test_every_optimizer_name_is_a_transformers_optim() -> None:
 
     names = {o.value for o in OptimizerNames}
     assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
+
+
+def test_weights_that_make_the_loss_non_finite_are_unstable_not_a_fit(tmp_path: Path) -> None:
+    """A diverged checkpoint (a NaN norm weight): real steps, a non-finite loss, outcome unstable."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autofit.models import PRESETS
+    from autofit.report import nothing_fits_message
+    from autofit.result import ProbeResult
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "diverged")
+    r = probe_json("--set", "max_length=128", "--set", "global_batch=4", cwd=tmp_path,
+                   model=str(tmp_path / "diverged"))
+    assert r["outcome"] == "unstable"
+    assert r["reason"].startswith("non-finite loss on") and r["step_times"]
+    # what a search that met only this would tell the user: not "allow more memory"
+    msg = nothing_fits_message([ProbeResult.from_dict(r)], 2**30)
+    assert "training was unstable" in msg and "non-finite loss" in msg and "Allow next" not in msg

@@ -199,7 +199,7 @@ def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
                    "3MiB", "--budget", "40s", "--out", str(tmp_path))
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "No configuration fits under the 3 MiB limit" in proc.stderr
-    assert "The smallest peak reached was" in proc.stderr and "short" in proc.stderr
+    assert "The smallest peak that ran out of memory was" in proc.stderr and "short" in proc.stderr
     assert "quantization" in proc.stderr and "shorter --max-length" in proc.stderr
     assert "Traceback" not in proc.stderr
 
