@@ -241,8 +241,16 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
                   "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
         lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak GiB | config |",
                   "|---|---|---|---|"]
-        for L, r in best_per_length(results).items():
+        per_length = best_per_length(results)
+        for L, r in per_length.items():
             lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_gib(r.peak_memory_bytes)} | {config_brief(r.config)} |")
+        space = spec.get("space") or {}
+        allowed = (space.get("dimensions") or {}).get("max_length") or []
+        unmeasured = sorted((L for L in allowed if L < cfg["max_length"] and L not in per_length), reverse=True)
+        if unmeasured:
+            lines += ["", f"Not measured: {', '.join(map(str, unmeasured))}. A longer length fits, so a shorter "
+                      "one cannot win; to see what cutting the length would buy, search it alone "
+                      f"(`--max-length {unmeasured[0]}`)."]
         lines.append("")
     lines += ["## Where the memory goes", "",
               "Terms from the analytic model of the shape; activations, allocator overhead and memory "

@@ -30,6 +30,7 @@ from .spec import TrialConfig
 
 LENGTH_WEIGHT = 1e7  # objective = length rank * this + tokens/s: longer length first, then speed
 INTERRUPTED = "interrupted"
+SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
 
 
 # --------------------------------------------------------------------------- the study
@@ -130,6 +131,29 @@ class Knowledge:
                 return r
         return None
 
+    def speed_bound(self, cfg: TrialConfig) -> tuple[float, str] | None:
+        """An upper bound on cfg's tokens/s from fits that differ from it only in micro-batch.
+
+        With everything else equal, tokens/s in the micro-batch m behaves as m / (t0 + m c): it
+        rises and flattens (concave). So a smaller micro-batch than a measured one is not faster,
+        and beyond the two largest measured ones it stays under their secant. SPEED_NOISE covers
+        timing noise.
+        """
+        group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
+                       if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
+                           micro_batch_size=cfg.micro_batch_size) == cfg)
+        m = cfg.micro_batch_size
+        larger = [(b, t) for b, t in group if b > m]
+        if larger:
+            b, t = min(larger, key=lambda x: x[1])
+            return t * (1 + SPEED_NOISE), f"micro-batch {b} of the same settings ran at {t:,.0f} tokens/s"
+        if len(group) >= 2:
+            (a, ta), (b, tb) = group[-2], group[-1]
+            bound = tb + max(tb - ta, 0.0) / (b - a) * (m - b)
+            return bound * (1 + SPEED_NOISE), (f"tokens/s flattens with micro-batch: {a} -> {b} went "
+                                               f"{ta:,.0f} -> {tb:,.0f}")
+        return None
+
     def verdict(self, cfg: TrialConfig) -> tuple[str, str]:
         """('probe', '') or why the config need not be probed: (kind, detail)."""
         seen = self.by_key.get(cfg.key())
@@ -149,6 +173,10 @@ class Knowledge:
         slower = self.dominated_in_speed(cfg)
         if slower is not None:
             return "slower", "a fit with less recomputation or no quantization differs only there"
+        best = self.best()
+        bound = self.speed_bound(cfg) if best is not None and cfg.max_length == best_len else None
+        if bound is not None and best is not None and bound[0] < (best.tokens_per_s or 0):
+            return "slower", f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best {best.tokens_per_s:,.0f}"
         return "probe", ""
 
     def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:

@@ -108,6 +108,70 @@ def test_report_rebuilds_from_the_study(tiny_run: Path, tmp_path: Path) -> None:
     assert len(read_trials(copy)) == len(read_trials(tiny_run))
 
 
+
+def test_report_names_the_shorter_lengths_it_did_not_measure(tiny_run: Path, tmp_path: Path) -> None:
+    """The per-length table covers the lengths probed; a shorter allowed length is named, with how to see it."""
+    import shutil
+
+    import yaml
+
+    copy = tmp_path / tiny_run.name
+    shutil.copytree(tiny_run, copy)
+    report = (copy / "report.md").read_text()
+    assert "Not measured" not in report  # 2048 and 128 were both probed
+    spec = yaml.safe_load((copy / "spec.yaml").read_text())
+    spec["space"]["dimensions"]["max_length"].append(64)  # as if the space had allowed 64 too
+    (copy / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = run_cli("report", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    assert "Not measured: 64." in (copy / "report.md").read_text()
+    assert "`--max-length 64`" in (copy / "report.md").read_text()
+
+
+def test_configs_that_cannot_beat_the_best_on_speed_are_not_probed() -> None:
+    """tokens/s rises and flattens with the micro-batch: the figures S3 measured on the H200 at
+    length 4096 (bench/results/search-runs/s3-40GiB) leave no checkpointed config able to win."""
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    from autofit.models import resolve_model
+    from autofit.result import Outcome, ProbeResult
+    from autofit.search import Knowledge
+
+    space = load_space("lora").replaced(max_length=[4096])
+    measured = {("on", 1): 9505.0, ("off", 1): 13035.0, ("on", 6): 10043.0}
+    trials = []
+    for (ckpt, mb), tps in measured.items():
+        cfg = space.config({"max_length": 4096, "micro_batch_size": mb, "gradient_checkpointing": ckpt,
+                            "precision": "bf16", "optimizer": "adamw_torch_fused", "expandable_segments": False})
+        res = ProbeResult(Outcome.FIT, cfg.to_dict(), tokens_per_s=tps, peak_memory_bytes=20 * 2**30)
+        trials.append(create_trial(params={"micro_batch_size": mb},
+                                   distributions={"micro_batch_size": CategoricalDistribution([1, 2, 4, 6, 8])},
+                                   value=tps, user_attrs={"kind": "probe", "config_key": cfg.key(),
+                                                          "result": res.to_dict()}))
+    know = Knowledge.build(trials, space, resolve_model("llama2-7b"), 38 * 2**30, on_gpu=True)
+
+    def verdict(ckpt: str, mb: int) -> tuple[str, str]:
+        return know.verdict(space.config({"max_length": 4096, "micro_batch_size": mb, "gradient_checkpointing": ckpt,
+                                          "precision": "bf16", "optimizer": "adamw_torch_fused",
+                                          "expandable_segments": False}))
+
+    # smaller than a measured micro-batch: not faster than it (10,043 + 5% < 13,035)
+    assert verdict("on", 3) == ("slower", "at most 10,545 tokens/s (micro-batch 6 of the same settings ran at "
+                                          "10,043 tokens/s), below the best 13,035")
+    # beyond the measured ones: under their secant (10,043 + 2 x 108, + 5%)
+    kind, detail = verdict("on", 8)
+    assert kind == "slower" and "flattens" in detail
+    # one point of its own is no bound: a larger micro-batch without checkpointing may still win
+    assert verdict("off", 2) == ("probe", "")
+    # a faster best would not be beaten by the bound either way; a slower one leaves room
+    trials[1] = create_trial(params={"micro_batch_size": 1},
+                             distributions={"micro_batch_size": CategoricalDistribution([1, 2, 4, 6, 8])},
+                             value=10300.0, user_attrs={**trials[1].user_attrs, "result": {
+                                 **trials[1].user_attrs["result"], "tokens_per_s": 10300.0}})
+    know = Knowledge.build(trials, space, resolve_model("llama2-7b"), 38 * 2**30, on_gpu=True)
+    assert verdict("on", 3) == ("probe", "")
+
 # ----------------------------------------------------------------------------- budget, resume, workers
 
 
