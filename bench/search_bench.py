@@ -104,13 +104,27 @@ def alternative_figures(best_tps: float | None, alt_here: list[dict], run_dir: P
     }
 
 
+def grid_pick_figures(best_config: dict | None, grid: dict, limit: str) -> dict:
+    """The grid's own measurement of the search's pick: did the search pick the right config,
+    apart from run-to-run timing noise between its probe and the grid's?"""
+    best = grid["scenarios"][limit]["best"]
+    point = None
+    if best_config:
+        point = next((p for p in grid["points"] if all(best_config.get(k) == v for k, v in p["config"].items())),
+                     None)
+    tps = point["tokens_per_s"] if point else None
+    return {"grid_tokens_per_s_of_search_pick": tps,
+            "ratio_search_pick_over_grid_best_both_grid_measured": tps / best["tokens_per_s"] if tps and best else None}
+
+
 def alternatives_at(alts: list[dict], limit: str) -> list[dict]:
     lim_gib = parse_size(limit) / GIB
     return [x for x in alts if abs(x["limit_gib"] - lim_gib) < 1e-6]
 
 
-def rescore(prev_path: Path, runs: dict[str, Path], alts_path: Path) -> None:
-    """Recompute the alternative figures of an earlier result from its kept run folders.
+def rescore(prev_path: Path, runs: dict[str, Path], alts_path: Path, grid: dict) -> None:
+    """Recompute the alternative figures (and the grid's figure for the search's pick) of an
+    earlier result from its kept run folders.
 
     For when the alternatives were measured after the searches, on the same GPU and versions:
     nothing is measured again; the result keeps its date, GPU, versions and command.
@@ -121,6 +135,7 @@ def rescore(prev_path: Path, runs: dict[str, Path], alts_path: Path) -> None:
         here = alternatives_at(alts_doc["runs"], limit)
         sc.update(alternative_figures(sc["search_best_tokens_per_s"], here, runs[limit],
                                       sc["search_wall_seconds"]))
+        sc.update(grid_pick_figures(sc["search_best_config"], grid, limit))
         print(limit, json.dumps({k: v for k, v in sc.items() if k != "alternatives"}, default=str), flush=True)
     prev["alternatives_file"] = {"path": alts_path.name, "date": alts_doc["date"], "command": alts_doc["command"],
                                  "versions": alts_doc["versions"], "gpu": alts_doc["gpu"]}
@@ -150,7 +165,7 @@ def main() -> None:
         limits = json.loads(Path(a.rescore).read_text())["scenarios"]
         runs = {lim: Path(a.keep or ".") / f"run-{lim}" for lim in limits}
         runs.update({k: Path(v) for k, v in (x.split("=", 1) for x in (a.runs or "").split(",") if x)})
-        rescore(Path(a.rescore), runs, Path(a.alternatives))
+        rescore(Path(a.rescore), runs, Path(a.alternatives), json.loads(Path(a.grid).read_text()))
         return
     grid = json.loads(Path(a.grid).read_text())
     alts = json.loads(Path(a.alternatives).read_text())["runs"] if Path(a.alternatives).is_file() else []
@@ -181,6 +196,7 @@ def main() -> None:
             "grid_best_tokens_per_s": grid_best,
             "grid_best_config": g["best"]["config"] if g["best"] else None,
             "ratio_search_over_grid": (best.get("tokens_per_s") or 0) / grid_best if grid_best else None,
+            **grid_pick_figures(best.get("config"), grid, limit),
             "target_ratio": 0.97,
             "search_wall_seconds": wall,
             "grid_wall_seconds": grid["grid_wall_seconds"],
