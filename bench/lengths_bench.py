@@ -5,17 +5,16 @@ something fits; the report's best config at every length is compared with SCENAR
 reference points (4096: batch 1 without checkpointing, 12,801 tokens/s; 1024: batch 4
 without checkpointing, 13,593; one process, no Trainer, transformers 5.17).
 
-    python bench/lengths_bench.py --budget 150s
+    python bench/lengths_bench.py --budget 180s
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from common import GIB, save
-from search_bench import run_search
+from search_bench import run_search, search_args
 
 from autofit.report import best_of, best_per_length
 from autofit.result import ProbeResult
@@ -24,14 +23,8 @@ REFERENCE = {4096: 12801, 2048: 13382, 1024: 13593}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama2-7b")
-    p.add_argument("--space", default="bench/spaces/s3-lengths.yaml")
+    p = search_args("bench/spaces/s3-lengths.yaml", "180s", "search-s3-lengths")
     p.add_argument("--limit", default="40GiB")
-    p.add_argument("--budget", default="150s")
-    p.add_argument("--max-probe-accumulation", default="2")
-    p.add_argument("--name", default="search-s3-lengths")
-    p.add_argument("--keep", help="copy the run folder here")
     a = p.parse_args()
     run_dir, wall, summary = run_search(a.model, a.space, a.limit, a.budget,
                                         ["--max-probe-accumulation", a.max_probe_accumulation])

@@ -145,17 +145,23 @@ def rescore(prev_path: Path, runs: dict[str, Path], alts_path: Path, grid: dict)
     print(f"wrote {prev_path}")
 
 
-def main() -> None:
+def search_args(space: str, budget: str, name: str) -> argparse.ArgumentParser:
+    """The options every search benchmark takes."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama2-7b")
-    p.add_argument("--space", default="bench/spaces/s1-grid.yaml")
+    p.add_argument("--space", default=space)
+    p.add_argument("--budget", default=budget)
+    p.add_argument("--max-probe-accumulation", default="2")
+    p.add_argument("--name", default=name, help="the result file's name under bench/results/ (or $OUT)")
+    p.add_argument("--keep", help="copy each run folder here (for the benchmarks that follow)")
+    return p
+
+
+def main() -> None:
+    p = search_args("bench/spaces/s1-grid.yaml", "2m", "search-vs-grid-s1-s2")
     p.add_argument("--grid", default="bench/results/grid-s1-s2.json")
     p.add_argument("--alternatives", default="bench/results/alternatives-s1-s2.json")
     p.add_argument("--limits", default="40GiB,24GiB")
-    p.add_argument("--budget", default="2m")
-    p.add_argument("--max-probe-accumulation", default="2")
-    p.add_argument("--name", default="search-vs-grid-s1-s2")
-    p.add_argument("--keep", help="copy each run folder here (for export/regress runs that follow)")
     p.add_argument("--rescore", metavar="RESULT_JSON",
                    help="measure nothing: recompute the alternative figures of this result from its run "
                         "folders (--runs) and --alternatives")
