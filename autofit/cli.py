@@ -259,7 +259,7 @@ class Progress:
         from .units import format_duration, format_size
 
         r = e.result
-        outcome = r.outcome.value if r else f"skip: {e.kind}"
+        outcome = (r.outcome.value + (" (again)" if e.kind == "again" else "")) if r else f"skip: {e.kind}"
         tps = f"{r.tokens_per_s:,.0f}" if r and r.tokens_per_s else "-"
         peak = format_size(r.peak_memory_bytes) if r else "-"
         row = (str(e.number), config_brief(e.config), outcome, tps, peak, format_size(e.predicted), e.worker)
@@ -326,7 +326,7 @@ def _new_search_spec(a: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         "seed": a.seed,
         "probe": {"warmup_steps": a.warmup_steps, "timed_steps": a.timed_steps,
                   "max_probe_accumulation": a.max_probe_accumulation or None,
-                  "timeout_s": a.probe_timeout},
+                  "timeout_s": a.probe_timeout, "confirm": a.confirm},
         "versions": package_versions(),
     }
     return spec, run_dir
@@ -356,7 +356,7 @@ def cmd_search(a: argparse.Namespace) -> int:
     from .envinfo import collect, gpus
     from .rundir import model_of, read_spec, space_of, target_dict, targets_of, write_spec
     from .search import Search, SearchSettings, open_study, skipped_counts, study_rows
-    from .units import parse_duration
+    from .units import format_duration, parse_duration
 
     if a.resume:
         run_dir = Path(a.resume)
@@ -392,10 +392,10 @@ def cmd_search(a: argparse.Namespace) -> int:
         probe_timeout_s=probe["timeout_s"], warmup_steps=probe["warmup_steps"],
         timed_steps=probe["timed_steps"], max_probe_accumulation=probe["max_probe_accumulation"],
         standby=a.standby if a.standby is not None else (2 if targets[0].device == "cuda" else 1),
-        local_storage=not a.storage)
+        local_storage=not a.storage, confirm=probe.get("confirm", 1))
     if not a.json:
         print(f"autofit: searching {model.ref} on {', '.join(t.describe() for t in targets)}; "
-              f"space {space.name} ({len(space.candidates())} configs); budget {spec['budget_s'] / 60:.1f} min; "
+              f"space {space.name} ({len(space.candidates())} configs); budget {format_duration(spec['budget_s'])}; "
               f"run folder {run_dir}", file=sys.stderr)
     interrupted = False
     reason = ""
@@ -591,6 +591,10 @@ def _add_run_commands(sub: Any, fmt: Any) -> None:
     se.add_argument("--timed-steps", type=int, default=5, help="timed optimizer steps (>= 5)")
     se.add_argument("--max-probe-accumulation", type=int, default=4,
                     help="micro-steps per probed optimizer step; more are extrapolated (0: all)")
+    se.add_argument("--confirm", type=int, default=1,
+                    help="fits within 5%% of the best to measure again, in a fresh process, before one is "
+                         "called the winner (its tokens/s: the median of the runs); time for one is kept "
+                         "in the budget (default 1; 0: none)")
     se.set_defaults(func=cmd_search)
 
     ex = sub.add_parser("export", help="write the winner as a training recipe", formatter_class=fmt,

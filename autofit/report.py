@@ -231,7 +231,8 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
         cfg = best.config
         lines += ["## Winner", "",
                   f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
-                  f"**{_gib(best.peak_memory_bytes)} GiB**" + (f" of {_gib(limit)} GiB" if limit else ""), "",
+                  f"**{_gib(best.peak_memory_bytes)} GiB**" + (f" of {_gib(limit)} GiB" if limit else "")
+                  + _measured_again(best), "",
                   "| setting | value |", "|---|---|"]
         for k in KEYS:
             mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
@@ -282,6 +283,14 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
                      f"{_gib(r.peak_memory_bytes)} | {_gib(row.get('predicted_peak'))} | "
                      f"{(r.wall_seconds or 0):.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _measured_again(r: ProbeResult) -> str:
+    runs = r.extra.get("measurements") or []
+    if len(runs) < 2:
+        return ""
+    return (f" (the median of {len(runs)} runs, each in a fresh process: "
+            + ", ".join(f"{x:,.0f}" for x in runs) + " tokens/s)")
 
 
 def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:

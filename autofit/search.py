@@ -12,6 +12,7 @@ import json
 import statistics
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +32,8 @@ from .spec import TrialConfig
 LENGTH_WEIGHT = 1e7  # objective = length rank * this + tokens/s: longer length first, then speed
 INTERRUPTED = "interrupted"
 SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
+CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
+REPEAT_PREFIX = "repeat:"
 
 
 # --------------------------------------------------------------------------- the study
@@ -56,13 +59,47 @@ def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study
     return optuna.load_study(storage=store, study_name=name, sampler=sampler)
 
 
-def probe_results(trials: list[FrozenTrial]) -> list[tuple[FrozenTrial, ProbeResult]]:
-    """The probes that ran to an outcome, in trial order."""
+def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, Any]]] | None = None,
+                  ) -> list[tuple[FrozenTrial, ProbeResult]]:
+    """The probes that ran to an outcome, in trial order, each with its repeats merged in."""
     out = []
     for t in trials:
         if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs and t.state.is_finished():
-            out.append((t, ProbeResult.from_dict(t.user_attrs["result"])))
+            res = ProbeResult.from_dict(t.user_attrs["result"])
+            out.append((t, merge_repeats(res, (repeats or {}).get(t.number, []))))
     return sorted(out, key=lambda p: p[0].number)
+
+
+def repeats_of(study: optuna.Study) -> dict[int, list[dict[str, Any]]]:
+    """Repeat measurements stored on the study (`repeat:<trial>:<id>`), by trial number.
+
+    A finished trial cannot take new attributes, and a study attribute per repeat keeps
+    searches on several hosts from overwriting each other's.
+    """
+    out: dict[int, list[dict[str, Any]]] = {}
+    for key, value in study.user_attrs.items():
+        if key.startswith(REPEAT_PREFIX):
+            out.setdefault(int(key.split(":")[1]), []).append(value)
+    return out
+
+
+def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResult:
+    """A fit measured again: tokens/s becomes the median of the runs and the peak the largest;
+    a repeat that runs out of memory makes the config not fit. Other failures are ignored."""
+    if not repeats or not res.outcome.is_fit():
+        return res
+    again = [ProbeResult.from_dict(d) for d in repeats]
+    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit() and r.tokens_per_s]
+    peaks = [res.peak_memory_bytes or 0] + [r.peak_memory_bytes or 0 for r in again if r.outcome.is_fit()]
+    res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
+    res.tokens_per_s = statistics.median(runs)
+    res.peak_memory_bytes = max(peaks) or res.peak_memory_bytes
+    memory = [r for r in again if r.outcome.is_memory()]
+    if memory:
+        res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
+        res.peak_memory_bytes = max(res.peak_memory_bytes or 0, memory[0].peak_memory_bytes or 0) or None
+        res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
+    return res
 
 
 # --------------------------------------------------------------------------- what is known
@@ -82,10 +119,10 @@ class Knowledge:
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], space: Space, model: ModelSource, usable: int | None,
-              on_gpu: bool) -> "Knowledge":
+              on_gpu: bool, repeats: dict[int, list[dict[str, Any]]] | None = None) -> "Knowledge":
         k = cls(space, model, usable, on_gpu)
         k.memory = MemoryModel(Shape.from_config(model.config), on_gpu=on_gpu)
-        k.probes = probe_results(trials)
+        k.probes = probe_results(trials, repeats)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
             if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
@@ -232,6 +269,8 @@ class SearchSettings:
     """The study lives in the run folder: RUNNING trials found at start are stale."""
     guided: bool = True
     """Alternate the sampler's proposals with the most promising untried config."""
+    confirm: int = 1
+    """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
 
 
 @dataclass
@@ -306,6 +345,8 @@ class Search:
             while any(th.is_alive() for th in threads):
                 for th in threads:
                     th.join(timeout=0.2)
+            if self.s.confirm and not self.errors:
+                self._confirm(self.s.targets[0], self.runners[0])
         except KeyboardInterrupt:
             self.stop_reason = INTERRUPTED
             self.stop.set()
@@ -335,6 +376,48 @@ class Search:
                 self.stop_reason = why
         self.stop.set()
 
+    def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
+        return Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, self.usable(target),
+                               target.device == "cuda", repeats_of(study))
+
+    def _confirm_seconds(self, know: Knowledge) -> float:
+        """Time to keep back for measuring the best fit again."""
+        best = know.best()
+        if not self.s.confirm or best is None or len(best.extra.get("measurements", [])) > 1:
+            return 0.0
+        steps = self.s.warmup_steps + self.s.timed_steps
+        return know.estimate_seconds(TrialConfig.from_dict(best.config), steps, self.s.max_probe_accumulation) or 0.0
+
+    def _confirm(self, target: Target, runner: Runner) -> None:
+        """Measure again, in a fresh process, the fits within CONFIRM_BAND of the best at its length,
+        best first, up to `confirm` of them and while the budget allows: one noisy probe (a
+        launch-bound config moves 10-15% between processes) should not pick the winner alone."""
+        study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
+        steps = self.s.warmup_steps + self.s.timed_steps
+        for _ in range(self.s.confirm):
+            know = self._knowledge(study, target)
+            best = know.best()
+            if best is None:
+                return
+            close = [(t, r) for t, r in know.probes
+                     if r.outcome.is_fit() and len(r.extra.get("measurements", [])) < 2
+                     and r.config["max_length"] == best.config["max_length"]
+                     and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
+            if not close:
+                return
+            t, r = max(close, key=lambda p: p[1].tokens_per_s or 0)
+            cfg = TrialConfig.from_dict(r.config)
+            left = self.deadline - time.monotonic()
+            est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
+            if est is None or est > left:
+                return
+            res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
+                             timeout=min(self.s.probe_timeout_s, left))
+            study.set_user_attr(f"{REPEAT_PREFIX}{t.number}:{uuid.uuid4().hex[:8]}", res.to_dict())
+            merged = merge_repeats(ProbeResult.from_dict(t.user_attrs["result"]), [res.to_dict()])
+            self._event(t.number, target, cfg, "again", merged, t.user_attrs.get("predicted_peak"),
+                        res.reason, self._knowledge(study, target).best())
+
     def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
         usable = self.usable(target)
         steps = self.s.warmup_steps + self.s.timed_steps
@@ -343,8 +426,7 @@ class Search:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 return self._finish("budget spent")
-            know = Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, usable,
-                                   target.device == "cuda")
+            know = self._knowledge(study, target)
             viable = know.viable(self.candidates)
             if not viable:
                 return self._finish("no remaining configuration can win")
@@ -374,10 +456,12 @@ class Search:
             streak = 0
             probed += 1
             est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
-            if est is not None and est > left:
+            keep = self._confirm_seconds(know)
+            if est is not None and est > left - keep:
                 trial.set_user_attr("kind", "budget")
                 study.tell(trial, state=TrialState.FAIL)
-                return self._finish("budget: the next probe would not finish in time")
+                return self._finish("budget: the next probe would not finish in time"
+                                    + (" (time is kept to measure the best again)" if keep else ""))
             trial.set_user_attr("kind", "probe")
             trial.set_user_attr("predicted_peak", predicted)
             res = runner.run(cfg, self.s.model, name=f"trial-{trial.number:04d}",
@@ -478,7 +562,7 @@ def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[fl
     starts = [t.datetime_start for t in trials if t.datetime_start]
     t0 = min(starts) if starts else None
     rows, timeline = [], []
-    for t, res in probe_results(trials):
+    for t, res in probe_results(trials, repeats_of(study)):
         rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
                      **res.to_dict()})
         if res.outcome.is_fit() and t.datetime_complete and t0:

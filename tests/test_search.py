@@ -172,6 +172,45 @@ def test_configs_that_cannot_beat_the_best_on_speed_are_not_probed() -> None:
     know = Knowledge.build(trials, space, resolve_model("llama2-7b"), 38 * 2**30, on_gpu=True)
     assert verdict("on", 3) == ("probe", "")
 
+
+def test_the_winner_is_measured_again_in_a_fresh_process(tiny_run: Path) -> None:
+    """--confirm 1 (the default): the best fit runs a second time; the report gives the median."""
+    best = json.loads((tiny_run / "best.json").read_text())
+    runs = best["extra"]["measurements"]
+    assert len(runs) == 2 and all(r > 0 for r in runs)
+    assert best["tokens_per_s"] == pytest.approx(sum(runs) / 2, rel=1e-3)
+    spec = read_spec(tiny_run)
+    study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
+    again = [k for k in study.user_attrs if k.startswith(f"repeat:{best_trial(tiny_run, best)}:")]
+    assert len(again) == 1
+    assert "the median of 2 runs" in (tiny_run / "report.md").read_text()
+    # the repeat is not a second probe row: trials.jsonl keeps one row per config
+    assert len(finished_keys(read_trials(tiny_run))) == len(set(finished_keys(read_trials(tiny_run))))
+
+
+def best_trial(run: Path, best: dict) -> int:
+    return next(t["trial"] for t in read_trials(run) if t["config"] == best["config"])
+
+
+def test_a_repeat_sets_the_figures_and_a_repeat_oom_means_no_fit() -> None:
+    from autofit.result import Outcome, ProbeResult
+    from autofit.search import merge_repeats
+
+    cfg = {"max_length": 2048, "micro_batch_size": 1}
+
+    def fit(tps: float, peak: int) -> ProbeResult:
+        return ProbeResult(Outcome.FIT, cfg, tokens_per_s=tps, peak_memory_bytes=peak)
+
+    merged = merge_repeats(fit(9925.0, 20), [fit(11401.0, 22).to_dict()])
+    assert merged.outcome is Outcome.FIT and merged.tokens_per_s == pytest.approx(10663.0)
+    assert merged.peak_memory_bytes == 22 and merged.extra["measurements"] == [9925.0, 11401.0]
+    crash = ProbeResult(Outcome.CRASH, cfg, reason="killed")
+    assert merge_repeats(fit(9925.0, 20), [crash.to_dict()]).tokens_per_s == 9925.0  # a failed repeat says nothing
+    oom = ProbeResult(Outcome.OOM, cfg, peak_memory_bytes=30, reason="CUDA out of memory")
+    edge = merge_repeats(fit(9925.0, 20), [oom.to_dict()])
+    assert edge.outcome is Outcome.OOM and edge.peak_memory_bytes == 30
+    assert edge.reason.startswith("fit once, out of memory when measured again")
+
 # ----------------------------------------------------------------------------- budget, resume, workers
 
 
