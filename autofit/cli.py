@@ -652,6 +652,9 @@ def _check_probe_args(a: argparse.Namespace) -> None:
         problems.append("--timed-steps: at least 5 timed steps give a median worth reporting.")
     if getattr(a, "timeout", 1) <= 0:
         problems.append("--timeout: give a positive number of seconds.")
+    if getattr(a, "confirm", 0) < 0:
+        problems.append(f"--confirm: {a.confirm} is negative; give how many of the best fits to measure "
+                        "again (0 for none, default 1).")
     if problems:
         raise UsageError(problems)
 

@@ -348,6 +348,7 @@ def test_a_malformed_space_lists_every_problem_at_once(tmp_path: Path) -> None:
     (["--resume", "/nonexistent/run"], "--resume: no such folder"),
     (["--space", "cpu-demo"], "--model is required"),
     (["--model", "tiny-llama", "--gpu", "3"], "--gpu: GPU 3 does not exist"),
+    (["--model", "tiny-llama", "--confirm", "-1"], "--confirm: -1 is negative"),
 ])
 def test_bad_search_flags_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     proc = run_cli("search", *args, "--out", str(tmp_path), cwd=tmp_path)
