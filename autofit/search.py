@@ -90,14 +90,13 @@ def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResul
         return res
     again = [ProbeResult.from_dict(d) for d in repeats]
     runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit() and r.tokens_per_s]
-    peaks = [res.peak_memory_bytes or 0] + [r.peak_memory_bytes or 0 for r in again if r.outcome.is_fit()]
     res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
     res.tokens_per_s = statistics.median(runs)
-    res.peak_memory_bytes = max(peaks) or res.peak_memory_bytes
+    counted = [res] + [r for r in again if r.outcome.is_fit() or r.outcome.is_memory()]
+    res.peak_memory_bytes = max(r.peak_memory_bytes or 0 for r in counted) or None
     memory = [r for r in again if r.outcome.is_memory()]
     if memory:
         res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
-        res.peak_memory_bytes = max(res.peak_memory_bytes or 0, memory[0].peak_memory_bytes or 0) or None
         res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
     return res
 
@@ -380,20 +379,21 @@ class Search:
         return Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, self.usable(target),
                                target.device == "cuda", repeats_of(study))
 
+    def _estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
+        return know.estimate_seconds(cfg, self.s.warmup_steps + self.s.timed_steps, self.s.max_probe_accumulation)
+
     def _confirm_seconds(self, know: Knowledge) -> float:
         """Time to keep back for measuring the best fit again."""
         best = know.best()
         if not self.s.confirm or best is None or len(best.extra.get("measurements", [])) > 1:
             return 0.0
-        steps = self.s.warmup_steps + self.s.timed_steps
-        return know.estimate_seconds(TrialConfig.from_dict(best.config), steps, self.s.max_probe_accumulation) or 0.0
+        return self._estimate(know, TrialConfig.from_dict(best.config)) or 0.0
 
     def _confirm(self, target: Target, runner: Runner) -> None:
         """Measure again, in a fresh process, the fits within CONFIRM_BAND of the best at its length,
         best first, up to `confirm` of them and while the budget allows: one noisy probe (a
         launch-bound config moves 10-15% between processes) should not pick the winner alone."""
         study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
-        steps = self.s.warmup_steps + self.s.timed_steps
         for _ in range(self.s.confirm):
             know = self._knowledge(study, target)
             best = know.best()
@@ -408,7 +408,7 @@ class Search:
             t, r = max(close, key=lambda p: p[1].tokens_per_s or 0)
             cfg = TrialConfig.from_dict(r.config)
             left = self.deadline - time.monotonic()
-            est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
+            est = self._estimate(know, cfg)
             if est is None or est > left:
                 return
             res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
@@ -420,7 +420,6 @@ class Search:
 
     def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
         usable = self.usable(target)
-        steps = self.s.warmup_steps + self.s.timed_steps
         streak = probed = 0
         while not self.stop.is_set():
             left = self.deadline - time.monotonic()
@@ -455,7 +454,7 @@ class Search:
                 continue
             streak = 0
             probed += 1
-            est = know.estimate_seconds(cfg, steps, self.s.max_probe_accumulation)
+            est = self._estimate(know, cfg)
             keep = self._confirm_seconds(know)
             if est is not None and est > left - keep:
                 trial.set_user_attr("kind", "budget")

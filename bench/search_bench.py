@@ -47,8 +47,23 @@ def run_search(model: str, space: str, limit: str, budget: str, extra: list[str]
     return run_dir, wall, summary
 
 
-def time_to_reach(run_dir: Path, target: float | None, launch_overhead: float) -> float | None:
-    """Seconds from the `autofit search` command's start until the best-so-far first reached target.
+def study_timeline(run_dir: Path) -> tuple[list[tuple[float, float]], float]:
+    """From the stored study: the fits' timeline (seconds since the first probe's start, tokens/s)
+    and the span from the first probe's start to the last probe's end."""
+    from autofit.rundir import read_spec
+    from autofit.search import open_study, study_rows
+
+    spec = read_spec(run_dir)
+    study = open_study(spec["storage"], spec["study_name"], create=False, seed=spec.get("seed", 0))
+    trials = study.get_trials(deepcopy=False)
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    ends = [t.datetime_complete for t in trials if t.datetime_complete]
+    span = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
+    return study_rows(study)[1], span
+
+
+def time_to_reach(timeline: list[tuple[float, float]], target: float | None, launch_overhead: float) -> float | None:
+    """Seconds from the `autofit search` command's start until the best-so-far first reached 97% of target.
 
     The study's timeline counts from the first probe's start; launch_overhead (the search's wall time
     minus the span of its probes: start-up, standby imports, writing outputs) is added, so the figure
@@ -56,12 +71,6 @@ def time_to_reach(run_dir: Path, target: float | None, launch_overhead: float) -
     """
     if not target:
         return None
-    from autofit.rundir import read_spec
-    from autofit.search import open_study, study_rows
-
-    spec = read_spec(run_dir)
-    _, timeline = study_rows(open_study(spec["storage"], spec["study_name"], create=False,
-                                        seed=spec.get("seed", 0)))
     best = 0.0
     for t, v in timeline:
         best = max(best, v)
@@ -70,34 +79,22 @@ def time_to_reach(run_dir: Path, target: float | None, launch_overhead: float) -
     return None
 
 
-def probe_span(run_dir: Path) -> float:
-    """Seconds from the first probe's start to the last probe's end, from the stored study."""
-    from autofit.rundir import read_spec
-    from autofit.search import open_study
-
-    spec = read_spec(run_dir)
-    trials = open_study(spec["storage"], spec["study_name"], create=False,
-                        seed=spec.get("seed", 0)).get_trials(deepcopy=False)
-    starts = [t.datetime_start for t in trials if t.datetime_start]
-    ends = [t.datetime_complete for t in trials if t.datetime_complete]
-    return (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
-
-
 def alternative_figures(best_tps: float | None, alt_here: list[dict], run_dir: Path, wall: float) -> dict:
     """autofit against auto_find_batch_size: ratios, and how soon the search matched the best pick."""
     good = [x for x in alt_here if x.get("keeps_headroom") and x.get("tokens_per_s")]
     target_alt = max((x["tokens_per_s"] for x in good), default=None)
     any_alt = max((x["tokens_per_s"] for x in alt_here if x.get("tokens_per_s")), default=None)
-    overhead = max(wall - probe_span(run_dir), 0.0)
+    timeline, span = study_timeline(run_dir)
+    overhead = max(wall - span, 0.0)
     return {
         "alternatives": alt_here,
         "ratio_vs_alternatives": {f"auto_find_batch_size ckpt={'on' if x['checkpointing'] else 'off'}":
                                   (best_tps or 0) / x["tokens_per_s"] if x.get("tokens_per_s") else None
                                   for x in alt_here},
         "best_alternative_keeping_headroom": target_alt,
-        "seconds_to_97pct_of_best_alternative": time_to_reach(run_dir, target_alt, overhead),
+        "seconds_to_97pct_of_best_alternative": time_to_reach(timeline, target_alt, overhead),
         "best_alternative_ignoring_headroom": any_alt,
-        "seconds_to_97pct_of_best_alternative_ignoring_headroom": time_to_reach(run_dir, any_alt, overhead),
+        "seconds_to_97pct_of_best_alternative_ignoring_headroom": time_to_reach(timeline, any_alt, overhead),
         "seconds_counted_from": "the search command's start (upper bound: start-up and output writing "
                                 "are added to the probes' timeline)",
         "target_seconds_to_97pct": 180,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..recipe import learning_rate
 from .common import ExportRun, Rendered, yaml_recipe
 from .yaml_targets import AXOLOTL
 
@@ -29,7 +30,7 @@ def render(r: ExportRun) -> Rendered:
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "max_steps": 1000,
         "optimizer": cfg.optimizer,
-        "learning_rate": 2e-4 if cfg.method == "lora" else 2e-5,
+        "learning_rate": learning_rate(cfg),
         "bf16": cfg.precision == "bf16",
         "fp16": cfg.precision == "fp16",
         "tf32": False,

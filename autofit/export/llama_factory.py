@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..recipe import learning_rate
 from .common import ExportRun, Rendered, yaml_recipe
 from .yaml_targets import LLAMA_FACTORY
 
@@ -30,7 +31,7 @@ def render(r: ExportRun) -> Rendered:
         "packing": True,  # full cutoff_len blocks, as measured
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "learning_rate": 2e-4 if cfg.method == "lora" else 2e-5,
+        "learning_rate": learning_rate(cfg),
         "max_steps": 1000,
         "bf16": cfg.precision == "bf16",
         "fp16": cfg.precision == "fp16",
