@@ -594,7 +594,8 @@ def _add_run_commands(sub: Any, fmt: Any) -> None:
     se.add_argument("--confirm", type=int, default=1,
                     help="fits within 5%% of the best to measure again, in a fresh process, before one is "
                          "called the winner (its tokens/s: the median of the runs); time for one is kept "
-                         "in the budget (default 1; 0: none)")
+                         "in the budget; a best that a repeat leaves unmeasured-again is measured too "
+                         "(default 1; 0: none)")
     se.set_defaults(func=cmd_search)
 
     ex = sub.add_parser("export", help="write the winner as a training recipe", formatter_class=fmt,

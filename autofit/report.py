@@ -288,7 +288,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
 def _measured_again(r: ProbeResult) -> str:
     runs = r.extra.get("measurements") or []
     if len(runs) < 2:
-        return ""
+        return " (one probe: not measured again, so timing noise is not averaged out)"
     return (f" (the median of {len(runs)} runs, each in a fresh process: "
             + ", ".join(f"{x:,.0f}" for x in runs) + " tokens/s)")
 

@@ -215,6 +215,24 @@ class Knowledge:
             return "slower", f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best {best.tokens_per_s:,.0f}"
         return "probe", ""
 
+    def to_confirm(self, done: int, limit: int) -> tuple[FrozenTrial, ProbeResult, bool] | None:
+        """The next fit to measure again, with whether it is the best: the best while it has been
+        measured once (also when an earlier repeat demoted another), else, until `limit` repeats
+        are done, the fastest fit measured once within CONFIRM_BAND of the best at its length."""
+        best = self.best()
+        if best is None:
+            return None
+        once = [(t, r) for t, r in self.probes
+                if r.outcome.is_fit() and len(r.extra.get("measurements", [])) < 2
+                and r.config["max_length"] == best.config["max_length"]
+                and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
+        is_best = [(t, r) for t, r in once if r.config == best.config]
+        pool = is_best or (once if done < limit else [])
+        if not pool:
+            return None
+        t, r = max(pool, key=lambda p: p[1].tokens_per_s or 0)
+        return t, r, bool(is_best)
+
     def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
         return [c for c in candidates if self.verdict(c)[0] == "probe"]
 
@@ -369,6 +387,10 @@ class Search:
             self.errors.append(e)
             self.stop.set()
 
+    def _finish_note(self, note: str) -> None:
+        with self.lock:
+            self.stop_reason = f"{self.stop_reason or 'done'}; {note}"
+
     def _finish(self, why: str) -> None:
         with self.lock:
             if not self.stop_reason:
@@ -382,37 +404,42 @@ class Search:
     def _estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
         return know.estimate_seconds(cfg, self.s.warmup_steps + self.s.timed_steps, self.s.max_probe_accumulation)
 
-    def _confirm_seconds(self, know: Knowledge) -> float:
-        """Time to keep back for measuring the best fit again."""
-        best = know.best()
-        if not self.s.confirm or best is None or len(best.extra.get("measurements", [])) > 1:
+    def _confirm_seconds(self, know: Knowledge, cfg: TrialConfig) -> float:
+        """Time to keep back, beside probing cfg, for measuring the best fit again: the current
+        best's repeat, or cfg's own if it is longer, since cfg may become the best."""
+        if not self.s.confirm:
             return 0.0
-        return self._estimate(know, TrialConfig.from_dict(best.config)) or 0.0
+        best = know.best()
+        keep = 0.0
+        if best is not None and len(best.extra.get("measurements", [])) < 2:
+            keep = self._estimate(know, TrialConfig.from_dict(best.config)) or 0.0
+        return max(keep, self._estimate(know, cfg) or 0.0)
 
     def _confirm(self, target: Target, runner: Runner) -> None:
-        """Measure again, in a fresh process, the fits within CONFIRM_BAND of the best at its length,
-        best first, up to `confirm` of them and while the budget allows: one noisy probe (a
-        launch-bound config moves 10-15% between processes) should not pick the winner alone."""
+        """Measure again, in a fresh process, the `confirm` fastest fits within CONFIRM_BAND of the
+        best at its length, while the budget allows: one noisy probe (a launch-bound config moves
+        10-15% between processes) should not pick the winner alone. A repeat can demote the best
+        (its median falls below a runner-up's single figure); the new best is then measured
+        again too, so the winner is never a config measured once beside one measured twice."""
         study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
-        for _ in range(self.s.confirm):
+        repeated: set[int] = set()
+        while True:
             know = self._knowledge(study, target)
-            best = know.best()
-            if best is None:
+            pick = know.to_confirm(len(repeated), self.s.confirm)
+            if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
                 return
-            close = [(t, r) for t, r in know.probes
-                     if r.outcome.is_fit() and len(r.extra.get("measurements", [])) < 2
-                     and r.config["max_length"] == best.config["max_length"]
-                     and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
-            if not close:
-                return
-            t, r = max(close, key=lambda p: p[1].tokens_per_s or 0)
+            t, r, is_best = pick
             cfg = TrialConfig.from_dict(r.config)
             left = self.deadline - time.monotonic()
             est = self._estimate(know, cfg)
             if est is None or est > left:
+                if is_best:
+                    self._finish_note(f"the best fit was measured once: measuring it again needs about "
+                                      f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
                 return
             res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
                              timeout=min(self.s.probe_timeout_s, left))
+            repeated.add(t.number)
             study.set_user_attr(f"{REPEAT_PREFIX}{t.number}:{uuid.uuid4().hex[:8]}", res.to_dict())
             merged = merge_repeats(ProbeResult.from_dict(t.user_attrs["result"]), [res.to_dict()])
             self._event(t.number, target, cfg, "again", merged, t.user_attrs.get("predicted_peak"),
@@ -455,7 +482,7 @@ class Search:
             streak = 0
             probed += 1
             est = self._estimate(know, cfg)
-            keep = self._confirm_seconds(know)
+            keep = self._confirm_seconds(know, cfg)
             if est is not None and est > left - keep:
                 trial.set_user_attr("kind", "budget")
                 study.tell(trial, state=TrialState.FAIL)
