@@ -1,0 +1,100 @@
+"""`autofit search` against the grid's leaders measured again on the same machine, in one session.
+
+Launch-bound configs (micro-batch 1 at length 2048, S2's winners) move by up to 14% between
+GPU sessions, so a search on one machine against a grid measured on another compares the
+machines as much as the configs. The full grid takes ~500 s; this script re-measures only
+the grid's leaders under the limit (the N fastest fits by the committed grid), then runs the
+search over the same space, both in one session, and compares the search's best with the best
+leader as measured now.
+
+    python bench/same_session.py --limit 24GiB --leaders 2 --budget 80s
+    python bench/same_session.py --model tiny-llama --device cpu --space search_spaces/cpu-demo.yaml \
+        --grid GRID.json --limit 200MiB --budget 40s          # dry run on the CPU
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from common import GIB, brief, out_dir, save
+from search_bench import run_search, search_args
+
+from autofit.cli import resolve_targets
+from autofit.models import resolve_model
+from autofit.report import config_brief
+from autofit.runner import Runner
+from autofit.space import load_space
+from autofit.spec import TrialConfig
+
+
+def leaders(grid: dict, limit: str, n: int) -> list[dict]:
+    """The n fastest fits of the grid whose measured peak is inside the limit's usable memory."""
+    usable = grid["scenarios"][limit]["usable_bytes"]
+    fits = [pt for pt in grid["points"] if pt["outcome"] == "fit" and pt["peak_memory_bytes"] <= usable]
+    return sorted(fits, key=lambda pt: -pt["tokens_per_s"])[:n]
+
+
+def main() -> None:
+    p = search_args("bench/spaces/s1-grid.yaml", "80s", "search-vs-grid-leaders-s2-same-session")
+    p.add_argument("--grid", default="bench/results/grid-s1-s2.json")
+    p.add_argument("--limit", default="24GiB")
+    p.add_argument("--leaders", type=int, default=2)
+    p.add_argument("--device")
+    a = p.parse_args()
+    grid = json.loads(Path(a.grid).read_text())
+    target = resolve_targets(None, a.device, a.limit)[0]
+    model = resolve_model(a.model)
+    by_key = {c.key(): c for c in load_space(a.space).candidates()}
+    figures: dict = {"model": a.model, "space": a.space, "budget": a.budget, "limit": a.limit,
+                     "grid_file": Path(a.grid).name, "grid_date": grid.get("date"), "leaders": []}
+    t0 = time.monotonic()
+    with Runner(target, Path(tempfile.mkdtemp()), standby=1,
+                max_probe_accumulation=int(a.max_probe_accumulation)) as runner:
+        runner.warm_up()
+        for i, pt in enumerate(leaders(grid, a.limit, a.leaders)):
+            cfg = by_key[pt["key"]]
+            res = runner.run(cfg, model, name=f"leader-{i}", timeout=300)
+            row = {"key": pt["key"], "grid_tokens_per_s": pt["tokens_per_s"], "now": brief(res)}
+            figures["leaders"].append(row)
+            print(f"leader {i}: {config_brief(res.config)}  grid {pt['tokens_per_s']:,.0f}  now "
+                  f"{res.tokens_per_s or 0:,.0f} tok/s ({res.outcome.value})", flush=True)
+            (out_dir() / f"{a.name}.partial.json").write_text(json.dumps(figures, indent=1))
+    figures["leaders_wall_seconds"] = time.monotonic() - t0
+    run_dir, wall, summary = run_search(a.model, a.space, a.limit, a.budget,
+                                        ["--max-probe-accumulation", a.max_probe_accumulation]
+                                        + (["--device", a.device] if a.device else []))
+    best = summary.get("best") or {}
+    now = [r for r in figures["leaders"] if r["now"]["outcome"] == "fit"]
+    top = max((r["now"] for r in now), key=lambda r: r["tokens_per_s"]) if now else None
+    pick_key = TrialConfig.from_dict(best["config"]).key() if best.get("config") else None
+    same = next((r for r in now if r["key"] == pick_key), None)
+    rows = [json.loads(x) for x in (run_dir / "trials.jsonl").read_text().splitlines() if x.strip()]
+    figures.update({
+        "run_id": run_dir.name,
+        "stop_reason": summary.get("stop_reason"),
+        "search_wall_seconds": wall,
+        "probes_run": len(rows),
+        "search_best_tokens_per_s": best.get("tokens_per_s"),
+        "search_best_measurements": (best.get("extra") or {}).get("measurements"),
+        "search_best_config": best.get("config"),
+        "search_best_peak_gib": (best.get("peak_memory_bytes") or 0) / GIB,
+        "best_leader_now_tokens_per_s": top and top["tokens_per_s"],
+        "best_leader_now_config": top and top["config"],
+        "ratio_search_over_best_leader_now": (best.get("tokens_per_s") or 0) / top["tokens_per_s"] if top else None,
+        "search_pick_is_a_leader": same is not None,
+        "search_pick_now_as_leader_tokens_per_s": same and same["now"]["tokens_per_s"],
+        "target_ratio": 0.97,
+        "note": "leaders: the grid's fastest fits under the limit, re-measured in this session before the search",
+    })
+    save(a.name, figures)
+    import shutil
+
+    shutil.make_archive(str(out_dir() / f"{a.name}-run"), "gztar", run_dir)
+    print(json.dumps({k: v for k, v in figures.items() if k != "leaders"}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
