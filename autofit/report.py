@@ -286,7 +286,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
 
 
 def _measured_again(r: ProbeResult) -> str:
-    runs = r.extra.get("measurements") or []
+    runs = r.measurements
     if len(runs) < 2:
         return " (one probe: not measured again, so timing noise is not averaged out)"
     return (f" (the median of {len(runs)} runs, each in a fresh process: "

@@ -25,7 +25,6 @@ class Outcome(str, enum.Enum):
         return self in (Outcome.OOM, Outcome.HOST_OOM)
 
 
-
 @dataclass
 class ProbeResult:
     """One probe's measurements. Sizes in bytes, times in seconds."""
@@ -68,6 +67,11 @@ class ProbeResult:
     log_path: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measurements(self) -> list[float]:
+        """tokens/s of each run of this config: more than one once the search measured it again."""
+        return self.extra.get("measurements") or ([self.tokens_per_s] if self.tokens_per_s else [])
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

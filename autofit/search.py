@@ -223,7 +223,7 @@ class Knowledge:
         if best is None:
             return None
         once = [(t, r) for t, r in self.probes
-                if r.outcome.is_fit() and len(r.extra.get("measurements", [])) < 2
+                if r.outcome.is_fit() and len(r.measurements) < 2
                 and r.config["max_length"] == best.config["max_length"]
                 and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
         is_best = [(t, r) for t, r in once if r.config == best.config]
@@ -411,7 +411,7 @@ class Search:
             return 0.0
         best = know.best()
         keep = 0.0
-        if best is not None and len(best.extra.get("measurements", [])) < 2:
+        if best is not None and len(best.measurements) < 2:
             keep = self._estimate(know, TrialConfig.from_dict(best.config)) or 0.0
         return max(keep, self._estimate(know, cfg) or 0.0)
 
@@ -423,8 +423,8 @@ class Search:
         again too, so the winner is never a config measured once beside one measured twice."""
         study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
         repeated: set[int] = set()
+        know = self._knowledge(study, target)
         while True:
-            know = self._knowledge(study, target)
             pick = know.to_confirm(len(repeated), self.s.confirm)
             if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
                 return
@@ -441,9 +441,10 @@ class Search:
                              timeout=min(self.s.probe_timeout_s, left))
             repeated.add(t.number)
             study.set_user_attr(f"{REPEAT_PREFIX}{t.number}:{uuid.uuid4().hex[:8]}", res.to_dict())
-            merged = merge_repeats(ProbeResult.from_dict(t.user_attrs["result"]), [res.to_dict()])
+            know = self._knowledge(study, target)
+            merged = next(m for u, m in know.probes if u.number == t.number)
             self._event(t.number, target, cfg, "again", merged, t.user_attrs.get("predicted_peak"),
-                        res.reason, self._knowledge(study, target).best())
+                        res.reason, know.best())
 
     def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
         usable = self.usable(target)
@@ -550,8 +551,7 @@ class Search:
             return
         if res.outcome.is_fit():
             peak = res.peak_memory_bytes or 0
-            value = (peak / usable - 1) if usable else -1.0
-            _constrain(trial, value)
+            _constrain(trial, (peak / usable - 1) if usable else -1.0)
             study.tell(trial, objective(cfg, res, self.s.space))
             return
         over = 1.0

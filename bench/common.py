@@ -42,6 +42,11 @@ def save(name: str, figures: dict[str, Any]) -> Path:
     return path
 
 
+def read_trials(run_dir: Path) -> list[dict[str, Any]]:
+    """A run folder's probe rows (trials.jsonl), one dict per probe."""
+    return [json.loads(x) for x in (run_dir / "trials.jsonl").read_text().splitlines() if x.strip()]
+
+
 def brief(res: Any) -> dict[str, Any]:
     """The figures of a ProbeResult worth keeping in a benchmark file."""
     d = res.to_dict()

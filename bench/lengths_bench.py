@@ -11,9 +11,10 @@ without checkpointing, 13,593; one process, no Trainer, transformers 5.17).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-from common import GIB, save
+from common import GIB, read_trials, save
 from search_bench import run_search, search_args
 
 from autofit.report import best_of, best_per_length
@@ -29,11 +30,8 @@ def main() -> None:
     run_dir, wall, summary = run_search(a.model, a.space, a.limit, a.budget,
                                         ["--max-probe-accumulation", a.max_probe_accumulation])
     if a.keep:
-        import shutil
-
         shutil.copytree(run_dir, Path(a.keep) / "run-s3", dirs_exist_ok=True)
-    rows = [ProbeResult.from_dict(json.loads(x)) for x in (run_dir / "trials.jsonl").read_text().splitlines()
-            if x.strip()]
+    rows = [ProbeResult.from_dict(d) for d in read_trials(run_dir)]
     best = best_of(rows)
     per_length = {
         L: {"tokens_per_s": r.tokens_per_s, "peak_gib": round((r.peak_memory_bytes or 0) / GIB, 2),

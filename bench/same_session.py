@@ -15,11 +15,12 @@ leader as measured now.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from common import GIB, brief, out_dir, save
+from common import GIB, brief, out_dir, read_trials, save
 from search_bench import run_search, search_args
 
 from autofit.cli import resolve_targets
@@ -71,7 +72,7 @@ def main() -> None:
     top = max((r["now"] for r in now), key=lambda r: r["tokens_per_s"]) if now else None
     pick_key = TrialConfig.from_dict(best["config"]).key() if best.get("config") else None
     same = next((r for r in now if r["key"] == pick_key), None)
-    rows = [json.loads(x) for x in (run_dir / "trials.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_trials(run_dir)
     figures.update({
         "run_id": run_dir.name,
         "stop_reason": summary.get("stop_reason"),
@@ -90,8 +91,6 @@ def main() -> None:
         "note": "leaders: the grid's fastest fits under the limit, re-measured in this session before the search",
     })
     save(a.name, figures)
-    import shutil
-
     shutil.make_archive(str(out_dir() / f"{a.name}-run"), "gztar", run_dir)
     print(json.dumps({k: v for k, v in figures.items() if k != "leaders"}, indent=1, default=str))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import GIB, save
+from common import GIB, read_trials, save
 
 from autofit.units import parse_size
 
@@ -177,11 +178,9 @@ def main() -> None:
         run_dir, wall, summary = run_search(a.model, a.space, limit, a.budget,
                                             ["--max-probe-accumulation", a.max_probe_accumulation])
         if a.keep:
-            import shutil
-
             dest = Path(a.keep) / f"run-{limit}"
             shutil.copytree(run_dir, dest, dirs_exist_ok=True)
-        rows = [json.loads(x) for x in (run_dir / "trials.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_trials(run_dir)
         best = summary.get("best") or {}
         g = grid["scenarios"][limit]
         grid_best = g["best"]["tokens_per_s"] if g["best"] else None
