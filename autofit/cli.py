@@ -12,6 +12,7 @@ from typing import Any, Callable
 from .errors import AutofitError, NothingFits, UsageError
 from .models import PRESET_HELP, PRESETS
 from .spec import KEYS
+from .target import resolve_targets
 
 
 def _console() -> Any:
@@ -39,45 +40,6 @@ def gather(*steps: Callable[[], Any]) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- targets
-
-
-def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | None,
-                    headroom: float = 0.05) -> list[Any]:
-    """--gpu / --device / --memory-limit -> one Target per worker."""
-    from .envinfo import gpus
-    from .runner import Target
-    from .units import parse_size
-
-    limit = parse_size(memory_limit) if memory_limit else None
-    if not 0 <= headroom < 0.5:
-        raise UsageError(f"--headroom: {headroom} is out of range; expected a fraction such as 0.05.")
-    if device not in (None, "cpu", "cuda"):
-        raise UsageError(f"--device: {device!r} is not known; expected cpu or cuda.")
-    if gpu is not None and device == "cpu":
-        raise UsageError("--gpu and --device cpu contradict each other; give one of them.")
-    found = {g.index: g for g in gpus()} if device != "cpu" else {}
-    if gpu is None and (device == "cpu" or not found):
-        if device == "cuda":
-            raise UsageError("--device cuda: no NVIDIA GPU is visible here; use --device cpu.")
-        return [Target("cpu", None, "", limit, headroom)]
-    try:
-        wanted = [int(x) for x in (gpu or "0").split(",") if x.strip() != ""]
-    except ValueError:
-        raise UsageError(f"--gpu: {gpu!r} is not a GPU index list; expected for example 0 or 0,1.") from None
-    if not wanted or len(set(wanted)) != len(wanted):
-        raise UsageError(f"--gpu: {gpu!r} must name each GPU once, for example 0 or 0,1.")
-    problems = []
-    for i in wanted:
-        if i not in found:
-            have = ", ".join(str(k) for k in sorted(found)) or "none"
-            problems.append(f"--gpu: GPU {i} does not exist here (GPUs: {have}); "
-                            "see `autofit env`, or use --device cpu.")
-        elif limit and limit > found[i].memory_bytes:
-            problems.append(f"--memory-limit: {memory_limit} is more than GPU {i} has "
-                            f"({found[i].memory_bytes / 2**30:.1f} GiB); give a smaller limit.")
-    if problems:
-        raise UsageError(problems)
-    return [Target("cuda", i, found[i].name, limit, headroom) for i in wanted]
 
 
 def _add_target_flags(p: argparse.ArgumentParser) -> None:
@@ -487,7 +449,7 @@ def cmd_regress(a: argparse.Namespace) -> int:
     from . import regress
     from .errors import RegressionFound
     from .rundir import model_of, read_spec, targets_of
-    from .runner import Target
+    from .target import Target
 
     run_dir = Path(a.run)
     spec = read_spec(run_dir)

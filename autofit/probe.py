@@ -30,11 +30,11 @@ from typing import Any
 from . import recipe
 from .envinfo import package_versions
 from .models import ModelSource
+from .protocol import READY
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
 
-READY = "autofit-standby-ready"
 
 
 class Unsupported(Exception):

@@ -20,7 +20,8 @@ from .envinfo import collect
 from .errors import UsageError
 from .models import ModelSource
 from .result import ProbeResult
-from .runner import Runner, Target
+from .runner import Runner
+from .target import Target
 from .spec import TrialConfig
 
 HISTORY = "regress-history.jsonl"

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .memory import Shape, prior
+from .objective import best_of, best_per_length, ranked_fits
 from .result import Outcome, ProbeResult
 from .spec import KEYS, TrialConfig
 from .units import format_duration, format_size
@@ -63,28 +64,6 @@ def probe_summary(res: ProbeResult) -> str:
 
 COLOURS = {"fit": "tab:green", "oom": "tab:red", "host_oom": "tab:purple", "timeout": "tab:orange",
            "unstable": "tab:brown", "unsupported": "tab:gray", "crash": "black"}
-
-
-def best_of(results: list[ProbeResult]) -> ProbeResult | None:
-    """The objective: the longest length at which something fits, then the highest tokens/s."""
-    fits = [r for r in results if r.outcome.is_fit()]
-    return max(fits, key=lambda r: (r.config["max_length"], r.tokens_per_s or 0)) if fits else None
-
-
-def best_per_length(results: list[ProbeResult]) -> dict[int, ProbeResult]:
-    out: dict[int, ProbeResult] = {}
-    for r in results:
-        if r.outcome.is_fit():
-            L = r.config["max_length"]
-            if L not in out or (r.tokens_per_s or 0) > (out[L].tokens_per_s or 0):
-                out[L] = r
-    return dict(sorted(out.items(), reverse=True))
-
-
-def ranked_fits(results: list[ProbeResult]) -> list[ProbeResult]:
-    """Fits, best first, by the objective (for runners-up)."""
-    return sorted((r for r in results if r.outcome.is_fit()),
-                  key=lambda r: (r.config["max_length"], r.tokens_per_s or 0), reverse=True)
 
 
 def learning_changes(cfg: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ import yaml
 
 from .errors import UsageError
 from .models import ModelSource
-from .runner import Target
+from .target import Target
 from .space import Space, validate
 
 SPEC = "spec.yaml"

@@ -18,38 +18,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .models import ModelSource
+from .protocol import READY
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
-from .units import format_size
+from .target import Target
 
-READY = "autofit-standby-ready"
 # Tests replace the child with a small program that follows the same protocol (a CUDA OOM
 # cannot happen on a CPU machine); nothing else should set this.
 CHILD_ENV = "AUTOFIT_PROBE_COMMAND"
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where probes run: the CPU, or one GPU (physical index) with an optional memory limit."""
-
-    device: str = "cpu"
-    gpu_index: int | None = None
-    gpu_name: str = ""
-    memory_limit_bytes: int | None = None
-    headroom: float = 0.05
-
-    def describe(self, long: bool = False) -> str:
-        """`cuda:0 NVIDIA H200, 40 GiB limit`; `long` adds what memory means on the CPU (for results)."""
-        lim = f", {format_size(self.memory_limit_bytes)} limit" if self.memory_limit_bytes else ""
-        if self.device == "cpu":
-            return f"cpu (no GPU: memory is host RSS added by the probe{lim})" if long else f"cpu{lim}"
-        return f"cuda:{self.gpu_index} {self.gpu_name}{lim}"
 
 
 class Standby:

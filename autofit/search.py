@@ -23,13 +23,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .memory import MemoryModel, Shape
 from .models import ModelSource
-from .report import best_of
+from .objective import best_of, study_value
 from .result import Outcome, ProbeResult
-from .runner import Runner, Target
+from .runner import Runner
+from .target import Target
 from .space import CKPT_COST, QUANT_COST, Space
 from .spec import TrialConfig
 
-LENGTH_WEIGHT = 1e7  # objective = length rank * this + tokens/s: longer length first, then speed
 INTERRUPTED = "interrupted"
 SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
 CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
@@ -552,7 +552,7 @@ class Search:
         if res.outcome.is_fit():
             peak = res.peak_memory_bytes or 0
             _constrain(trial, (peak / usable - 1) if usable else -1.0)
-            study.tell(trial, objective(cfg, res, self.s.space))
+            study.tell(trial, study_value(res, self.s.space.values("max_length")))
             return
         over = 1.0
         if usable and res.peak_memory_bytes:
@@ -571,11 +571,6 @@ def _constrain(trial: optuna.Trial, value: float) -> None:
     """<= 0 feasible (peak over the usable memory, minus one), > 0 out of memory or unusable."""
     trial.set_user_attr("constraint", value)
     trial.set_constraint("memory", value)
-
-
-def objective(cfg: TrialConfig, res: ProbeResult, space: Space) -> float:
-    rank = sorted(space.values("max_length")).index(cfg.max_length)
-    return rank * LENGTH_WEIGHT + float(res.tokens_per_s or 0)
 
 
 def new_run_id(model: ModelSource) -> str:

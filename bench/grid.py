@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common import brief, out_dir, save
 
-from autofit.cli import resolve_targets
+from autofit.target import resolve_targets
 from autofit.envinfo import package_versions
 from autofit.models import resolve_model
 from autofit.report import config_brief

@@ -17,7 +17,7 @@ from pathlib import Path
 from common import GIB, read_trials, save
 from search_bench import run_search, search_args
 
-from autofit.report import best_of, best_per_length
+from autofit.objective import best_of, best_per_length
 from autofit.result import ProbeResult
 
 REFERENCE = {4096: 12801, 2048: 13382, 1024: 13593}

@@ -20,7 +20,8 @@ from common import GIB, brief, save
 
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
-from autofit.runner import Runner, Target
+from autofit.runner import Runner
+from autofit.target import Target
 from autofit.spec import TrialConfig
 
 

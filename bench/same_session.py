@@ -23,7 +23,7 @@ from pathlib import Path
 from common import GIB, brief, out_dir, read_trials, save
 from search_bench import run_search, search_args
 
-from autofit.cli import resolve_targets
+from autofit.target import resolve_targets
 from autofit.models import resolve_model
 from autofit.report import config_brief
 from autofit.runner import Runner

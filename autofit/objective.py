@@ -1,0 +1,39 @@
+"""The objective, stated once: the longest allowed length at which something fits, then the
+highest tokens/s at that length. Search, report and regress all rank by it."""
+
+from __future__ import annotations
+
+from .result import ProbeResult
+
+LENGTH_WEIGHT = 1e7
+"""Optuna's value = length rank * this + tokens/s: a longer length first, then speed."""
+
+
+def rank_key(res: ProbeResult) -> tuple[int, float]:
+    """Sort key of a fit: length first, then tokens/s."""
+    return res.config["max_length"], res.tokens_per_s or 0.0
+
+
+def study_value(res: ProbeResult, lengths: list[int]) -> float:
+    """The number the Optuna study maximises for a fit, given the space's allowed lengths."""
+    rank = sorted(lengths).index(res.config["max_length"])
+    return rank * LENGTH_WEIGHT + float(res.tokens_per_s or 0)
+
+
+def ranked_fits(results: list[ProbeResult]) -> list[ProbeResult]:
+    """Fits, best first (for the winner and its runners-up)."""
+    return sorted((r for r in results if r.outcome.is_fit()), key=rank_key, reverse=True)
+
+
+def best_of(results: list[ProbeResult]) -> ProbeResult | None:
+    """The best fit by the objective, or None when nothing fits."""
+    ranked = ranked_fits(results)
+    return ranked[0] if ranked else None
+
+
+def best_per_length(results: list[ProbeResult]) -> dict[int, ProbeResult]:
+    """The fastest fit at each length, longest first (the length trade-off)."""
+    out: dict[int, ProbeResult] = {}
+    for r in ranked_fits(results):
+        out.setdefault(r.config["max_length"], r)
+    return dict(sorted(out.items(), reverse=True))
