@@ -23,6 +23,8 @@ def _cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ)
+    # this checkout's package, whatever the working directory (an installed copy may be elsewhere)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=timeout)
