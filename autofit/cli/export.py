@@ -1,0 +1,51 @@
+"""`autofit export`: the winner as a training recipe."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from ..export import export_run
+
+    rendered = export_run(a.run, a.format)
+    for item in rendered.unexpressed:
+        print(f"autofit: warning: {a.format} cannot express {item}", file=sys.stderr)
+    if not a.output:
+        sys.stdout.write(rendered.text)
+        return 0
+    out = Path(a.output)
+    try:
+        out.write_text(rendered.text)
+    except OSError as e:
+        raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
+    if a.format in ("hf-trainer", "trl"):
+        out.chmod(0o755)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: Any, fmt: Any) -> None:
+    ex = sub.add_parser("export", help="write the winner as a training recipe", formatter_class=fmt,
+                        epilog=textwrap.dedent("""\
+                            formats:
+                              hf-trainer     standalone transformers Trainer + peft script (default)
+                              trl            the same through TRL SFTTrainer / SFTConfig
+                              axolotl        axolotl YAML
+                              llama-factory  LLaMA-Factory YAML
+
+                            examples:
+                              autofit export runs/<id> -o train.py && python train.py --dataset data.jsonl
+                              autofit export runs/<id> --format trl -o train_trl.py
+                              autofit export runs/<id> --format axolotl -o axolotl.yaml
+                            """))
+    ex.add_argument("run", help="a run folder made by autofit search")
+    ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
+    ex.add_argument("-o", "--output", help="output file (default: stdout)")
+    ex.set_defaults(func=cmd_export)
