@@ -26,3 +26,6 @@ MAX_PROBE_ACCUMULATION = 4
 def usable_bytes(limit: int | None, headroom: float = HEADROOM) -> int | None:
     """What a peak may reach under `limit` with `headroom` kept free (None: no limit)."""
     return int(limit * (1 - headroom)) if limit else None
+
+SPREAD_BOUND = 1.10
+"""max/min of the timed steps' tokens/s above which a probe times more steps, then is `noisy`."""

@@ -16,6 +16,8 @@ class Outcome(str, enum.Enum):
     UNSTABLE = "unstable"
     UNSUPPORTED = "unsupported"
     CRASH = "crash"
+    CANCELLED = "cancelled"
+    """Stopped by the search before an outcome (another worker took the config): no observation."""
 
     def is_fit(self) -> bool:
         return self is Outcome.FIT
@@ -66,7 +68,18 @@ class ProbeResult:
     worker: str = ""
     log_path: str = ""
     versions: dict[str, str] = field(default_factory=dict)
+    noisy: bool = False
+    """The timed steps' spread stayed above the bound even after more steps: never wins unrepeated."""
+    retryable: bool = False
+    """The outcome says nothing about the config (killed from outside autofit): probe it once more."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spread(self) -> float | None:
+        """max/min of the timed steps' tokens/s (1.0: every step alike)."""
+        if not self.tokens_per_s_min or not self.tokens_per_s_max:
+            return None
+        return self.tokens_per_s_max / self.tokens_per_s_min
 
     @property
     def measurements(self) -> list[float]:
@@ -76,6 +89,7 @@ class ProbeResult:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["outcome"] = self.outcome.value
+        d["spread"] = round(self.spread, 4) if self.spread else None
         return d
 
     @classmethod

@@ -33,6 +33,11 @@ from .target import Target
 CHILD_ENV = "AUTOFIT_PROBE_COMMAND"
 
 
+def result_file(log_dir: Path, name: str) -> Path:
+    """Where the probe called `name` writes its result (a resumed search adopts a finished one)."""
+    return Path(log_dir) / f"{name}.result.json"
+
+
 class Standby:
     """One child process that has imported the training stack and waits for a request."""
 
@@ -182,7 +187,7 @@ class Runner:
         """Run one probe and always return a result; KeyboardInterrupt stops the child first."""
         asked = time.monotonic()
         deadline = asked + timeout
-        result_path = self.log_dir / f"{name}.result.json"
+        result_path = result_file(self.log_dir, name)
         log_path = self.log_dir / f"{name}.log"
         result_path.unlink(missing_ok=True)
         req = self.request(cfg, model, result_path)
