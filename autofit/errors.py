@@ -33,3 +33,10 @@ class RegressionFound(AutofitError):
     """`autofit regress` found a configuration slower, heavier, or no longer fitting (exit 1)."""
 
     exit_code = 1
+
+
+class CannotWrite(AutofitError):
+    """The run folder, the study storage or an output file cannot be written: a read-only folder,
+    a full disk, an unreachable database (exit 4). What was measured before stays in the study."""
+
+    exit_code = 4

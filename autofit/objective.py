@@ -3,6 +3,8 @@ highest tokens/s at that length. Search, report and regress all rank by it."""
 
 from __future__ import annotations
 
+import statistics
+
 from .result import ProbeResult
 
 LENGTH_WEIGHT = 1e7
@@ -37,3 +39,9 @@ def best_per_length(results: list[ProbeResult]) -> dict[int, ProbeResult]:
     for r in ranked_fits(results):
         out.setdefault(r.config["max_length"], r)
     return dict(sorted(out.items(), reverse=True))
+
+
+def combined_tokens_per_s(runs: list[float]) -> float:
+    """One figure for a config measured several times, in fresh processes: the median of the runs.
+    The search (repeats of the best) and regress (re-measurements) both use it."""
+    return statistics.median(runs)
