@@ -40,9 +40,9 @@ from autofit.units import parse_size
 def run_search(model: str, space: str, limit: str, budget: str, extra: list[str]) -> tuple[Path, float, dict]:
     out = Path(tempfile.mkdtemp())
     t0 = time.monotonic()
-    proc = subprocess.run(check=False, args=[sys.executable, "-m", "autofit", "search", "--model", model, "--space", space,
+    proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", model, "--space", space,
                            "--memory-limit", limit, "--budget", budget, "--out", str(out), "--json", *extra],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          check=False, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.monotonic() - t0
     print(proc.stderr[-3000:], file=sys.stderr)
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
