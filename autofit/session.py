@@ -9,6 +9,7 @@ opens the study; `run` drives the search; `summarize` writes the outputs from th
 from __future__ import annotations
 
 import enum
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +239,13 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
         return Search(search_settings(session, standby), on_event).run(), False
     except KeyboardInterrupt:
         return "interrupted (Ctrl-C); continue with --resume", True
+    except STORAGE_ERRORS as e:
+        if not _cannot_write(e):
+            raise
+        raise CannotWrite(f"cannot write to {session.run_dir} or the study ({_first_line(e.__cause__ or e)}); "
+                          "what was "
+                          f"measured is in the study: free space, then `autofit search --resume "
+                          f"{session.run_dir}`.") from None
 
 
 def summarize(session: Session, study: optuna.Study, reason: str, interrupted: bool = False) -> Summary:
@@ -266,6 +274,14 @@ def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.St
     except KeyError:
         raise UsageError(f"{flag}: the study {spec.study_name!r} is not in {spec.storage}; "
                          "the run folder's study file may have been removed.") from None
+
+
+def _cannot_write(e: BaseException) -> bool:
+    """A full or read-only disk, or a storage that refuses writes (not any other failure)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
+    text = f"{e} {e.__cause__ or ''}".lower()
+    return any(s in text for s in ("disk is full", "disk i/o error", "readonly database", "read-only"))
 
 
 def _first_line(e: BaseException) -> str:
