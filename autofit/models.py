@@ -156,6 +156,7 @@ def resolve_model(text: str, flag: str = "--model") -> ModelSource:
 
 def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
     """config.json of a hub model: from the local cache, or downloaded when online."""
+    # deferred: huggingface_hub takes a second to import and only a hub id needs it
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
