@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from rich.console import Console
 
 from autofit.cli import build_parser, main
-from autofit.cli.search import request
+from autofit.cli.search import Progress, request
 from autofit.errors import UsageError
 from autofit.protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from autofit.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
@@ -194,3 +196,23 @@ def test_report_of_a_run_without_its_study_is_a_usage_error(tmp_path: Path) -> N
     write_spec(run, spec.replace(storage=f"sqlite:///{run / 'study.db'}"))
     with pytest.raises(UsageError, match="is not in"):
         open_run_study(run)
+
+
+# ----------------------------------------------------------------------------- the live table
+
+
+@pytest.mark.parametrize("width", [80, 140])
+def test_the_live_table_keeps_one_line_a_row_at_the_terminal_width(width: int) -> None:
+    progress = Progress(enabled=True)
+    progress.console = Console(width=width, record=True, highlight=False, file=io.StringIO())
+    progress.workers = {"cuda:0 NVIDIA H200", "cuda:1 NVIDIA H200"}
+    long = "L=4096 mb=16 ga=1 bf16 ckpt=every_2+offload nf4 paged_adamw_8bit flash_attention_2 expandable"
+    progress.rows = [(str(n), long, "skip: duplicate", "123,456", "139.2 GiB", "140.1 GiB", "cuda:1 NVIDIA H200")
+                     for n in range(1, 4)]
+    progress.console.print(progress._table())
+    lines = [x for x in progress.console.export_text().splitlines() if x.strip()]
+    assert all(len(x.rstrip()) <= width for x in lines), lines
+    rows = [x for x in lines if "skip: duplicate" in x]
+    assert len(rows) == 3, lines  # each row on one line: nothing wrapped onto a second
+    assert all("123,456" in x and "139.2 GiB" in x for x in rows)
+    assert ("140.1 GiB" in rows[0]) == (width >= 110)  # the predicted peak only where there is room
