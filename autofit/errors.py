@@ -1,6 +1,13 @@
-"""The exception hierarchy. Only `cli.py` turns these into messages and exit codes."""
+"""The exception hierarchy. Only the CLI (`autofit/cli/`) turns these into messages and exit codes.
+
+Exit codes: 0 success, 1 a regression found, 2 usage error, 3 nothing fits, 4 cannot write,
+130 interrupted.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 
 class AutofitError(Exception):
@@ -40,3 +47,17 @@ class CannotWrite(AutofitError):
     a full disk, an unreachable database (exit 4). What was measured before stays in the study."""
 
     exit_code = 4
+
+
+def gather(*steps: Callable[[], Any]) -> list[Any]:
+    """Run each step; collect every UsageError and raise them once, together."""
+    out, problems = [], []
+    for step in steps:
+        try:
+            out.append(step())
+        except UsageError as e:
+            problems += e.problems
+            out.append(None)
+    if problems:
+        raise UsageError(problems)
+    return out

@@ -6,6 +6,7 @@ must not initialise CUDA. Building the model happens in the probe (`probe.py`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ class ModelSource:
         return {"kind": self.kind, "ref": self.ref, "config": self.config}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSource":
+    def from_dict(cls, d: dict[str, Any]) -> ModelSource:
         return cls(kind=d["kind"], ref=d["ref"], config=dict(d.get("config") or {}))
 
 
@@ -95,7 +96,29 @@ def _read_json(path: Path, flag: str) -> dict[str, Any]:
         raise UsageError(
             f"{flag}: {path} is not a transformers config.json (it has no 'model_type')."
         )
+    _check_model_type(str(data["model_type"]), path, flag, remote_code="auto_map" in data)
     return data
+
+
+def known_model_types() -> frozenset[str] | None:
+    """The `model_type`s the installed transformers knows (None where it cannot be read)."""
+    # Deferred: importing transformers takes about a second, needed only for a config from a file.
+    # auto_mappings is its generated table, importable without torch (configuration_auto imports torch).
+    try:
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return None
+    return frozenset(CONFIG_MAPPING_NAMES)
+
+
+def _check_model_type(model_type: str, path: Path, flag: str, remote_code: bool) -> None:
+    known = known_model_types()
+    if remote_code or known is None or model_type in known:
+        return
+    close = difflib.get_close_matches(model_type, sorted(known), n=3)
+    hint = f" (close: {', '.join(close)})" if close else ""
+    raise UsageError(f"{flag}: {path} has model_type {model_type!r}, which the installed transformers does not "
+                     f"know{hint}; fix the config.json or use a preset ({', '.join(PRESETS)}).")
 
 
 def _looks_like_path(text: str) -> bool:
@@ -133,6 +156,7 @@ def resolve_model(text: str, flag: str = "--model") -> ModelSource:
 
 def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
     """config.json of a hub model: from the local cache, or downloaded when online."""
+    # deferred: huggingface_hub takes a second to import and only a hub id needs it
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -1,28 +1,166 @@
-"""A run folder: `runs/<UTC time>-<model>/` and its `spec.yaml` (the exact inputs)."""
+"""A run folder, `runs/<UTC time>-<model>/`: its layout and its `spec.yaml` (the exact inputs).
+
+Layout (`RunDir`): spec.yaml (a `RunSpec`), study.db or study.journal (the Optuna study, the
+source of truth), trials.jsonl, best.json, report.md and plots (rebuilt from the study),
+env.json (the machine), logs/ (one log per probe process).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .errors import UsageError
+from .errors import CannotWrite, UsageError
 from .models import ModelSource
-from .target import Target
+from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from .space import Space, validate
+from .target import Target
 
 SPEC = "spec.yaml"
+STUDY_DB = "study.db"
+STUDY_JOURNAL = "study.journal"
+PROBE_TIMEOUT_S = 900.0
+"""Seconds before one probe is stopped."""
+CONFIRM = 1
+"""Fits near the best measured again before one is called the winner."""
 
 
-def write_spec(run_dir: Path, spec: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class RunDir:
+    """Where each file of a run folder lives."""
+
+    path: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.path / SPEC
+
+    @property
+    def study_db(self) -> Path:
+        return self.path / STUDY_DB
+
+    @property
+    def study_journal(self) -> Path:
+        return self.path / STUDY_JOURNAL
+
+    @property
+    def trials(self) -> Path:
+        return self.path / "trials.jsonl"
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best.json"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report.md"
+
+    @property
+    def env(self) -> Path:
+        return self.path / "env.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def default_storage(self, workers: int) -> str:
+        """The study inside the folder: a journal file for several workers (SQLite locks under
+        several writers), an SQLite file for one."""
+        if workers > 1:
+            return str(self.study_journal.resolve())
+        return f"sqlite:///{self.study_db.resolve()}"
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How each probe measures (the `probe:` block of spec.yaml)."""
+
+    warmup_steps: int = WARMUP_STEPS
+    timed_steps: int = TIMED_STEPS
+    max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION
+    timeout_s: float = PROBE_TIMEOUT_S
+    confirm: int = CONFIRM
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProbeSettings:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The exact inputs of one search: what `--resume`, `report`, `export` and `regress` read."""
+
+    run_id: str
+    model: ModelSource
+    space: Space
+    targets: tuple[Target, ...]
+    budget_s: float
+    storage: str
+    study_name: str
+    seed: int = 0
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def created(self) -> str:
+        return self.run_id.split("-")[0]
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "created": self.created, "model": self.model.to_dict(),
+                "space": self.space.to_dict(), "targets": [target_dict(t) for t in self.targets],
+                "budget_s": self.budget_s, "storage": self.storage, "study_name": self.study_name,
+                "seed": self.seed, "probe": dataclasses.asdict(self.probe), "versions": dict(self.versions)}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = SPEC) -> RunSpec:
+        """Raises UsageError naming `source` where a key is missing or malformed."""
+        if not isinstance(d, dict) or "model" not in d or "space" not in d:
+            raise UsageError(f"{source} lacks 'model' or 'space'; it is not an autofit run spec.")
+        try:
+            return cls(run_id=str(d["run_id"]), model=ModelSource.from_dict(d["model"]), space=space_of(d),
+                       targets=tuple(targets_of(d)), budget_s=float(d["budget_s"]),
+                       storage=str(d["storage"]), study_name=str(d["study_name"]),
+                       seed=int(d.get("seed", 0)), probe=ProbeSettings.from_dict(d.get("probe") or {}),
+                       versions=dict(d.get("versions") or {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UsageError(f"{source} is not a complete autofit run spec ({type(e).__name__}: {e}); "
+                             "it may have been edited or cut short.") from None
+
+
+def new_run_id(model: ModelSource) -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
+
+
+def write_spec(run_dir: Path, spec: dict[str, Any] | RunSpec) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     header = ("# The exact inputs of this search. `autofit search --resume <this folder>` continues it;\n"
               "# `autofit report <this folder>` rebuilds trials.jsonl, best.json and report.md.\n")
-    (run_dir / SPEC).write_text(header + yaml.safe_dump(spec, sort_keys=False))
+    data = spec.to_dict() if isinstance(spec, RunSpec) else spec
+    (run_dir / SPEC).write_text(header + yaml.safe_dump(data, sort_keys=False))
 
 
-def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
+def create(run_dir: Path, spec: RunSpec, env: dict[str, Any], flag: str = "--out") -> None:
+    """Make the run folder with its spec.yaml and env.json; CannotWrite where the folder cannot be."""
+    try:
+        write_spec(run_dir, spec)
+        RunDir(run_dir).env.write_text(json.dumps(env, indent=1) + "\n")
+    except OSError as e:
+        raise CannotWrite(f"{flag}: cannot write the run folder {run_dir} ({e.strerror or e}); "
+                          f"give a writable folder with {flag}.") from None
+
+
+def load_spec(run_dir: Path, flag: str = "RUN") -> RunSpec:
+    """The run folder's spec, its storage following a folder that was moved or copied."""
     path = Path(run_dir) / SPEC
     if not Path(run_dir).is_dir():
         raise UsageError(f"{flag}: no such folder {run_dir}; give a folder under runs/ made by `autofit search`.")
@@ -30,21 +168,25 @@ def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
         raise UsageError(f"{flag}: {run_dir} is not an autofit run (it has no {SPEC}); give a folder made "
                          "by `autofit search`.")
     try:
-        spec = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise UsageError(f"{flag}: {path} is not valid YAML ({e}).") from None
-    if not isinstance(spec, dict) or "model" not in spec or "space" not in spec:
-        raise UsageError(f"{flag}: {path} lacks 'model' or 'space'; it is not an autofit run spec.")
-    spec["storage"] = local_storage(Path(run_dir), str(spec.get("storage", "")))
-    return spec
+    spec = RunSpec.from_dict(data, f"{flag}: {path}")
+    return spec.replace(storage=local_storage(Path(run_dir), spec.storage))
+
+
+def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
+    """`load_spec` as the plain dict of spec.yaml (for readers that index it)."""
+    return load_spec(run_dir, flag).to_dict()
 
 
 def local_storage(run_dir: Path, storage: str) -> str:
     """A study file inside a run folder that was moved or copied: follow the folder."""
-    for name, url in (("study.db", f"sqlite:///{(run_dir / 'study.db').resolve()}"),
-                      ("study.journal", str((run_dir / "study.journal").resolve()))):
-        stored = storage[len("sqlite:///"):] if storage.startswith("sqlite:///") else storage
-        if stored.endswith(name) and not Path(stored).exists() and (run_dir / name).exists():
+    folder = RunDir(run_dir)
+    for path, url in ((folder.study_db, f"sqlite:///{folder.study_db.resolve()}"),
+                      (folder.study_journal, str(folder.study_journal.resolve()))):
+        stored = storage.removeprefix("sqlite:///")
+        if stored.endswith(path.name) and not Path(stored).exists() and path.exists():
             return url
     return storage
 
@@ -66,6 +208,4 @@ def targets_of(spec: dict[str, Any]) -> list[Target]:
 
 
 def target_dict(t: Target) -> dict[str, Any]:
-    return {"device": t.device, "gpu_index": t.gpu_index, "gpu_name": t.gpu_name,
-            "memory_limit_bytes": t.memory_limit_bytes, "headroom": t.headroom}
-
+    return dataclasses.asdict(t)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .errors import UsageError
 
@@ -64,13 +65,17 @@ class Key:
 
     name: str
     type: type
-    default: Any
     help: str
     allowed: tuple[Any, ...] | None = None
     check: Callable[[Any], bool] | None = None
     expected: str = ""
     changes_learning: bool = False
     """True where the value changes what is learned (truncation, quantization, ...)."""
+
+    @property
+    def default(self) -> Any:
+        """TrialConfig's field default: each default is stated once, there."""
+        return _DEFAULTS[self.name]
 
     def parse(self, text: str) -> Any:
         """A `--set` string to a value of this key's type (no range check)."""
@@ -100,44 +105,6 @@ class Key:
 
 def _positive(v: int) -> bool:
     return v >= 1
-
-
-KEYS: dict[str, Key] = {
-    k.name: k
-    for k in [
-        Key("method", str, "lora", "lora (adapters on a frozen base) or full fine-tuning", METHODS),
-        Key("max_length", int, 2048, "tokens per sequence; every probed sequence is this long",
-            check=lambda v: v >= 8, expected="an integer >= 8", changes_learning=True),
-        Key("micro_batch_size", int, 1, "sequences per forward/backward pass",
-            check=_positive, expected="an integer >= 1"),
-        Key("global_batch", int, 16,
-            "sequences per optimizer step; accumulation = ceil(global_batch / micro_batch_size)",
-            check=_positive, expected="an integer >= 1"),
-        Key("precision", str, "bf16", "bf16, fp16 (with loss scaling) or fp32", PRECISIONS,
-            changes_learning=True),
-        Key("gradient_checkpointing", str, "off",
-            "off | on (every layer) | every_N (every N-th layer), optionally +offload "
-            "(saved activations in host memory)", check=_check_ckpt,
-            expected="off, on, every_N or on+offload / every_N+offload (for example every_2)"),
-        Key("quantization", str, "none", "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)",
-            QUANTIZATIONS, changes_learning=True),
-        Key("optimizer", str, "adamw_torch_fused", "TrainingArguments `optim` name", OPTIMIZERS,
-            changes_learning=True),
-        Key("attn_implementation", str, "sdpa", "attention kernel", ATTENTION),
-        Key("expandable_segments", bool, False,
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
-        Key("lora_r", int, 16, "LoRA rank (higher: more capacity, more memory)", check=_positive,
-            expected="an integer >= 1"),
-        Key("lora_alpha", int, 32, "LoRA scaling numerator", check=_positive,
-            expected="an integer >= 1"),
-        Key("lora_targets", str, "q_proj,v_proj", "comma-separated module names for adapters",
-            check=lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
-            expected="comma-separated module names such as q_proj,v_proj"),
-        Key("lora_dropout", str, "0.0", "dropout on the adapter input",
-            check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
-            expected="a number in [0, 1) such as 0.05"),
-    ]
-}
 
 
 @dataclass(frozen=True)
@@ -170,7 +137,7 @@ class TrialConfig:
             raise UsageError(problems)
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any], source: str = "--set") -> "TrialConfig":
+    def from_mapping(cls, values: dict[str, Any], source: str = "--set") -> TrialConfig:
         """Build from typed or string values, collecting every problem into one UsageError."""
         problems: list[str] = []
         typed: dict[str, Any] = {}
@@ -226,15 +193,57 @@ class TrialConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrialConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrialConfig:
         return cls(**{k: v for k, v in d.items() if k in KEYS})
 
     def key(self) -> str:
         """A stable identity: two configs with the same key are the same measurement."""
         return ";".join(f"{k}={getattr(self, k)}" for k in KEYS)
 
-    def replace(self, **changes: Any) -> "TrialConfig":
+    def replace(self, **changes: Any) -> TrialConfig:
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrialConfig)}
+
+KEYS: dict[str, Key] = {
+    k.name: k
+    for k in [
+        Key("method", str, "lora (adapters on a frozen base) or full fine-tuning", METHODS),
+        Key("max_length", int, "tokens per sequence; every probed sequence is this long",
+            check=lambda v: v >= 8, expected="an integer >= 8", changes_learning=True),
+        Key("micro_batch_size", int, "sequences per forward/backward pass",
+            check=_positive, expected="an integer >= 1"),
+        Key("global_batch", int,
+            "sequences per optimizer step; accumulation = ceil(global_batch / micro_batch_size)",
+            check=_positive, expected="an integer >= 1"),
+        Key("precision", str, "bf16, fp16 (with loss scaling) or fp32", PRECISIONS,
+            changes_learning=True),
+        Key("gradient_checkpointing", str,
+            "off | on (every layer) | every_N (every N-th layer), optionally +offload "
+            "(saved activations in host memory)", check=_check_ckpt,
+            expected="off, on, every_N or on+offload / every_N+offload (for example every_2)"),
+        Key("quantization", str, "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)",
+            QUANTIZATIONS, changes_learning=True),
+        Key("optimizer", str, "TrainingArguments `optim` name", OPTIMIZERS,
+            changes_learning=True),
+        Key("attn_implementation", str, "attention kernel", ATTENTION),
+        Key("expandable_segments", bool,
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
+        Key("lora_r", int, "LoRA rank (higher: more capacity, more memory)", check=_positive,
+            expected="an integer >= 1"),
+        Key("lora_alpha", int, "LoRA scaling numerator", check=_positive,
+            expected="an integer >= 1"),
+        Key("lora_targets", str, "comma-separated module names for adapters",
+            check=lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
+            expected="comma-separated module names such as q_proj,v_proj"),
+        Key("lora_dropout", str, "dropout on the adapter input",
+            check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
+            expected="a number in [0, 1) such as 0.05"),
+    ]
+}
+
+
 
 
 def parse_sets(pairs: list[str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Units people type: sizes (`24GiB`, `512MiB`, `24GB`) and durations (`30m`, `1h30m`, `90s`).
 
 Sizes are binary where the unit says so (`GiB` = 2**30); `GB` means 1e9, as on a datasheet.
+A size needs a unit: a bare `24` is refused (it would be 24 bytes, never what was meant).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import re
 from .errors import UsageError
 
 _SIZE_UNITS = {
-    "": 1,
     "b": 1,
     "k": 1024,
     "kib": 1024,
@@ -30,9 +30,12 @@ _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*(h|m|s)")
 
 
 def parse_size(text: str, flag: str = "--memory-limit") -> int:
-    """`24GiB` -> 25769803776. Raises UsageError naming `flag` on anything else."""
+    """`24GiB` -> 25769803776. Raises UsageError naming `flag` on anything else (a bare number too)."""
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
+    if m and not unit:
+        raise UsageError(f"{flag}: {text!r} has no unit; a bare number would be bytes. Give for example "
+                         f"{m.group(1)}GiB (GiB = 2**30 bytes; GB = 1e9 bytes).")
     if not m or unit not in _SIZE_UNITS:
         raise UsageError(
             f"{flag}: cannot read {text!r} as a size; expected a number and a unit such as "
@@ -47,6 +50,8 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
 def parse_duration(text: str, flag: str = "--budget") -> float:
     """`30m` -> 1800.0, `1h30m` -> 5400.0, `90` -> 90.0 (seconds)."""
     s = str(text).strip().lower()
+    if s.startswith("-"):
+        raise UsageError(f"{flag}: {text!r} is not positive; give a duration such as 30m, 1h30m or 90s.")
     if re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", s):
         seconds = float(s)
     else:
@@ -72,7 +77,7 @@ def format_size(n: float | None) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")

@@ -16,20 +16,42 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import tempfile
 import time
 
 from common import GIB, save
 
+from autofit.models import PRESETS
+from autofit.units import parse_size
+
+
+class RandomTokens:
+    """`n` sequences of `length` random token ids (the probe's data, rebuilt here: this script measures
+    another method in its own process and uses no probe internals)."""
+
+    def __init__(self, n: int, length: int, vocab: int, seed: int = 0) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        ids = self.ids[i]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
 
 def one_run(model_name: str, limit: int, ckpt: bool, steps: int, start_batch: int, headroom: float) -> dict:
+    # deferred: torch and the training stack load only where a measurement runs (not for --help)
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-    from autofit.models import PRESETS
-    from autofit.probe import RandomTokens
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -71,7 +93,7 @@ def one_run(model_name: str, limit: int, ckpt: bool, steps: int, start_batch: in
     final = marks[-1][1]
     mine = [t for t, b in marks if b == final]
     settle = mine[0] - t0
-    times = [b - a for a, b in zip(mine, mine[1:])][2:]  # after two warm-up steps at the final size
+    times = [b - a for a, b in itertools.pairwise(mine)][2:]  # after two warm-up steps at the final size
     tps = statistics.median(final * 2048 / t for t in times) if times else None
     peak = torch.cuda.max_memory_reserved() + outside
     process_peak[0] = max(process_peak[0] + outside, peak)
@@ -94,8 +116,6 @@ def main() -> None:
     p.add_argument("--start-batch", type=int, default=16)
     p.add_argument("--name", default="alternatives-s1-s2")
     a = p.parse_args()
-    from autofit.units import parse_size
-
     runs = []
     for lim in a.limits.split(","):
         for ckpt in (True, False):

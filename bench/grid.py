@@ -19,13 +19,14 @@ from pathlib import Path
 
 from common import brief, out_dir, save
 
-from autofit.target import resolve_targets
 from autofit.envinfo import package_versions
 from autofit.models import resolve_model
 from autofit.report import config_brief
 from autofit.runner import Runner
 from autofit.space import load_space
 from autofit.spec import TrialConfig
+from autofit.target import resolve_targets
+from autofit.units import parse_size
 
 
 def cache_key(target_desc: str) -> str:
@@ -46,8 +47,6 @@ def main() -> None:
     p.add_argument("--cache", help="an earlier grid file to reuse points from (same GPU and versions)")
     a = p.parse_args()
     target = resolve_targets(None, a.device, a.memory_limit)[0]
-    from autofit.units import parse_size
-
     also = parse_size(a.also_limit)
     model = resolve_model(a.model)
     space = load_space(a.space)

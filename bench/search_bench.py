@@ -32,6 +32,8 @@ from pathlib import Path
 
 from common import GIB, read_trials, save
 
+from autofit.search import study_rows
+from autofit.session import open_run_study
 from autofit.units import parse_size
 
 
@@ -40,7 +42,7 @@ def run_search(model: str, space: str, limit: str, budget: str, extra: list[str]
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", model, "--space", space,
                            "--memory-limit", limit, "--budget", budget, "--out", str(out), "--json", *extra],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          check=False, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.monotonic() - t0
     print(proc.stderr[-3000:], file=sys.stderr)
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
@@ -51,11 +53,7 @@ def run_search(model: str, space: str, limit: str, budget: str, extra: list[str]
 def study_timeline(run_dir: Path) -> tuple[list[tuple[float, float]], float]:
     """From the stored study: the fits' timeline (seconds since the first probe's start, tokens/s)
     and the span from the first probe's start to the last probe's end."""
-    from autofit.rundir import read_spec
-    from autofit.search import open_study, study_rows
-
-    spec = read_spec(run_dir)
-    study = open_study(spec["storage"], spec["study_name"], create=False, seed=spec.get("seed", 0))
+    _spec, study = open_run_study(run_dir)
     trials = study.get_trials(deepcopy=False)
     starts = [t.datetime_start for t in trials if t.datetime_start]
     ends = [t.datetime_complete for t in trials if t.datetime_complete]

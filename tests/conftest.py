@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     # this checkout's package, whatever the working directory (an installed copy may be elsewhere)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "autofit", *args], check=False, capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=timeout)
 
 
@@ -69,9 +73,6 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pg_bin(name: str) -> str | None:
-    import glob
-    import shutil
-
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return found[-1] if found else shutil.which(name)
 
@@ -85,10 +86,6 @@ def postgres_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     assert initdb and pg_ctl, ("PostgreSQL server binaries not found: install Debian's postgresql package "
                                "(.ci/run does) or set AUTOFIT_TEST_POSTGRES to a server URL")
-    import socket
-
-    import tempfile
-
     base = Path(tempfile.mkdtemp(prefix="autofit-pg-"))  # reachable by the postgres user
     data = base / "data"
     with socket.socket() as s:
@@ -99,7 +96,7 @@ def postgres_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
         os.chmod(base, 0o777)
         as_user = ["runuser", "-u", "postgres", "--"]
     init = subprocess.run([*as_user, initdb, "-D", str(data), "-U", "autofit", "--auth=trust"],
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     assert init.returncode == 0, init.stderr
     subprocess.run([*as_user, pg_ctl, "-D", str(data), "-l", str(base / "log"), "-w", "-o",
                     f"-p {port} -k {base} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
@@ -108,4 +105,4 @@ def postgres_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     try:
         yield f"postgresql+psycopg://autofit@127.0.0.1:{port}/autofit_test"
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "stop"], check=False, capture_output=True)

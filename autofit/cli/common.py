@@ -1,39 +1,41 @@
-"""What every subcommand shares: messages, gathering usage errors, the target flags."""
+"""What every subcommand shares: messages, exit codes, and the flag groups declared once."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from ..errors import UsageError
+from rich.console import Console
+
+from ..errors import UsageError, gather
+from ..protocol import HEADROOM, MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from ..rundir import PROBE_TIMEOUT_S, ProbeSettings
+
+__all__ = ["EXIT_CODES", "add_probe_flags", "add_target_flags", "check_shared_flags", "err", "fraction",
+           "gather", "probe_settings"]
+
+EXIT_CODES = """\
+exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexpected error,
+  2 usage error (a flag, a value or a file; nothing was run), 3 nothing fits,
+  4 cannot write (a read-only or full disk, an unwritable storage; what was measured is kept),
+  130 interrupted (Ctrl-C; a search continues with --resume)
+"""
 
 
-def _console() -> Any:
-    from rich.console import Console
-
+def console() -> Any:
     return Console(stderr=False, highlight=False, soft_wrap=True)
 
 
-def _err(msg: str) -> None:
+def err(msg: str) -> None:
     print(f"autofit: error: {msg}", file=sys.stderr)
 
 
-def gather(*steps: Callable[[], Any]) -> list[Any]:
-    """Run each step; collect every UsageError and raise them once, together."""
-    out, problems = [], []
-    for step in steps:
-        try:
-            out.append(step())
-        except UsageError as e:
-            problems += e.problems
-            out.append(None)
-    if problems:
-        raise UsageError(problems)
-    return out
+def warn(msg: str) -> None:
+    print(f"autofit: warning: {msg}", file=sys.stderr)
 
 
-# --------------------------------------------------------------------------- targets
+# --------------------------------------------------------------------------- flag groups
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
@@ -41,9 +43,48 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help="GPU index, or a comma list for one worker per GPU (default: 0 if any)")
     g.add_argument("--device", choices=None, help="cpu to run on the CPU even where a GPU exists")
     g.add_argument("--memory-limit", metavar="SIZE",
-                   help="emulate a smaller card: 24GiB (RTX 3090/4090), 40GiB (A100-40G), 80GiB")
-    g.add_argument("--headroom", type=float, default=0.05,
-                   help="fraction of the limit kept free; a peak inside it does not fit (default 0.05)")
+                   help="emulate a smaller card: 24GiB (RTX 3090/4090), 40GiB (A100-40G), 80GiB; "
+                        "a unit is required (GiB = 2**30 bytes, GB = 1e9)")
+    g.add_argument("--headroom", type=float, default=HEADROOM,
+                   help=f"fraction of the limit kept free; a peak inside it does not fit (default {HEADROOM})")
+
+
+def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout") -> None:
+    """How each probe measures: shared by `probe` and `search`."""
+    g = p.add_argument_group("measuring")
+    g.add_argument(timeout_flag, dest="probe_timeout", type=float, metavar="SECONDS", default=PROBE_TIMEOUT_S,
+                   help=f"seconds before one probe is stopped (default {PROBE_TIMEOUT_S:.0f})")
+    g.add_argument("--warmup-steps", type=int, metavar="N", default=WARMUP_STEPS,
+                   help=f"optimizer steps before timing (>= {WARMUP_STEPS})")
+    g.add_argument("--timed-steps", type=int, metavar="N", default=TIMED_STEPS, help=f"timed optimizer steps (>= {TIMED_STEPS})")
+    g.add_argument("--max-probe-accumulation", type=int, metavar="N", default=MAX_PROBE_ACCUMULATION,
+                   help="micro-steps per probed optimizer step; more are extrapolated "
+                        f"(default {MAX_PROBE_ACCUMULATION}; 0: all)")
+
+
+def probe_settings(args: argparse.Namespace) -> ProbeSettings:
+    return ProbeSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
+                         max_probe_accumulation=args.max_probe_accumulation or None,
+                         timeout_s=args.probe_timeout, confirm=getattr(args, "confirm", ProbeSettings.confirm))
+
+
+def check_shared_flags(args: argparse.Namespace) -> None:
+    """The ranges of the shared flags, all problems at once (flags a command lacks are skipped)."""
+    problems = []
+    if getattr(args, "warmup_steps", WARMUP_STEPS) < WARMUP_STEPS:
+        problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first step).")
+    if getattr(args, "timed_steps", TIMED_STEPS) < TIMED_STEPS:
+        problems.append(f"--timed-steps: at least {TIMED_STEPS} timed steps give a median worth reporting.")
+    if getattr(args, "max_probe_accumulation", 0) < 0:
+        problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
+    for flag in ("timeout", "probe_timeout"):
+        if getattr(args, flag, 1) <= 0:
+            problems.append(f"--{flag.replace('_', '-')}: give a positive number of seconds.")
+    if getattr(args, "confirm", 0) < 0:
+        problems.append(f"--confirm: {args.confirm} is negative; give how many of the best fits to measure "
+                        "again (0 for none, default 1).")
+    if problems:
+        raise UsageError(problems)
 
 
 def fraction(text: str, flag: str) -> float:
@@ -55,3 +96,35 @@ def fraction(text: str, flag: str) -> float:
     if not 0 <= value < 1:
         raise UsageError(f"{flag}: {text!r} is not a tolerance; expected a percentage such as 7% (or 0.07).")
     return value
+
+
+def attach_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--budget -5m` -> `--budget=-5m`: a value that starts with '-' reaches the flag's own check
+    (argparse would take it for an option and say "expected one argument")."""
+    takes_value = {s for a in _all_actions(parser) if a.nargs is None and a.option_strings
+                   for s in a.option_strings}
+    known = {s for a in _all_actions(parser) for s in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1] not in known and argv[i + 1].split("=")[0] not in known:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = list(parser._actions)  # argparse offers no public walk over subparsers
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                actions += _all_actions(sub)
+    return actions
+
+
+_err = err  # the names other subcommand modules imported before
+_console = console

@@ -6,12 +6,12 @@ import argparse
 import json
 from typing import Any
 
+from ..envinfo import collect
 
-def cmd_env(a: argparse.Namespace) -> int:
-    from ..envinfo import collect
 
+def cmd_env(args: argparse.Namespace) -> int:
     env = collect()
-    if a.json:
+    if args.json:
         print(json.dumps(env, indent=1))
         return 0
     lines = [f"python        {env['python']} ({env['platform']})"]
@@ -32,6 +32,6 @@ def cmd_env(a: argparse.Namespace) -> int:
 
 def add_parser(sub: Any, fmt: Any) -> None:
     en = sub.add_parser("env", help="GPUs, driver, CUDA and package versions", formatter_class=fmt,
-                        epilog="examples:\n  autofit env\n  autofit env --json > env.json\n")
+                        epilog="examples:\n  autofit env\n  autofit env --json > env.json\n\nexit codes: 0\n")
     en.add_argument("--json", action="store_true")
     en.set_defaults(func=cmd_env)

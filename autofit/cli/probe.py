@@ -5,39 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..models import PRESET_HELP, PRESETS
-from ..spec import KEYS
+from ..errors import gather
+from ..models import PRESET_HELP, PRESETS, resolve_model
+from ..report import probe_summary
+from ..runner import Runner
+from ..spec import KEYS, TrialConfig, parse_sets
 from ..target import resolve_targets
-from .common import _console, add_target_flags, gather
+from .common import add_probe_flags, add_target_flags, console, probe_settings
 
 
-def cmd_probe(a: argparse.Namespace) -> int:
-    from ..models import resolve_model
-    from ..runner import Runner
-    from ..spec import TrialConfig, parse_sets
-
-    cfg, model, targets = gather(lambda: TrialConfig.from_mapping(parse_sets(a.set or [])),
-                                 lambda: resolve_model(a.model),
-                                 lambda: resolve_targets(a.gpu, a.device, a.memory_limit, a.headroom))
-    target = targets[0]
-    log_dir = Path(a.log_dir) if a.log_dir else Path("runs") / "probes"
-    if not a.json:
+def cmd_probe(args: argparse.Namespace) -> int:
+    cfg, model, targets = gather(lambda: TrialConfig.from_mapping(parse_sets(args.set or [])),
+                                 lambda: resolve_model(args.model),
+                                 lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom))
+    target, settings = targets[0], probe_settings(args)
+    log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
+    if not args.json:
         print(f"probing {model.ref} on {target.describe()} ...", file=sys.stderr)
-    with Runner(target, log_dir, standby=0, warmup_steps=a.warmup_steps, timed_steps=a.timed_steps,
-                max_probe_accumulation=a.max_probe_accumulation or None) as runner:
-        from datetime import datetime, timezone
-
+    with Runner(target, log_dir, standby=0, warmup_steps=settings.warmup_steps, timed_steps=settings.timed_steps,
+                max_probe_accumulation=settings.max_probe_accumulation) as runner:
         name = "probe-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-        res = runner.run(cfg, model, name=name, timeout=a.timeout)
-    if a.json:
+        res = runner.run(cfg, model, name=name, timeout=settings.timeout_s)
+    if args.json:
         print(json.dumps(res.to_dict(), indent=1))
     else:
-        from ..report import probe_summary
-
-        _console().print(probe_summary(res))
+        console().print(probe_summary(res))
     return 0
 
 
@@ -54,6 +50,8 @@ examples:
   autofit probe --model llama2-7b --memory-limit 24GiB --set gradient_checkpointing=on \\
       --set quantization=nf4 --json
   autofit probe --model ./my-model --set gradient_checkpointing=every_2+offload
+
+exit codes: 0 measured (whatever the outcome), 2 usage error, 130 interrupted
 """
 
 
@@ -76,10 +74,6 @@ def add_parser(sub: Any, fmt: Any) -> None:
     pr.add_argument("--set", action="append", metavar="KEY=VALUE", help="a configuration key (repeatable)")
     add_target_flags(pr)
     pr.add_argument("--json", action="store_true", help="print one JSON object")
-    pr.add_argument("--timeout", type=float, default=900.0, help="seconds before the probe is stopped")
-    pr.add_argument("--warmup-steps", type=int, default=2, help="optimizer steps before timing (>= 2)")
-    pr.add_argument("--timed-steps", type=int, default=5, help="timed optimizer steps (>= 5)")
-    pr.add_argument("--max-probe-accumulation", type=int, default=4,
-                    help="micro-steps per probed optimizer step; more are extrapolated (0: all)")
+    add_probe_flags(pr, timeout_flag="--timeout")
     pr.add_argument("--log-dir", help="where the probe's log goes (default runs/probes)")
     pr.set_defaults(func=cmd_probe)

@@ -6,23 +6,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import CannotWrite
+from ..report import write_outputs
+from ..search import study_rows
+from ..session import open_run_study
 
 
-def cmd_report(a: argparse.Namespace) -> int:
-    from ..report import write_outputs
-    from ..rundir import read_spec
-    from ..search import open_study, study_rows
-
-    run_dir = Path(a.run)
-    spec = read_spec(run_dir)
-    try:
-        study = open_study(spec["storage"], spec["study_name"], create=False, seed=spec.get("seed", 0))
-    except KeyError:
-        raise UsageError(f"RUN: the study {spec['study_name']!r} is not in {spec['storage']}; "
-                         "the run folder's study file may have been removed.") from None
+def cmd_report(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run)
+    spec, study = open_run_study(run_dir)
     rows, timeline = study_rows(study)
-    best = write_outputs(run_dir, spec, rows, timeline)
+    try:
+        best = write_outputs(run_dir, spec.to_dict(), rows, timeline)
+    except OSError as e:
+        raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probes), "
           f"{'best.json, ' if best else ''}report.md and plots")
     return 0
@@ -30,6 +27,7 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 def add_parser(sub: Any, fmt: Any) -> None:
     rp = sub.add_parser("report", help="rebuild trials.jsonl, best.json and report.md from the study",
-                        formatter_class=fmt, epilog="examples:\n  autofit report runs/<id>\n")
+                        formatter_class=fmt, epilog="examples:\n  autofit report runs/<id>\n\n"
+                        "exit codes: 0 rebuilt, 2 not a run folder (or its study is gone), 4 cannot write\n")
     rp.add_argument("run", help="a run folder")
     rp.set_defaults(func=cmd_report)

@@ -1,0 +1,289 @@
+"""A search session: start a new run, resume one, or join a shared study; run it; sum it up.
+
+Every decision the `search` command makes lives here, as functions tested in-process:
+`plan` turns what was asked (`SearchRequest`) into a `Session` and creates nothing (every bad
+input is a UsageError before a folder or a study exists); `start` creates the run folder and
+opens the study; `run` drives the search; `summarize` writes the outputs from the study.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy.exc
+from sqlalchemy.engine import make_url
+
+from .envinfo import collect, gpus, package_versions
+from .errors import CannotWrite, NothingFits, UsageError, gather
+from .models import resolve_model
+from .protocol import HEADROOM
+from .report import nothing_fits_message, write_outputs
+from .result import ProbeResult
+from .rundir import ProbeSettings, RunDir, RunSpec, create, load_spec, new_run_id
+from .search import Event, Search, SearchSettings, open_study, skipped_counts, study_rows
+from .space import load_space
+from .target import Target, resolve_targets
+from .units import parse_duration
+
+DEFAULT_BUDGET = "30m"
+STORAGE_ERRORS = (OSError, sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)
+"""What a study storage raises when it cannot be written: a full disk, a read-only folder, a lost server."""
+
+
+class Mode(enum.Enum):
+    NEW = "new"
+    RESUME = "resume"
+    JOIN = "join"
+    """Another host's study at --storage/--study-name: its spec, this host's targets."""
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What was asked, as typed on the command line (strings are parsed by `plan`)."""
+
+    model: str | None = None
+    space: str = "lora"
+    gpu: str | None = None
+    device: str | None = None
+    memory_limit: str | None = None
+    headroom: float = HEADROOM
+    budget: str | None = None
+    """None: DEFAULT_BUDGET for a new search, the spec's budget on resume."""
+    max_length: str | None = None
+    global_batch: str | None = None
+    out: Path = Path("runs")
+    storage: str | None = None
+    study_name: str | None = None
+    resume: Path | None = None
+    seed: int = 0
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    worker: str = field(default_factory=lambda: Path.cwd().name)
+    """Suffix of a joining host's run folder."""
+
+
+@dataclass(frozen=True)
+class Session:
+    mode: Mode
+    spec: RunSpec
+    run_dir: Path
+    local_storage: bool
+    """The study lives in the run folder (RUNNING trials found at start are stale)."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    run_dir: Path
+    stop_reason: str
+    rows: list[dict[str, Any]]
+    best: dict[str, Any] | None
+    skipped: dict[str, int]
+    interrupted: bool = False
+
+
+# --------------------------------------------------------------------------- deciding
+
+
+def plan(req: SearchRequest) -> Session:
+    """Decide new / resume / join and build the spec. Creates nothing; raises UsageError."""
+    if req.storage:
+        check_storage(req.storage)
+    if req.resume is not None:
+        return _resumed(req)
+    joined = _joined(req)
+    return joined if joined is not None else _new(req)
+
+
+def _resumed(req: SearchRequest) -> Session:
+    run_dir = Path(req.resume or "")
+    spec = load_spec(run_dir, "--resume")
+    check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
+    if req.gpu is not None or req.device is not None:
+        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom)))
+    if req.budget is not None:
+        spec = spec.replace(budget_s=parse_duration(req.budget))
+    return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir))
+
+
+def _joined(req: SearchRequest) -> Session | None:
+    """A study that already exists at --storage under --study-name: join it with its own spec."""
+    if not (req.storage and req.study_name):
+        return None
+    try:
+        study = open_study(req.storage, req.study_name, create=False, seed=req.seed)
+    except KeyError:
+        return None
+    except (*STORAGE_ERRORS, ValueError) as e:  # a storage that cannot be reached
+        raise UsageError(f"--storage: cannot open {req.storage} ({type(e).__name__}: {e}).") from None
+    stored = study.user_attrs.get("spec")
+    if stored is None:
+        return None
+    spec = RunSpec.from_dict(stored, f"--study-name {req.study_name}: the study's spec")
+    targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom))
+    spec = spec.replace(run_id=f"{spec.run_id}-worker-{req.worker}", targets=targets)
+    return Session(Mode.JOIN, spec, req.out / spec.run_id, local_storage=False)
+
+
+def _new(req: SearchRequest) -> Session:
+    model, space, targets, budget, dims = gather(
+        lambda: resolve_model(req.model) if req.model else _missing("--model"),
+        lambda: load_space(req.space),
+        lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom),
+        lambda: parse_duration(req.budget or DEFAULT_BUDGET),
+        lambda: space_dimensions(req.max_length, req.global_batch))
+    if dims:
+        space = space.replaced(**dims)
+    run_id = new_run_id(model)
+    run_dir = req.out / run_id
+    storage = req.storage or RunDir(run_dir).default_storage(len(targets))
+    spec = RunSpec(run_id=run_id, model=model, space=space, targets=tuple(targets), budget_s=budget,
+                   storage=storage, study_name=req.study_name or f"autofit-{run_id}", seed=req.seed,
+                   probe=req.probe, versions=package_versions())
+    return Session(Mode.NEW, spec, run_dir, local_storage=not req.storage)
+
+
+def _missing(flag: str) -> Any:
+    raise UsageError(f"{flag} is required (unless --resume RUN continues a search); for example "
+                     f"{flag} tiny-llama.")
+
+
+def _in_folder(storage: str, run_dir: Path) -> bool:
+    stored = storage.removeprefix("sqlite:///")
+    return Path(stored).resolve().parent == run_dir.resolve()
+
+
+def space_dimensions(max_length: str | None, global_batch: str | None) -> dict[str, list[int]]:
+    """--max-length / --global-batch as the space dimensions they replace."""
+    out = {}
+    for flag, key, text, example in (("--max-length", "max_length", max_length, "4096,2048,1024"),
+                                     ("--global-batch", "global_batch", global_batch, "16 or 16,32")):
+        if text is None:
+            continue
+        try:
+            values = [int(x) for x in str(text).split(",")]
+        except ValueError:
+            values = []
+        if not values or any(v <= 0 for v in values):
+            raise UsageError(f"{flag}: {text!r} is not a positive integer (or a comma list such as {example}).")
+        out[key] = values
+    return out
+
+
+def check_storage(url: str, flag: str = "--storage") -> None:
+    """A storage that cannot work is a usage error before anything is created."""
+    if url.endswith(".journal") or url.startswith("sqlite"):
+        _check_file_storage(url, flag)
+        return
+    try:
+        make_url(url).get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ImportError) as e:
+        raise UsageError(f"{flag}: {url!r} is not a storage autofit can open ({e}); give a database URL "
+                         "such as postgresql+psycopg://user:pw@host/db or sqlite:///study.db, "
+                         "or a .journal file path.") from None
+
+
+def _check_file_storage(url: str, flag: str) -> None:
+    if url.startswith("sqlite") and not url.startswith("sqlite:///"):
+        raise UsageError(f"{flag}: {url!r} is not an SQLite URL; give sqlite:///path/to/study.db.")
+    path = url.removeprefix("sqlite:///")
+    if path in ("", ":memory:"):
+        raise UsageError(f"{flag}: {url!r} keeps the study in memory, where it would be lost; give a file.")
+    folder = Path(path).expanduser().parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag}: the folder {folder} of {url} does not exist; create it or give another path.")
+
+
+# --------------------------------------------------------------------------- doing
+
+
+def busy_gpus(targets: tuple[Target, ...]) -> list[str]:
+    """Warnings for target GPUs that other processes use."""
+    return [f"GPU {g.index} already has {g.other_processes} other process(es); their memory and load "
+            "distort the measurements." for g in gpus()
+            if g.other_processes and any(t.gpu_index == g.index for t in targets)]
+
+
+def start(session: Session) -> optuna.Study:
+    """Create the run folder (spec.yaml, env.json) and open or create the study."""
+    create(session.run_dir, session.spec, collect())
+    spec = session.spec
+    try:
+        study = open_study(spec.storage, spec.study_name, create=True, seed=spec.seed)
+        if "spec" not in study.user_attrs:
+            study.set_user_attr("spec", spec.to_dict())
+    except STORAGE_ERRORS as e:
+        raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
+    return study
+
+
+def search_settings(session: Session, standby: int | None = None) -> SearchSettings:
+    spec, probe = session.spec, session.spec.probe
+    on_gpu = spec.targets[0].device == "cuda"
+    return SearchSettings(
+        space=spec.space, model=spec.model, targets=list(spec.targets), run_dir=session.run_dir,
+        storage=spec.storage, study_name=spec.study_name, budget_s=spec.budget_s, seed=spec.seed,
+        probe_timeout_s=probe.timeout_s, warmup_steps=probe.warmup_steps, timed_steps=probe.timed_steps,
+        max_probe_accumulation=probe.max_probe_accumulation,
+        standby=standby if standby is not None else (2 if on_gpu else 1),
+        local_storage=session.local_storage, confirm=probe.confirm)
+
+
+def run(session: Session, on_event: Callable[[Event], None], standby: int | None = None) -> tuple[str, bool]:
+    """The stop reason, and whether Ctrl-C stopped it (the study keeps what was measured)."""
+    try:
+        return Search(search_settings(session, standby), on_event).run(), False
+    except KeyboardInterrupt:
+        return "interrupted (Ctrl-C); continue with --resume", True
+    except STORAGE_ERRORS as e:
+        if not _cannot_write(e):
+            raise
+        raise CannotWrite(f"cannot write to {session.run_dir} or the study ({_first_line(e.__cause__ or e)}); "
+                          "what was "
+                          f"measured is in the study: free space, then `autofit search --resume "
+                          f"{session.run_dir}`.") from None
+
+
+def summarize(session: Session, study: optuna.Study, reason: str, interrupted: bool = False) -> Summary:
+    """Write trials.jsonl, best.json and report.md from the study."""
+    rows, timeline = study_rows(study)
+    try:
+        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason)
+    except OSError as e:
+        raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
+                          f"keeps every result: `autofit report {session.run_dir}` rebuilds them.") from None
+    return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted)
+
+
+def nothing_fits(session: Session, summary: Summary) -> NothingFits:
+    results = [ProbeResult.from_dict(r) for r in summary.rows]
+    return NothingFits(nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes)
+                       + f" Report: {RunDir(session.run_dir).report}")
+
+
+def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.Study]:
+    """The spec and study of an existing run folder (for `report`)."""
+    spec = load_spec(run_dir, flag)
+    check_storage(spec.storage, f"{flag}: {RunDir(run_dir).spec}: storage")
+    try:
+        return spec, open_study(spec.storage, spec.study_name, create=False, seed=spec.seed)
+    except KeyError:
+        raise UsageError(f"{flag}: the study {spec.study_name!r} is not in {spec.storage}; "
+                         "the run folder's study file may have been removed.") from None
+
+
+def _cannot_write(e: BaseException) -> bool:
+    """A full or read-only disk, or a storage that refuses writes (not any other failure)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
+    text = f"{e} {e.__cause__ or ''}".lower()
+    return any(s in text for s in ("disk is full", "disk i/o error", "readonly database", "read-only"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,218 @@
+"""The command line and the search session's decisions (new / resume / join), in-process."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from rich.console import Console
+
+from autofit.cli import build_parser, main
+from autofit.cli.search import Progress, request
+from autofit.errors import UsageError
+from autofit.protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from autofit.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
+from autofit.search import open_study
+from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions
+
+COMMANDS = ("search", "export", "regress", "report", "env", "probe")
+WITH_EXIT_CODES = ("search", "report", "env", "probe")  # export/regress: their module's epilogs
+
+
+def search_plan(tmp_path: Path, *flags: str):
+    args = build_parser().parse_args(["search", *flags, "--out", str(tmp_path / "runs")])
+    return plan(request(args))
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny-llama", "--budget", "soon"], "--budget: cannot read 'soon'"),
+    (["--model", "tiny-llama", "--max-length", "long"], "--max-length: 'long' is not a positive integer"),
+    (["--model", "tiny-llama", "--space", "nosuchspace"], "--space: no such file nosuchspace"),
+    (["--resume", "/nonexistent/run"], "--resume: no such folder"),
+    (["--space", "cpu-demo"], "--model is required"),
+    (["--model", "tiny-llama", "--gpu", "3"], "--gpu: GPU 3 does not exist"),
+    (["--model", "tiny-llama", "--confirm", "-1"], "--confirm: -1 is negative"),
+    (["--model", "tiny-llama", "--warmup-steps", "1"], f"--warmup-steps: at least {WARMUP_STEPS}"),
+    (["--model", "tiny-llama", "--global-batch", "-4"], "--global-batch: '-4' is not a positive integer"),
+])
+def test_bad_search_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                 message: str) -> None:
+    code = main(["search", *args, "--device", "cpu", "--out", str(tmp_path)]
+                if "--gpu" not in args else ["search", *args, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert not any(tmp_path.iterdir())  # nothing created
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as e:
+        search_plan(tmp_path, "--model", "nosuch", "--budget", "soon", "--memory-limit", "24", "--device", "cpu")
+    assert [p.split(":")[0] for p in e.value.problems] == ["--model", "--memory-limit", "--budget"]
+
+
+def test_help_ends_with_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0
+        assert "examples:" in out, cmd
+        assert "exit codes:" in out or cmd not in WITH_EXIT_CODES, cmd
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "130 "):
+        assert f" {code}" in top.split("exit codes:")[1], code
+
+
+def test_probe_flags_are_declared_once_with_the_protocol_defaults() -> None:
+    for cmd in ("probe", "search"):
+        args = build_parser().parse_args([cmd, "--model", "tiny-llama"])
+        assert (args.warmup_steps, args.timed_steps, args.max_probe_accumulation) == \
+            (WARMUP_STEPS, TIMED_STEPS, MAX_PROBE_ACCUMULATION), cmd
+    args = build_parser().parse_args(["search", "--timed-steps", "7", "--max-probe-accumulation", "0",
+                                      "--probe-timeout", "30", "--confirm", "2"])
+    assert request(args).probe == ProbeSettings(warmup_steps=WARMUP_STEPS, timed_steps=7,
+                                                max_probe_accumulation=None, timeout_s=30.0, confirm=2)
+
+
+def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["search", "--model", "tiny-llama", "--budget", "-5m", "--out", str(tmp_path)]) == 2
+    assert "--budget: '-5m' is not positive" in capsys.readouterr().err
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    code = "import sys, autofit.cli, autofit.session; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "False", out.stderr
+
+
+# ----------------------------------------------------------------------------- the session's decisions
+
+
+def test_max_length_and_global_batch_replace_the_space(tmp_path: Path) -> None:
+    plain = search_plan(tmp_path, "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu")
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu",
+                          "--max-length", "256,128", "--global-batch", "8")
+    space = session.spec.space
+    assert space.lengths == [256, 128] and plain.spec.space.lengths != [256, 128]
+    assert space.fixed["global_batch"] == 8 and "global_batch" not in space.dimensions
+    assert {c.global_batch for c in space.candidates()} == {8}
+    several = search_plan(tmp_path, "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu",
+                          "--global-batch", "8,16")
+    assert several.spec.space.dimensions["global_batch"] == [8, 16]
+    assert not (tmp_path / "runs").exists()  # plan creates nothing
+
+
+def test_space_dimensions_reject_what_is_not_a_positive_list() -> None:
+    assert space_dimensions("4096,2048", None) == {"max_length": [4096, 2048]}
+    for text in ("0", "1,,2", "x", "-3", ""):
+        with pytest.raises(UsageError, match="--global-batch"):
+            space_dimensions(None, text)
+
+
+def test_a_new_search_keeps_its_study_in_the_run_folder(tmp_path: Path) -> None:
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--seed", "3")
+    assert session.mode is Mode.NEW and session.local_storage
+    assert session.run_dir.parent == tmp_path / "runs"
+    assert session.spec.storage == f"sqlite:///{RunDir(session.run_dir).study_db.resolve()}"
+    assert session.spec.seed == 3 and session.spec.budget_s == 1800.0
+    assert RunDir(session.run_dir).default_storage(2).endswith("study.journal")
+
+
+def test_resume_reads_the_spec_and_overrides_only_what_was_given(tmp_path: Path) -> None:
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--budget", "2m")
+    write_spec(session.run_dir, session.spec)
+    resumed = plan(SearchRequest(resume=session.run_dir))
+    assert resumed.mode is Mode.RESUME and resumed.spec == session.spec and resumed.local_storage
+    longer = plan(SearchRequest(resume=session.run_dir, budget="5m", device="cpu", memory_limit="1GiB"))
+    assert longer.spec.budget_s == 300.0 and longer.spec.targets[0].memory_limit_bytes == 2**30
+    assert longer.spec.replace(budget_s=120.0, targets=session.spec.targets) == session.spec
+
+
+def test_a_study_at_the_storage_is_joined_with_its_own_spec(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    first = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--storage", storage,
+                        "--study-name", "s1", "--max-length", "128")
+    assert first.mode is Mode.NEW and not first.local_storage and first.spec.storage == storage
+    open_study(storage, "s1", create=True, seed=0).set_user_attr("spec", first.spec.to_dict())
+    joined = plan(SearchRequest(model="llama2-7b", storage=storage, study_name="s1", device="cpu",
+                                out=tmp_path / "runs", worker="host2"))
+    assert joined.mode is Mode.JOIN and not joined.local_storage
+    assert joined.spec.model.ref == "tiny-llama" and joined.spec.space.lengths == [128]
+    assert joined.spec.run_id == f"{first.spec.run_id}-worker-host2"
+    assert joined.run_dir == tmp_path / "runs" / joined.spec.run_id
+
+
+@pytest.mark.parametrize("url, message", [
+    ("foo://bar", "is not a storage autofit can open"),
+    ("sqlite:////nonexistent/dir/x.db", "the folder /nonexistent/dir"),
+    ("/nonexistent/dir/s.journal", "the folder /nonexistent/dir"),
+    ("sqlite://", "is not an SQLite URL"),
+    ("sqlite:///:memory:", "in memory"),
+])
+def test_a_storage_that_cannot_work_is_refused(url: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        check_storage(url)
+
+
+def test_storages_that_can_work_pass(tmp_path: Path) -> None:
+    for url in (f"sqlite:///{tmp_path}/x.db", str(tmp_path / "s.journal"),
+                "postgresql+psycopg://user:pw@db.invalid/autofit"):
+        check_storage(url)  # a server that is down is found when the study opens
+
+
+# ----------------------------------------------------------------------------- the run folder
+
+
+def test_run_spec_round_trips_through_spec_yaml(tmp_path: Path) -> None:
+    spec = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "90MiB").spec
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+    write_spec(tmp_path / "run", spec)
+    assert load_spec(tmp_path / "run") == spec
+    assert read_spec(tmp_path / "run") == spec.to_dict()
+    assert spec.to_dict()["created"] == spec.run_id.split("-")[0]
+
+
+def test_a_cut_spec_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "spec.yaml").write_text("model: {kind: preset}\nspace: {}\n")
+    with pytest.raises(UsageError, match=r"--resume: .*spec.yaml is not a complete autofit run spec"):
+        load_spec(tmp_path, "--resume")
+
+
+def test_report_of_a_run_without_its_study_is_a_usage_error(tmp_path: Path) -> None:
+    spec = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu").spec
+    run = tmp_path / "run"
+    write_spec(run, spec.replace(storage=f"sqlite:///{run / 'study.db'}"))
+    with pytest.raises(UsageError, match="is not in"):
+        open_run_study(run)
+
+
+# ----------------------------------------------------------------------------- the live table
+
+
+@pytest.mark.parametrize("width", [80, 140])
+def test_the_live_table_keeps_one_line_a_row_at_the_terminal_width(width: int) -> None:
+    progress = Progress(enabled=True)
+    progress.console = Console(width=width, record=True, highlight=False, file=io.StringIO())
+    progress.workers = {"cuda:0 NVIDIA H200", "cuda:1 NVIDIA H200"}
+    long = "L=4096 mb=16 ga=1 bf16 ckpt=every_2+offload nf4 paged_adamw_8bit flash_attention_2 expandable"
+    progress.rows = [(str(n), long, "skip: duplicate", "123,456", "139.2 GiB", "140.1 GiB", "cuda:1 NVIDIA H200")
+                     for n in range(1, 4)]
+    progress.console.print(progress._table())
+    lines = [x for x in progress.console.export_text().splitlines() if x.strip()]
+    assert all(len(x.rstrip()) <= width for x in lines), lines
+    rows = [x for x in lines if "skip: duplicate" in x]
+    assert len(rows) == 3, lines  # each row on one line: nothing wrapped onto a second
+    assert all("123,456" in x and "139.2 GiB" in x for x in rows)
+    assert ("140.1 GiB" in rows[0]) == (width >= 110)  # the predicted peak only where there is room

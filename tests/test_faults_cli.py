@@ -1,0 +1,224 @@
+"""The fault suite, CLI side: bad inputs and real faults (a corrupt file, a read-only folder, a signal)
+met by real `autofit` processes. Each row says the exit code and the message required."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, run_cli
+from faults import Fault
+
+from autofit.search import open_study
+
+SEARCH = ("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "1m")
+
+FAULTS = [
+    Fault("memory-limit-bare-number", "a memory limit without a unit (24 would be bytes)",
+          "autofit search --model tiny-llama --memory-limit 24", 2, "--memory-limit: '24' has no unit"),
+    Fault("global-batch-zero", "a global batch of 0", "autofit search --model tiny-llama --global-batch 0", 2,
+          "--global-batch: '0' is not a positive integer (or a comma list such as 16 or 16,32)"),
+    Fault("budget-negative", "a negative budget", "autofit search --model tiny-llama --budget -5m", 2,
+          "--budget: '-5m' is not positive"),
+    Fault("model-type-unknown", "a config.json whose model_type transformers does not know",
+          "autofit search --model ./config.json", 2, "model_type 'nonsense'"),
+    Fault("storage-unknown-scheme", "a storage URL no database driver reads",
+          "autofit search --model tiny-llama --storage foo://bar", 2, "--storage: 'foo://bar' is not a storage"),
+    Fault("storage-missing-folder", "an SQLite storage in a folder that does not exist",
+          "autofit search --model tiny-llama --storage sqlite:////nonexistent/dir/x.db", 2,
+          "--storage: the folder /nonexistent/dir"),
+    Fault("report-stub-run", "a run folder whose spec names a storage that cannot be opened",
+          "autofit report RUN", 2, "storage: 'foo://bar' is not a storage"),
+    Fault("resume-stub-run", "--resume of a run folder whose spec names a storage that cannot be opened",
+          "autofit search --resume RUN", 2, "storage: 'foo://bar' is not a storage"),
+    Fault("resume-corrupt-spec", "--resume of a run folder whose spec.yaml was cut short",
+          "autofit search --resume RUN", 2, "is not a complete autofit run spec"),
+    Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
+          "--out: cannot write the run folder"),
+    Fault("disk-full-during-search", "the disk fills up during a search (a small tmpfs)",
+          "autofit search --out FULL", 4, "cannot write to", nothing_lost=True),
+    Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
+          "Continue with: autofit search --resume", nothing_lost=True),
+]
+
+
+def _config(tmp: Path) -> list[str]:
+    (tmp / "config.json").write_text(json.dumps({"model_type": "nonsense", "hidden_size": 64}))
+    return ["search", "--model", str(tmp / "config.json"), "--device", "cpu"]
+
+
+def _stub_run(tmp: Path, spec_text: str | None = None) -> Path:
+    """The folder a bad --storage used to leave behind: spec.yaml and env.json, no study."""
+    run = tmp / "runs" / "20260101T000000Z-tiny-llama"
+    run.mkdir(parents=True)
+    spec = {"run_id": run.name, "model": {"kind": "preset", "ref": "tiny-llama", "config": {}},
+            "space": {"name": "s", "fixed": {}, "dimensions": {"max_length": [128]}},
+            "targets": [{"device": "cpu"}], "budget_s": 60.0, "storage": "foo://bar", "study_name": "s"}
+    (run / "spec.yaml").write_text(spec_text if spec_text is not None else yaml.safe_dump(spec))
+    (run / "env.json").write_text("{}\n")
+    return run
+
+
+ARGS: dict[str, Callable[[Path], list[str]]] = {
+    "memory-limit-bare-number": lambda tmp: [*SEARCH, "--memory-limit", "24"],
+    "global-batch-zero": lambda tmp: [*SEARCH, "--global-batch", "0"],
+    "budget-negative": lambda tmp: ["search", "--model", "tiny-llama", "--budget", "-5m"],
+    "model-type-unknown": _config,
+    "storage-unknown-scheme": lambda tmp: [*SEARCH, "--storage", "foo://bar"],
+    "storage-missing-folder": lambda tmp: [*SEARCH, "--storage", "sqlite:////nonexistent/dir/x.db"],
+    "report-stub-run": lambda tmp: ["report", str(_stub_run(tmp))],
+    "resume-stub-run": lambda tmp: ["search", "--resume", str(_stub_run(tmp))],
+    "resume-corrupt-spec": lambda tmp: ["search", "--resume", str(_stub_run(tmp, "run_id: x\nmodel: {kind: pre"
+                                                                            "set}\nspace: {}\n"))],
+}
+USAGE = [f for f in FAULTS if f.id in ARGS]
+
+
+@pytest.mark.parametrize("fault", USAGE, ids=[f.id for f in USAGE])
+def test_bad_input_is_one_clear_message_and_creates_nothing(tmp_path: Path, fault: Fault) -> None:
+    argv = ARGS[fault.id](tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    proc = run_cli(*argv, "--out", str(tmp_path / "runs"), cwd=tmp_path) if argv[0] == "search" \
+        else run_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == fault.exit_code, proc.stderr
+    assert fault.message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line, not a list of 800 model names
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no run folder, no study
+
+
+@contextmanager
+def read_only_folder(path: Path) -> Iterator[Path]:
+    """A folder where writing really fails. Root ignores permission bits, so: a read-only bind mount,
+    else the immutable attribute, else (not root) the permission bits."""
+    path.mkdir()
+    undo: list[list[str]] = []
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+    elif _ok(["mount", "--bind", str(path), str(path)]):
+        undo.append(["umount", str(path)])
+        assert _ok(["mount", "-o", "remount,bind,ro", str(path)]), "cannot remount read-only"
+    else:
+        assert _ok(["chattr", "+i", str(path)]), "neither a read-only bind mount nor chattr +i works here"
+        undo.append(["chattr", "-i", str(path)])
+    try:
+        assert not os.access(path, os.W_OK) or _write_fails(path), f"{path} is still writable"
+        yield path
+    finally:
+        for cmd in undo:
+            subprocess.run(cmd, check=False)
+        path.chmod(0o755)
+
+
+def _ok(cmd: list[str]) -> bool:
+    return shutil.which(cmd[0]) is not None and subprocess.run(cmd, check=False, capture_output=True).returncode == 0
+
+
+def _write_fails(path: Path) -> bool:
+    try:
+        (path / "probe-write").write_text("x")
+    except OSError:
+        return True
+    (path / "probe-write").unlink()
+    return False
+
+
+def test_read_only_out_is_exit_4_with_one_message(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "out-read-only")
+    with read_only_folder(tmp_path / "ro") as ro:
+        proc = run_cli(*SEARCH, "--out", str(ro / "runs"), cwd=tmp_path)
+    assert proc.returncode == fault.exit_code, proc.stderr
+    assert fault.message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "search-interrupted")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
+         "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(tmp_path), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    study_db = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and study_db is None:  # wait for a finished probe in the study
+        time.sleep(2)
+        runs = list(tmp_path.glob("*/study.db"))
+        if runs and _finished(runs[0]):
+            study_db = runs[0]
+    assert study_db is not None, "no probe finished"
+    measured = _finished(study_db)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == fault.exit_code, err[-2000:]
+    assert fault.message in err and "Traceback" not in err
+    assert json.loads(out)["stop_reason"].startswith("interrupted")
+    assert set(measured) <= set(_finished(study_db))  # nothing measured is lost
+
+
+def _finished(study_db: Path) -> list[tuple[int, str]]:
+    spec = yaml.safe_load((study_db.parent / "spec.yaml").read_text())
+    try:
+        study = open_study(f"sqlite:///{study_db}", spec["study_name"], create=False, seed=0)
+    except KeyError:
+        return []
+    return [(t.number, json.dumps(t.user_attrs.get("result"), sort_keys=True))
+            for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.user_attrs.get("result")]
+
+
+@contextmanager
+def small_tmpfs(path: Path, size: str = "3m") -> Iterator[Path]:
+    path.mkdir()
+    assert _ok(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]), \
+        "mounting a tmpfs needs root (CI runs as root)"
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_exit_4_and_resume_after_freeing_space_loses_nothing(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "disk-full-during-search")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with small_tmpfs(tmp_path / "full") as full:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
+             "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "90s", "--out", str(full), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(_finished(db) for db in full.glob("*/study.db")):
+            time.sleep(1)  # until one probe is in the study
+        _fill(full)
+        _out, err = proc.communicate(timeout=300)
+        assert proc.returncode == fault.exit_code, err[-2000:]
+        assert fault.message in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+        run_dir = next(p.parent for p in full.glob("*/study.db"))
+        measured = _finished(run_dir / "study.db")
+        assert measured, "no probe finished before the disk filled"
+        (full / "filler").unlink()
+        resumed = run_cli("search", "--resume", str(run_dir), "--budget", "30s", "--json")
+        assert resumed.returncode in (0, 3), resumed.stderr[-2000:]
+        assert set(measured) <= set(_finished(run_dir / "study.db"))  # nothing measured is lost
