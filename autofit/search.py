@@ -1,267 +1,36 @@
 """The Optuna driver: ask, pre-check, probe, tell; budget, skipping, resume, several workers.
 
 The search process never imports torch: probes run in child processes (`runner.py`).
-The study is the source of truth: every probe's full result is stored with its trial, so
-`trials.jsonl`, `best.json` and the report can be rebuilt from it wherever probes ran,
-and a resumed search re-runs no finished probe.
+The study (study.py) is the source of truth, so a resumed search re-runs no finished probe.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
-from .memory import MemoryModel, Shape
+from .knowledge import CONFIRM_BAND, Knowledge, promise
 from .models import ModelSource
 from .objective import best_of, study_value
 from .result import Outcome, ProbeResult
 from .runner import Runner
-from .target import Target
-from .space import CKPT_COST, QUANT_COST, Space
+from .space import Space
 from .spec import TrialConfig
+from .study import REPEAT_PREFIX, new_run_id, open_study, repeats_of, skipped_counts, study_rows
+from .target import Target
+
+__all__ = ["CONFIRM_BAND", "Event", "Search", "SearchSettings", "new_run_id", "open_study", "skipped_counts",
+           "study_rows"]
 
 INTERRUPTED = "interrupted"
-SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
-CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
-REPEAT_PREFIX = "repeat:"
-
-
-# --------------------------------------------------------------------------- the study
-
-
-def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study:
-    """Open (or create) the study at an Optuna storage URL or a journal file path."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    store: Any = storage
-    if storage.endswith(".journal"):
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        store = JournalStorage(JournalFileBackend(storage))
-    elif storage.startswith("sqlite"):
-        store = optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
-    # Constraints (Trial.set_constraint) mark OOMs infeasible: the sampler learns from them,
-    # where a FAIL would be ignored. constant_liar keeps parallel workers apart.
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, constant_liar=True)
-    if create:
-        return optuna.create_study(storage=store, study_name=name, direction="maximize",
-                                   sampler=sampler, load_if_exists=True)
-    return optuna.load_study(storage=store, study_name=name, sampler=sampler)
-
-
-def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, Any]]] | None = None,
-                  ) -> list[tuple[FrozenTrial, ProbeResult]]:
-    """The probes that ran to an outcome, in trial order, each with its repeats merged in."""
-    out = []
-    for t in trials:
-        if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs and t.state.is_finished():
-            res = ProbeResult.from_dict(t.user_attrs["result"])
-            out.append((t, merge_repeats(res, (repeats or {}).get(t.number, []))))
-    return sorted(out, key=lambda p: p[0].number)
-
-
-def repeats_of(study: optuna.Study) -> dict[int, list[dict[str, Any]]]:
-    """Repeat measurements stored on the study (`repeat:<trial>:<id>`), by trial number.
-
-    A finished trial cannot take new attributes, and a study attribute per repeat keeps
-    searches on several hosts from overwriting each other's.
-    """
-    out: dict[int, list[dict[str, Any]]] = {}
-    for key, value in study.user_attrs.items():
-        if key.startswith(REPEAT_PREFIX):
-            out.setdefault(int(key.split(":")[1]), []).append(value)
-    return out
-
-
-def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResult:
-    """A fit measured again: tokens/s becomes the median of the runs and the peak the largest;
-    a repeat that runs out of memory makes the config not fit. Other failures are ignored."""
-    if not repeats or not res.outcome.is_fit():
-        return res
-    again = [ProbeResult.from_dict(d) for d in repeats]
-    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit() and r.tokens_per_s]
-    res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
-    res.tokens_per_s = statistics.median(runs)
-    counted = [res] + [r for r in again if r.outcome.is_fit() or r.outcome.is_memory()]
-    res.peak_memory_bytes = max(r.peak_memory_bytes or 0 for r in counted) or None
-    memory = [r for r in again if r.outcome.is_memory()]
-    if memory:
-        res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
-        res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
-    return res
-
-
-# --------------------------------------------------------------------------- what is known
-
-
-@dataclass
-class Knowledge:
-    """Everything the study has learned so far, rebuilt from its trials."""
-
-    space: Space
-    model: ModelSource
-    usable: int | None
-    on_gpu: bool
-    probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
-    by_key: dict[str, FrozenTrial] = field(default_factory=dict)
-    memory: MemoryModel | None = None
-
-    @classmethod
-    def build(cls, trials: list[FrozenTrial], space: Space, model: ModelSource, usable: int | None,
-              on_gpu: bool, repeats: dict[int, list[dict[str, Any]]] | None = None) -> "Knowledge":
-        k = cls(space, model, usable, on_gpu)
-        k.memory = MemoryModel(Shape.from_config(model.config), on_gpu=on_gpu)
-        k.probes = probe_results(trials, repeats)
-        for t, res in k.probes:
-            k.by_key.setdefault(t.user_attrs["config_key"], t)
-            if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
-                k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
-                                 t.user_attrs.get("predicted_peak"))
-        return k
-
-    def fits(self) -> list[ProbeResult]:
-        return [r for _, r in self.probes if r.outcome.is_fit()]
-
-    def memory_failures(self) -> list[TrialConfig]:
-        return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
-
-    def best(self) -> ProbeResult | None:
-        return best_of(self.fits())
-
-    def best_length(self) -> int | None:
-        b = self.best()
-        return b.config["max_length"] if b else None
-
-    def dominated_by_oom(self, cfg: TrialConfig) -> TrialConfig | None:
-        """A known memory failure with the same settings and no more tokens per micro-batch."""
-        for o in self.memory_failures():
-            if (o.replace(micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
-                          global_batch=cfg.global_batch) == cfg
-                    and o.micro_batch_size <= cfg.micro_batch_size and o.max_length <= cfg.max_length):
-                return o
-        return None
-
-    def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
-        """A fit that differs only by cheaper checkpointing or quantization: never slower."""
-        ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else None
-        qu = QUANT_COST.index(cfg.quantization)
-        if ck is None:
-            return None
-        for r in self.fits():
-            f = TrialConfig.from_dict(r.config)
-            if f.gradient_checkpointing not in CKPT_COST:
-                continue
-            same = f.replace(gradient_checkpointing=cfg.gradient_checkpointing, quantization=cfg.quantization)
-            fck, fqu = CKPT_COST.index(f.gradient_checkpointing), QUANT_COST.index(f.quantization)
-            if same == cfg and fck <= ck and fqu <= qu and (fck, fqu) != (ck, qu):
-                return r
-        return None
-
-    def speed_bound(self, cfg: TrialConfig) -> tuple[float, str] | None:
-        """An upper bound on cfg's tokens/s from fits that differ from it only in micro-batch.
-
-        With everything else equal, tokens/s in the micro-batch m behaves as m / (t0 + m c): it
-        rises and flattens (concave). So a smaller micro-batch than a measured one is not faster,
-        and beyond the two largest measured ones it stays under their secant. SPEED_NOISE covers
-        timing noise.
-        """
-        group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
-                       if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
-                           micro_batch_size=cfg.micro_batch_size) == cfg)
-        m = cfg.micro_batch_size
-        larger = [(b, t) for b, t in group if b > m]
-        if larger:
-            b, t = min(larger, key=lambda x: x[1])
-            return t * (1 + SPEED_NOISE), f"micro-batch {b} of the same settings ran at {t:,.0f} tokens/s"
-        if len(group) >= 2:
-            (a, ta), (b, tb) = group[-2], group[-1]
-            bound = tb + max(tb - ta, 0.0) / (b - a) * (m - b)
-            return bound * (1 + SPEED_NOISE), (f"tokens/s flattens with micro-batch: {a} -> {b} went "
-                                               f"{ta:,.0f} -> {tb:,.0f}")
-        return None
-
-    def verdict(self, cfg: TrialConfig) -> tuple[str, str]:
-        """('probe', '') or why the config need not be probed: (kind, detail)."""
-        seen = self.by_key.get(cfg.key())
-        if seen is not None:
-            return "duplicate", f"same as trial {seen.number}"
-        best_len = self.best_length()
-        if best_len is not None and cfg.max_length < best_len:
-            return "shorter", f"length {best_len} already fits"
-        dom = self.dominated_by_oom(cfg)
-        if dom is not None:
-            return "dominated", (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
-                                 f"length {dom.max_length})")
-        if self.usable and self.memory is not None and self.memory.hopeless(cfg, self.usable):
-            return "predicted", (f"predicted peak {self.memory.predict(cfg) / 2**30:.1f} GiB exceeds the usable "
-                                 f"{self.usable / 2**30:.1f} GiB by more than the model's error "
-                                 f"({self.memory.margin():.0%})")
-        slower = self.dominated_in_speed(cfg)
-        if slower is not None:
-            return "slower", "a fit with less recomputation or no quantization differs only there"
-        best = self.best()
-        bound = self.speed_bound(cfg) if best is not None and cfg.max_length == best_len else None
-        if bound is not None and best is not None and bound[0] < (best.tokens_per_s or 0):
-            return "slower", f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best {best.tokens_per_s:,.0f}"
-        return "probe", ""
-
-    def to_confirm(self, done: int, limit: int) -> tuple[FrozenTrial, ProbeResult, bool] | None:
-        """The next fit to measure again, with whether it is the best: the best while it has been
-        measured once (also when an earlier repeat demoted another), else, until `limit` repeats
-        are done, the fastest fit measured once within CONFIRM_BAND of the best at its length."""
-        best = self.best()
-        if best is None:
-            return None
-        once = [(t, r) for t, r in self.probes
-                if r.outcome.is_fit() and len(r.measurements) < 2
-                and r.config["max_length"] == best.config["max_length"]
-                and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
-        is_best = [(t, r) for t, r in once if r.config == best.config]
-        pool = is_best or (once if done < limit else [])
-        if not pool:
-            return None
-        t, r = max(pool, key=lambda p: p[1].tokens_per_s or 0)
-        return t, r, bool(is_best)
-
-    def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
-        return [c for c in candidates if self.verdict(c)[0] == "probe"]
-
-    def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
-        """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
-        # training time, not wall time: the first probe's wall time includes waiting for imports.
-        # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
-        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
-                for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
-        if not rows:
-            return None
-        per_token = max(w / t for w, t in rows)
-        overheads = [r.wall_seconds - r.train_seconds for _, r in self.probes[1:]
-                     if r.wall_seconds and r.train_seconds]
-        overhead = statistics.median(overheads) if overheads else 1.0
-        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
-
-
-def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
-    acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
-    return steps * acc * cfg.tokens_per_micro_batch
-
-
-def promise(cfg: TrialConfig) -> tuple[Any, ...]:
-    """Which untried config to probe when the sampler only repeats itself: longest length,
-    least recomputation, no quantization, then the largest micro-batch."""
-    ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
-    return (cfg.max_length, -ck, -QUANT_COST.index(cfg.quantization), cfg.micro_batch_size,
-            -int(cfg.expandable_segments))
 
 
 # --------------------------------------------------------------------------- the search
@@ -572,29 +341,3 @@ def _constrain(trial: optuna.Trial, value: float) -> None:
     trial.set_user_attr("constraint", value)
     trial.set_constraint("memory", value)
 
-
-def new_run_id(model: ModelSource) -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
-
-
-def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
-    """Probe rows (trial number, predicted peak, full result) and the timeline of fits."""
-    trials = study.get_trials(deepcopy=False)
-    starts = [t.datetime_start for t in trials if t.datetime_start]
-    t0 = min(starts) if starts else None
-    rows, timeline = [], []
-    for t, res in probe_results(trials, repeats_of(study)):
-        rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
-                     **res.to_dict()})
-        if res.outcome.is_fit() and t.datetime_complete and t0:
-            timeline.append(((t.datetime_complete - t0).total_seconds(), float(res.tokens_per_s or 0)))
-    return rows, timeline
-
-
-def skipped_counts(study: optuna.Study) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        kind = t.user_attrs.get("kind")
-        if kind and kind != "probe":
-            out[kind] = out.get(kind, 0) + 1
-    return out
