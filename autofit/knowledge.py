@@ -5,40 +5,61 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from optuna.trial import FrozenTrial
 
 from .memory import MemoryModel, Shape
-from .models import ModelSource
-from .objective import best_of
+from .objective import best_of, once_and_noisy
 from .result import ProbeResult
-from .space import CKPT_COST, QUANT_COST, Space
+from .space import CKPT_COST, QUANT_COST
 from .spec import TrialConfig
 from .study import probe_results
+from .units import format_size
 
 SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
 CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
+
+
+class Verdict(StrEnum):
+    """Whether a config needs a probe, or why not (the trial's `kind` when it is skipped)."""
+
+    PROBE = "probe"
+    DUPLICATE = "duplicate"
+    """The same config was probed (or is being probed) already."""
+    SHORTER = "shorter"
+    """A longer length already fits: a shorter one cannot win."""
+    DOMINATED = "dominated"
+    """A config with no more tokens per micro-batch and the same settings ran out of memory."""
+    PREDICTED = "predicted"
+    """The memory model puts its peak over the usable memory by more than the model's error."""
+    SLOWER = "slower"
+    """It cannot beat a measured fit on speed."""
+
+    def probes(self) -> bool:
+        return self is Verdict.PROBE
+
+    def infeasible(self) -> bool:
+        """Told to the sampler as out of memory (it learns from it), not as merely skipped."""
+        return self in (Verdict.DOMINATED, Verdict.PREDICTED)
 
 
 @dataclass
 class Knowledge:
     """Everything the study has learned so far, rebuilt from its trials."""
 
-    space: Space
-    model: ModelSource
     usable: int | None
-    on_gpu: bool
+    memory: MemoryModel
     probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
     by_key: dict[str, FrozenTrial] = field(default_factory=dict)
-    memory: MemoryModel | None = None
 
     @classmethod
-    def build(cls, trials: list[FrozenTrial], space: Space, model: ModelSource, usable: int | None,
-              on_gpu: bool, repeats: dict[int, list[dict[str, Any]]] | None = None) -> "Knowledge":
-        k = cls(space, model, usable, on_gpu)
-        k.memory = MemoryModel(Shape.from_config(model.config), on_gpu=on_gpu)
-        k.probes = probe_results(trials, repeats)
+    def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
+              repeats: dict[int, list[dict[str, Any]]] | None = None,
+              superseded: frozenset[int] = frozenset()) -> Knowledge:
+        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu))
+        k.probes = probe_results(trials, repeats, superseded)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
             if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
@@ -107,51 +128,57 @@ class Knowledge:
                                                f"{ta:,.0f} -> {tb:,.0f}")
         return None
 
-    def verdict(self, cfg: TrialConfig) -> tuple[str, str]:
-        """('probe', '') or why the config need not be probed: (kind, detail)."""
+    def verdict(self, cfg: TrialConfig) -> tuple[Verdict, str]:
+        """(PROBE, '') or why the config need not be probed, with the detail for a person."""
         seen = self.by_key.get(cfg.key())
         if seen is not None:
-            return "duplicate", f"same as trial {seen.number}"
+            return Verdict.DUPLICATE, f"same as trial {seen.number}"
         best_len = self.best_length()
         if best_len is not None and cfg.max_length < best_len:
-            return "shorter", f"length {best_len} already fits"
+            return Verdict.SHORTER, f"length {best_len} already fits"
         dom = self.dominated_by_oom(cfg)
         if dom is not None:
-            return "dominated", (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
-                                 f"length {dom.max_length})")
-        if self.usable and self.memory is not None and self.memory.hopeless(cfg, self.usable):
-            return "predicted", (f"predicted peak {self.memory.predict(cfg) / 2**30:.1f} GiB exceeds the usable "
-                                 f"{self.usable / 2**30:.1f} GiB by more than the model's error "
-                                 f"({self.memory.margin():.0%})")
-        slower = self.dominated_in_speed(cfg)
-        if slower is not None:
-            return "slower", "a fit with less recomputation or no quantization differs only there"
+            return Verdict.DOMINATED, (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
+                                       f"length {dom.max_length})")
+        if self.usable and self.memory.hopeless(cfg, self.usable):
+            return Verdict.PREDICTED, (f"predicted peak {format_size(self.memory.predict(cfg))} exceeds the "
+                                       f"usable {format_size(self.usable)} by more than the model's error "
+                                       f"({self.memory.margin():.0%})")
+        if self.dominated_in_speed(cfg) is not None:
+            return Verdict.SLOWER, "a fit with less recomputation or no quantization differs only there"
+        return self._speed_verdict(cfg, best_len)
+
+    def _speed_verdict(self, cfg: TrialConfig, best_len: int | None) -> tuple[Verdict, str]:
         best = self.best()
-        bound = self.speed_bound(cfg) if best is not None and cfg.max_length == best_len else None
-        if bound is not None and best is not None and bound[0] < (best.tokens_per_s or 0):
-            return "slower", f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best {best.tokens_per_s:,.0f}"
-        return "probe", ""
+        if best is None or cfg.max_length != best_len or once_and_noisy(best):
+            return Verdict.PROBE, ""  # a noisy best measured once bounds nothing yet
+        bound = self.speed_bound(cfg)
+        if bound is not None and bound[0] < (best.tokens_per_s or 0):
+            return Verdict.SLOWER, (f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best "
+                                    f"{best.tokens_per_s:,.0f}")
+        return Verdict.PROBE, ""
 
     def to_confirm(self, done: int, limit: int) -> tuple[FrozenTrial, ProbeResult, bool] | None:
-        """The next fit to measure again, with whether it is the best: the best while it has been
-        measured once (also when an earlier repeat demoted another), else, until `limit` repeats
-        are done, the fastest fit measured once within CONFIRM_BAND of the best at its length."""
+        """The next fit to measure again, with whether it must be (True: the best, or a noisy fit
+        measured once that could be it, also when an earlier repeat demoted another), else, until
+        `limit` repeats are done, the fastest fit measured once within CONFIRM_BAND of the best at
+        its length."""
         best = self.best()
         if best is None:
             return None
+        floor = (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)
         once = [(t, r) for t, r in self.probes
                 if r.outcome.is_fit() and len(r.measurements) < 2
-                and r.config["max_length"] == best.config["max_length"]
-                and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
-        is_best = [(t, r) for t, r in once if r.config == best.config]
-        pool = is_best or (once if done < limit else [])
+                and r.config["max_length"] == best.config["max_length"] and (r.tokens_per_s or 0) >= floor]
+        must = [(t, r) for t, r in once if r.config == best.config or r.noisy]
+        pool = must or (once if done < limit else [])
         if not pool:
             return None
         t, r = max(pool, key=lambda p: p[1].tokens_per_s or 0)
-        return t, r, bool(is_best)
+        return t, r, bool(must)
 
     def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
-        return [c for c in candidates if self.verdict(c)[0] == "probe"]
+        return [c for c in candidates if self.verdict(c)[0].probes()]
 
     def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
         """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
@@ -179,3 +206,39 @@ def promise(cfg: TrialConfig) -> tuple[Any, ...]:
     ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
     return (cfg.max_length, -ck, -QUANT_COST.index(cfg.quantization), cfg.micro_batch_size,
             -int(cfg.expandable_segments))
+
+
+@dataclass(frozen=True)
+class ProbeTime:
+    """How long probes take, for the budget: estimates from the probes so far, and the time kept
+    back to measure the best fit again."""
+
+    steps: int
+    """Warm-up plus timed optimizer steps of one probe."""
+    max_acc: int | None
+    confirm: bool
+    """Time is kept to measure the best fit again."""
+
+    def estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
+        return know.estimate_seconds(cfg, self.steps, self.max_acc)
+
+    def kept(self, know: Knowledge, cfg: TrialConfig | None = None) -> float:
+        """Time to keep back, beside probing cfg, for measuring the best fit again: the current
+        best's repeat, or cfg's own if it is longer, since cfg may become the best."""
+        if not self.confirm:
+            return 0.0
+        best = know.best()
+        keep = 0.0
+        if best is not None and len(best.measurements) < 2:
+            keep = self.estimate(know, TrialConfig.from_dict(best.config)) or 0.0
+        return max(keep, (self.estimate(know, cfg) or 0.0) if cfg is not None else 0.0)
+
+    def in_time(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
+        """Would a probe of cfg finish in `left` seconds, with the time kept? (Unknown: yes.)"""
+        est = self.estimate(know, cfg)
+        return est is None or est <= left - self.kept(know, cfg)
+
+    def pick(self, know: Knowledge, viable: list[TrialConfig], left: float) -> TrialConfig | None:
+        """The most promising of the viable configs that finishes in time (None: none does)."""
+        timely = [c for c in viable if self.in_time(know, c, left)]
+        return max(timely, key=promise) if timely else None
