@@ -8,6 +8,7 @@ from typing import Any
 
 from .memory import Shape, prior
 from .objective import best_of, best_per_length, ranked_fits
+from .protocol import HEADROOM, usable_bytes
 from .result import Outcome, ProbeResult
 from .spec import KEYS, TrialConfig
 from .units import format_duration, format_size
@@ -89,8 +90,11 @@ def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     return parts
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def _size(n: float | None) -> str:
+    """A size for a table cell: GiB with two decimals from 1 GiB, MiB below (no 0.00 GiB rows)."""
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | None, path: Path,
@@ -101,23 +105,25 @@ def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    peaks = [r.peak_memory_bytes or 0 for r in results] + [limit or 0]
+    unit, scale = ("GiB", 2**30) if max(peaks) >= 2**30 else ("MiB", 2**20)
     for outcome in COLOURS:
         pts = [r for r in results if r.outcome.value == outcome and r.peak_memory_bytes]
         if not pts:
             continue
-        xs = [r.peak_memory_bytes / 2**30 for r in pts]
+        xs = [r.peak_memory_bytes / scale for r in pts]
         ys = [r.tokens_per_s or 0 for r in pts]
         ax.scatter(xs, ys, c=COLOURS[outcome], label=f"{outcome} ({len(pts)})", alpha=0.8,
                    edgecolors="white", linewidths=0.5)
     best = best_of(results)
     if best and best.peak_memory_bytes:
-        ax.scatter([best.peak_memory_bytes / 2**30], [best.tokens_per_s], s=220, facecolors="none",
+        ax.scatter([best.peak_memory_bytes / scale], [best.tokens_per_s], s=220, facecolors="none",
                    edgecolors="tab:green", linewidths=2, label="winner")
     if limit:
-        ax.axvline(limit / 2**30, color="tab:red", linestyle="--", label=f"limit {limit / 2**30:g} GiB")
+        ax.axvline(limit / scale, color="tab:red", linestyle="--", label=f"limit {format_size(limit)}")
     if usable:
-        ax.axvline(usable / 2**30, color="tab:orange", linestyle=":", label="headroom line")
-    ax.set_xlabel("peak memory (GiB)")
+        ax.axvline(usable / scale, color="tab:orange", linestyle=":", label="headroom line")
+    ax.set_xlabel(f"peak memory ({unit})")
     ax.set_ylabel("tokens/s (0: no step finished)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
@@ -161,7 +167,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
             f.write(json.dumps(r) + "\n")
     target = spec["targets"][0]
     limit = target.get("memory_limit_bytes")
-    usable = int(limit * (1 - target.get("headroom", 0.05))) if limit else None
+    usable = usable_bytes(limit, target.get("headroom", HEADROOM))
     best = best_of(results)
     ranked = ranked_fits(results)
     best_doc = None
@@ -200,7 +206,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
              + (" — an emulated card has the card's memory but this GPU's speed" if limit and
                 target["device"] == "cuda" else ""),
              f"- space: `{spec['space']['name']}`, budget {format_duration(spec['budget_s'])}, "
-             f"headroom {target.get('headroom', 0.05):.0%}",
+             f"headroom {target.get('headroom', HEADROOM):.0%}",
              f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
              f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
              + (f"; stopped: {stop_reason}" if stop_reason else ""), ""]
@@ -210,7 +216,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
         cfg = best.config
         lines += ["## Winner", "",
                   f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
-                  f"**{_gib(best.peak_memory_bytes)} GiB**" + (f" of {_gib(limit)} GiB" if limit else "")
+                  f"**{_size(best.peak_memory_bytes)}**" + (f" of {_size(limit)}" if limit else "")
                   + _measured_again(best), "",
                   "| setting | value |", "|---|---|"]
         for k in KEYS:
@@ -219,11 +225,11 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
         lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
                   f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
                   "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
-        lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak GiB | config |",
+        lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
                   "|---|---|---|---|"]
         per_length = best_per_length(results)
         for L, r in per_length.items():
-            lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_gib(r.peak_memory_bytes)} | {config_brief(r.config)} |")
+            lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_size(r.peak_memory_bytes)} | {config_brief(r.config)} |")
         space = spec.get("space") or {}
         allowed = (space.get("dimensions") or {}).get("max_length") or []
         unmeasured = sorted((L for L in allowed if L < cfg["max_length"] and L not in per_length), reverse=True)
@@ -243,23 +249,24 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
                    TrialConfig.from_dict(r.config).tokens_per_micro_batch)
         explained.append(("nearest OOM", near))
     if explained:
-        lines += ["| GiB | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
+        lines += ["| term | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
                   "|---|" + "---|" * len(explained)]
         parts = [explain_memory(r, shape) for _, r in explained]
         for term in parts[0]:
-            lines.append(f"| {term} | " + " | ".join(_gib(p[term]) for p in parts) + " |")
+            lines.append(f"| {term} | " + " | ".join(_size(p[term]) for p in parts) + " |")
         lines.append("| **measured peak** | " + " | ".join(
-            _gib(r.peak_memory_bytes) + (f" (short {_gib(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
+            _size(r.peak_memory_bytes) + (f" (short {_size(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
                                          else "") for _, r in explained) + " |")
         lines.append("")
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", "", "## All probes", "",
-              "| trial | config | outcome | tokens/s | peak GiB | predicted GiB | wall s |",
-              "|---|---|---|---|---|---|---|"]
+              "| trial | config | outcome | tokens/s | spread | peak | predicted | wall s |",
+              "|---|---|---|---|---|---|---|---|"]
     for row, r in zip(rows, results):
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
-        lines.append(f"| {row.get('trial', '')} | {config_brief(r.config)} | {r.outcome.value} | {tps} | "
-                     f"{_gib(r.peak_memory_bytes)} | {_gib(row.get('predicted_peak'))} | "
+        spread = f"{r.spread:.2f}" + (" noisy" if r.noisy else "") if r.spread else "-"
+        lines.append(f"| {row.get('trial', '')} | {config_brief(r.config)} | {r.outcome.value} | {tps} | {spread} | "
+                     f"{_size(r.peak_memory_bytes)} | {_size(row.get('predicted_peak'))} | "
                      f"{(r.wall_seconds or 0):.1f} |")
     return "\n".join(lines) + "\n"
 
