@@ -167,6 +167,7 @@ class Search:
                 r.abort()
             for th in threads:
                 th.join(timeout=30)
+            record_stop_reason(study, "interrupted (Ctrl-C); continue with --resume")
             raise
         finally:
             for r in self.runners:
