@@ -39,7 +39,7 @@ class Shape:
     tied: bool
 
     @classmethod
-    def from_config(cls, c: dict[str, Any]) -> "Shape":
+    def from_config(cls, c: dict[str, Any]) -> Shape:
         heads = int(c.get("num_attention_heads", 1))
         return cls(hidden=int(c.get("hidden_size", 0)), layers=int(c.get("num_hidden_layers", 0)),
                    intermediate=int(c.get("intermediate_size", 4 * int(c.get("hidden_size", 0)))),

@@ -1,5 +1,6 @@
 """The objective, stated once: the longest allowed length at which something fits, then the
-highest tokens/s at that length. Search, report and regress all rank by it."""
+highest tokens/s at that length; a noisy fit measured once ranks after the steady ones.
+Search, report and regress all rank by it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ LENGTH_WEIGHT = 1e7
 """Optuna's value = length rank * this + tokens/s: a longer length first, then speed."""
 
 
-def rank_key(res: ProbeResult) -> tuple[int, float]:
-    """Sort key of a fit: length first, then tokens/s."""
-    return res.config["max_length"], res.tokens_per_s or 0.0
+def once_and_noisy(res: ProbeResult) -> bool:
+    """A fit whose timed steps stayed too spread and that was not measured again: its tokens/s
+    is not trusted over a steadier fit's."""
+    return res.noisy and len(res.measurements) < 2
+
+
+def rank_key(res: ProbeResult) -> tuple[int, bool, float]:
+    """Sort key of a fit: length first, then a steady (or repeated) measurement before a noisy
+    one measured once, then tokens/s."""
+    return res.config["max_length"], not once_and_noisy(res), res.tokens_per_s or 0.0
 
 
 def study_value(res: ProbeResult, lengths: list[int]) -> float:

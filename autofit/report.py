@@ -8,6 +8,7 @@ from typing import Any
 
 from .memory import Shape, prior
 from .objective import best_of, best_per_length, ranked_fits
+from .protocol import HEADROOM, usable_bytes
 from .result import Outcome, ProbeResult
 from .spec import KEYS, TrialConfig
 from .units import format_duration, format_size
@@ -89,8 +90,11 @@ def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     return parts
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def _size(n: float | None) -> str:
+    """A size for a table cell: GiB with two decimals from 1 GiB, MiB below (no 0.00 GiB rows)."""
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | None, path: Path,
@@ -101,27 +105,30 @@ def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for outcome in COLOURS:
+    peaks = [r.peak_memory_bytes or 0 for r in results] + [limit or 0]
+    unit, scale = ("GiB", 2**30) if max(peaks) >= 2**30 else ("MiB", 2**20)
+    for outcome, colour in COLOURS.items():
         pts = [r for r in results if r.outcome.value == outcome and r.peak_memory_bytes]
         if not pts:
             continue
-        xs = [r.peak_memory_bytes / 2**30 for r in pts]
+        xs = [r.peak_memory_bytes / scale for r in pts]
         ys = [r.tokens_per_s or 0 for r in pts]
-        ax.scatter(xs, ys, c=COLOURS[outcome], label=f"{outcome} ({len(pts)})", alpha=0.8,
+        ax.scatter(xs, ys, c=colour, label=f"{outcome} ({len(pts)})", alpha=0.8,
                    edgecolors="white", linewidths=0.5)
     best = best_of(results)
     if best and best.peak_memory_bytes:
-        ax.scatter([best.peak_memory_bytes / 2**30], [best.tokens_per_s], s=220, facecolors="none",
+        ax.scatter([best.peak_memory_bytes / scale], [best.tokens_per_s], s=220, facecolors="none",
                    edgecolors="tab:green", linewidths=2, label="winner")
     if limit:
-        ax.axvline(limit / 2**30, color="tab:red", linestyle="--", label=f"limit {limit / 2**30:g} GiB")
+        ax.axvline(limit / scale, color="tab:red", linestyle="--", label=f"limit {format_size(limit)}")
     if usable:
-        ax.axvline(usable / 2**30, color="tab:orange", linestyle=":", label="headroom line")
-    ax.set_xlabel("peak memory (GiB)")
+        ax.axvline(usable / scale, color="tab:orange", linestyle=":", label="headroom line")
+    ax.set_xlabel(f"peak memory ({unit})")
     ax.set_ylabel("tokens/s (0: no step finished)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if ax.get_legend_handles_labels()[0]:  # nothing measured a peak: no legend (and no warning)
+        ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -157,11 +164,10 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
     """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result)."""
     results = [ProbeResult.from_dict(r) for r in rows]
     with open(run_dir / "trials.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     target = spec["targets"][0]
     limit = target.get("memory_limit_bytes")
-    usable = int(limit * (1 - target.get("headroom", 0.05))) if limit else None
+    usable = usable_bytes(limit, target.get("headroom", HEADROOM))
     best = best_of(results)
     ranked = ranked_fits(results)
     best_doc = None
@@ -190,51 +196,66 @@ def _describe_target(t: dict[str, Any]) -> str:
 
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str) -> str:
-    shape = Shape.from_config(spec["model"]["config"])
-    target = spec["targets"][0]
-    lines = [f"# autofit report: {spec['run_id']}", "",
-             f"- model: `{spec['model']['ref']}` ({spec['model']['kind']}"
-             + (", random weights: memory and speed as trained weights" if spec["model"]["kind"] in
-                ("preset", "config") else "") + ")",
-             f"- where: {_describe_target(target)}"
-             + (" — an emulated card has the card's memory but this GPU's speed" if limit and
-                target["device"] == "cuda" else ""),
-             f"- space: `{spec['space']['name']}`, budget {format_duration(spec['budget_s'])}, "
-             f"headroom {target.get('headroom', 0.05):.0%}",
-             f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
-             f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
-             + (f"; stopped: {stop_reason}" if stop_reason else ""), ""]
+    lines = _header(spec, results, limit, stop_reason)
     if best is None:
         lines += ["## Nothing fits", "", nothing_fits_message(results, limit), ""]
     else:
-        cfg = best.config
-        lines += ["## Winner", "",
-                  f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
-                  f"**{_gib(best.peak_memory_bytes)} GiB**" + (f" of {_gib(limit)} GiB" if limit else "")
-                  + _measured_again(best), "",
-                  "| setting | value |", "|---|---|"]
-        for k in KEYS:
-            mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
-            lines.append(f"| {k} | `{cfg[k]}`{mark} |")
-        lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
-                  f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
-                  "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
-        lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak GiB | config |",
-                  "|---|---|---|---|"]
-        per_length = best_per_length(results)
-        for L, r in per_length.items():
-            lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_gib(r.peak_memory_bytes)} | {config_brief(r.config)} |")
-        space = spec.get("space") or {}
-        allowed = (space.get("dimensions") or {}).get("max_length") or []
-        unmeasured = sorted((L for L in allowed if L < cfg["max_length"] and L not in per_length), reverse=True)
-        if unmeasured:
-            lines += ["", f"Not measured: {', '.join(map(str, unmeasured))}. A longer length fits, so a shorter "
-                      "one cannot win; to see what cutting the length would buy, search it alone "
-                      f"(`--max-length {unmeasured[0]}`)."]
-        lines.append("")
-    lines += ["## Where the memory goes", "",
-              "Terms from the analytic model of the shape; activations, allocator overhead and memory "
-              "outside PyTorch are measured where the probe ran to the end.", ""]
+        lines += _winner(spec, results, best, limit)
+    lines += _memory_section(spec, results, best)
+    lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
+              "![best so far](best_so_far.png)", ""]
+    lines += _all_probes(rows, results)
+    return "\n".join(lines) + "\n"
+
+
+def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None, stop_reason: str) -> list[str]:
+    target = spec["targets"][0]
+    weights = (", random weights: memory and speed as trained weights"
+               if spec["model"]["kind"] in ("preset", "config") else "")
+    emulated = (" — an emulated card has the card's memory but this GPU's speed"
+                if limit and target["device"] == "cuda" else "")
+    return [f"# autofit report: {spec['run_id']}", "",
+            f"- model: `{spec['model']['ref']}` ({spec['model']['kind']}{weights})",
+            f"- where: {_describe_target(target)}{emulated}",
+            (f"- space: `{spec['space']['name']}`, budget {format_duration(spec['budget_s'])}, "
+             f"headroom {target.get('headroom', HEADROOM):.0%}"),
+            (f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
+             f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
+             + (f"; stopped: {stop_reason}" if stop_reason else "")), ""]
+
+
+def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None) -> list[str]:
+    cfg = best.config
+    lines = ["## Winner", "",
+             (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
+              f"**{_size(best.peak_memory_bytes)}**" + (f" of {_size(limit)}" if limit else "")
+              + _measured_again(best)), "",
+             "| setting | value |", "|---|---|"]
+    for k in KEYS:
+        mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
+        lines.append(f"| {k} | `{cfg[k]}`{mark} |")
+    lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
+              f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
+              "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
+    lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
+              "|---|---|---|---|"]
+    per_length = best_per_length(results)
+    for L, r in per_length.items():
+        lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {_size(r.peak_memory_bytes)} | {config_brief(r.config)} |")
+    space = spec.get("space") or {}
+    allowed = (space.get("dimensions") or {}).get("max_length") or []
+    unmeasured = sorted((L for L in allowed if L < cfg["max_length"] and L not in per_length), reverse=True)
+    if unmeasured:
+        lines += ["", (f"Not measured: {', '.join(map(str, unmeasured))}. A longer length fits, so a shorter "
+                       "one cannot win; to see what cutting the length would buy, search it alone "
+                       f"(`--max-length {unmeasured[0]}`).")]
+    return [*lines, ""]
+
+
+def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
+    lines = ["## Where the memory goes", "",
+             ("Terms from the analytic model of the shape; activations, allocator overhead and memory "
+              "outside PyTorch are measured where the probe ran to the end."), ""]
     explained = [("winner", best)] if best else []
     ooms = [r for r in results if r.outcome.is_memory()]
     if ooms:
@@ -242,26 +263,31 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
         near = min(ooms, key=lambda r: abs((r.peak_memory_bytes or 0) - ref) if ref else
                    TrialConfig.from_dict(r.config).tokens_per_micro_batch)
         explained.append(("nearest OOM", near))
-    if explained:
-        lines += ["| GiB | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
-                  "|---|" + "---|" * len(explained)]
-        parts = [explain_memory(r, shape) for _, r in explained]
-        for term in parts[0]:
-            lines.append(f"| {term} | " + " | ".join(_gib(p[term]) for p in parts) + " |")
-        lines.append("| **measured peak** | " + " | ".join(
-            _gib(r.peak_memory_bytes) + (f" (short {_gib(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
-                                         else "") for _, r in explained) + " |")
-        lines.append("")
-    lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
-              "![best so far](best_so_far.png)", "", "## All probes", "",
-              "| trial | config | outcome | tokens/s | peak GiB | predicted GiB | wall s |",
-              "|---|---|---|---|---|---|---|"]
-    for row, r in zip(rows, results):
+    if not explained:
+        return lines
+    shape = Shape.from_config(spec["model"]["config"])
+    lines += ["| term | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
+              "|---|" + "---|" * len(explained)]
+    parts = [explain_memory(r, shape) for _, r in explained]
+    for term in parts[0]:
+        lines.append(f"| {term} | " + " | ".join(_size(p[term]) for p in parts) + " |")
+    lines.append("| **measured peak** | " + " | ".join(
+        _size(r.peak_memory_bytes) + (f" (short {_size(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
+                                     else "") for _, r in explained) + " |")
+    return [*lines, ""]
+
+
+def _all_probes(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
+    lines = ["## All probes", "",
+             "| trial | config | outcome | tokens/s | spread | peak | predicted | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row, r in zip(rows, results, strict=True):
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+        spread = f"{r.spread:.2f}" + (" noisy" if r.noisy else "") if r.spread else "-"
         lines.append(f"| {row.get('trial', '')} | {config_brief(r.config)} | {r.outcome.value} | {tps} | "
-                     f"{_gib(r.peak_memory_bytes)} | {_gib(row.get('predicted_peak'))} | "
+                     f"{spread} | {_size(r.peak_memory_bytes)} | {_size(row.get('predicted_peak'))} | "
                      f"{(r.wall_seconds or 0):.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _measured_again(r: ProbeResult) -> str:

@@ -1,270 +1,58 @@
-"""The Optuna driver: ask, pre-check, probe, tell; budget, skipping, resume, several workers.
+"""The Optuna driver: each worker asks, takes a verdict, probes, tells; budget, resume, several workers.
 
 The search process never imports torch: probes run in child processes (`runner.py`).
-The study is the source of truth: every probe's full result is stored with its trial, so
-`trials.jsonl`, `best.json` and the report can be rebuilt from it wherever probes ran,
-and a resumed search re-runs no finished probe.
+The study (study.py) is the source of truth, so a resumed search re-runs no finished probe;
+what is known and which configs still need a probe is knowledge.py's.
 """
 
 from __future__ import annotations
 
+import errno
 import json
-import statistics
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import optuna
+from optuna.exceptions import StorageInternalError
 from optuna.trial import FrozenTrial, TrialState
 
-from .memory import MemoryModel, Shape
+from .errors import CannotWrite
+from .knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
+from .memory import Shape
 from .models import ModelSource
-from .objective import best_of, study_value
+from .objective import best_of
+from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from .result import Outcome, ProbeResult
-from .runner import Runner
-from .target import Target
-from .space import CKPT_COST, QUANT_COST, Space
+from .runner import Runner, result_file
+from .space import Space
 from .spec import TrialConfig
+from .study import (
+    TrialKind,
+    adopt,
+    new_run_id,
+    observation,
+    open_study,
+    record_repeat,
+    record_stop_reason,
+    repeats_of,
+    skipped_counts,
+    stop_reason_of,
+    study_rows,
+    supersede,
+    superseded_of,
+)
+from .target import Target
+
+__all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "new_run_id", "open_study",
+           "skipped_counts", "stop_reason_of", "study_rows"]
 
 INTERRUPTED = "interrupted"
-SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
-CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
-REPEAT_PREFIX = "repeat:"
-
-
-# --------------------------------------------------------------------------- the study
-
-
-def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study:
-    """Open (or create) the study at an Optuna storage URL or a journal file path."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    store: Any = storage
-    if storage.endswith(".journal"):
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        store = JournalStorage(JournalFileBackend(storage))
-    elif storage.startswith("sqlite"):
-        store = optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
-    # Constraints (Trial.set_constraint) mark OOMs infeasible: the sampler learns from them,
-    # where a FAIL would be ignored. constant_liar keeps parallel workers apart.
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, constant_liar=True)
-    if create:
-        return optuna.create_study(storage=store, study_name=name, direction="maximize",
-                                   sampler=sampler, load_if_exists=True)
-    return optuna.load_study(storage=store, study_name=name, sampler=sampler)
-
-
-def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, Any]]] | None = None,
-                  ) -> list[tuple[FrozenTrial, ProbeResult]]:
-    """The probes that ran to an outcome, in trial order, each with its repeats merged in."""
-    out = []
-    for t in trials:
-        if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs and t.state.is_finished():
-            res = ProbeResult.from_dict(t.user_attrs["result"])
-            out.append((t, merge_repeats(res, (repeats or {}).get(t.number, []))))
-    return sorted(out, key=lambda p: p[0].number)
-
-
-def repeats_of(study: optuna.Study) -> dict[int, list[dict[str, Any]]]:
-    """Repeat measurements stored on the study (`repeat:<trial>:<id>`), by trial number.
-
-    A finished trial cannot take new attributes, and a study attribute per repeat keeps
-    searches on several hosts from overwriting each other's.
-    """
-    out: dict[int, list[dict[str, Any]]] = {}
-    for key, value in study.user_attrs.items():
-        if key.startswith(REPEAT_PREFIX):
-            out.setdefault(int(key.split(":")[1]), []).append(value)
-    return out
-
-
-def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResult:
-    """A fit measured again: tokens/s becomes the median of the runs and the peak the largest;
-    a repeat that runs out of memory makes the config not fit. Other failures are ignored."""
-    if not repeats or not res.outcome.is_fit():
-        return res
-    again = [ProbeResult.from_dict(d) for d in repeats]
-    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit() and r.tokens_per_s]
-    res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
-    res.tokens_per_s = statistics.median(runs)
-    counted = [res] + [r for r in again if r.outcome.is_fit() or r.outcome.is_memory()]
-    res.peak_memory_bytes = max(r.peak_memory_bytes or 0 for r in counted) or None
-    memory = [r for r in again if r.outcome.is_memory()]
-    if memory:
-        res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
-        res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
-    return res
-
-
-# --------------------------------------------------------------------------- what is known
-
-
-@dataclass
-class Knowledge:
-    """Everything the study has learned so far, rebuilt from its trials."""
-
-    space: Space
-    model: ModelSource
-    usable: int | None
-    on_gpu: bool
-    probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
-    by_key: dict[str, FrozenTrial] = field(default_factory=dict)
-    memory: MemoryModel | None = None
-
-    @classmethod
-    def build(cls, trials: list[FrozenTrial], space: Space, model: ModelSource, usable: int | None,
-              on_gpu: bool, repeats: dict[int, list[dict[str, Any]]] | None = None) -> "Knowledge":
-        k = cls(space, model, usable, on_gpu)
-        k.memory = MemoryModel(Shape.from_config(model.config), on_gpu=on_gpu)
-        k.probes = probe_results(trials, repeats)
-        for t, res in k.probes:
-            k.by_key.setdefault(t.user_attrs["config_key"], t)
-            if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
-                k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
-                                 t.user_attrs.get("predicted_peak"))
-        return k
-
-    def fits(self) -> list[ProbeResult]:
-        return [r for _, r in self.probes if r.outcome.is_fit()]
-
-    def memory_failures(self) -> list[TrialConfig]:
-        return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
-
-    def best(self) -> ProbeResult | None:
-        return best_of(self.fits())
-
-    def best_length(self) -> int | None:
-        b = self.best()
-        return b.config["max_length"] if b else None
-
-    def dominated_by_oom(self, cfg: TrialConfig) -> TrialConfig | None:
-        """A known memory failure with the same settings and no more tokens per micro-batch."""
-        for o in self.memory_failures():
-            if (o.replace(micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
-                          global_batch=cfg.global_batch) == cfg
-                    and o.micro_batch_size <= cfg.micro_batch_size and o.max_length <= cfg.max_length):
-                return o
-        return None
-
-    def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
-        """A fit that differs only by cheaper checkpointing or quantization: never slower."""
-        ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else None
-        qu = QUANT_COST.index(cfg.quantization)
-        if ck is None:
-            return None
-        for r in self.fits():
-            f = TrialConfig.from_dict(r.config)
-            if f.gradient_checkpointing not in CKPT_COST:
-                continue
-            same = f.replace(gradient_checkpointing=cfg.gradient_checkpointing, quantization=cfg.quantization)
-            fck, fqu = CKPT_COST.index(f.gradient_checkpointing), QUANT_COST.index(f.quantization)
-            if same == cfg and fck <= ck and fqu <= qu and (fck, fqu) != (ck, qu):
-                return r
-        return None
-
-    def speed_bound(self, cfg: TrialConfig) -> tuple[float, str] | None:
-        """An upper bound on cfg's tokens/s from fits that differ from it only in micro-batch.
-
-        With everything else equal, tokens/s in the micro-batch m behaves as m / (t0 + m c): it
-        rises and flattens (concave). So a smaller micro-batch than a measured one is not faster,
-        and beyond the two largest measured ones it stays under their secant. SPEED_NOISE covers
-        timing noise.
-        """
-        group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
-                       if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
-                           micro_batch_size=cfg.micro_batch_size) == cfg)
-        m = cfg.micro_batch_size
-        larger = [(b, t) for b, t in group if b > m]
-        if larger:
-            b, t = min(larger, key=lambda x: x[1])
-            return t * (1 + SPEED_NOISE), f"micro-batch {b} of the same settings ran at {t:,.0f} tokens/s"
-        if len(group) >= 2:
-            (a, ta), (b, tb) = group[-2], group[-1]
-            bound = tb + max(tb - ta, 0.0) / (b - a) * (m - b)
-            return bound * (1 + SPEED_NOISE), (f"tokens/s flattens with micro-batch: {a} -> {b} went "
-                                               f"{ta:,.0f} -> {tb:,.0f}")
-        return None
-
-    def verdict(self, cfg: TrialConfig) -> tuple[str, str]:
-        """('probe', '') or why the config need not be probed: (kind, detail)."""
-        seen = self.by_key.get(cfg.key())
-        if seen is not None:
-            return "duplicate", f"same as trial {seen.number}"
-        best_len = self.best_length()
-        if best_len is not None and cfg.max_length < best_len:
-            return "shorter", f"length {best_len} already fits"
-        dom = self.dominated_by_oom(cfg)
-        if dom is not None:
-            return "dominated", (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
-                                 f"length {dom.max_length})")
-        if self.usable and self.memory is not None and self.memory.hopeless(cfg, self.usable):
-            return "predicted", (f"predicted peak {self.memory.predict(cfg) / 2**30:.1f} GiB exceeds the usable "
-                                 f"{self.usable / 2**30:.1f} GiB by more than the model's error "
-                                 f"({self.memory.margin():.0%})")
-        slower = self.dominated_in_speed(cfg)
-        if slower is not None:
-            return "slower", "a fit with less recomputation or no quantization differs only there"
-        best = self.best()
-        bound = self.speed_bound(cfg) if best is not None and cfg.max_length == best_len else None
-        if bound is not None and best is not None and bound[0] < (best.tokens_per_s or 0):
-            return "slower", f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best {best.tokens_per_s:,.0f}"
-        return "probe", ""
-
-    def to_confirm(self, done: int, limit: int) -> tuple[FrozenTrial, ProbeResult, bool] | None:
-        """The next fit to measure again, with whether it is the best: the best while it has been
-        measured once (also when an earlier repeat demoted another), else, until `limit` repeats
-        are done, the fastest fit measured once within CONFIRM_BAND of the best at its length."""
-        best = self.best()
-        if best is None:
-            return None
-        once = [(t, r) for t, r in self.probes
-                if r.outcome.is_fit() and len(r.measurements) < 2
-                and r.config["max_length"] == best.config["max_length"]
-                and (r.tokens_per_s or 0) >= (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)]
-        is_best = [(t, r) for t, r in once if r.config == best.config]
-        pool = is_best or (once if done < limit else [])
-        if not pool:
-            return None
-        t, r = max(pool, key=lambda p: p[1].tokens_per_s or 0)
-        return t, r, bool(is_best)
-
-    def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
-        return [c for c in candidates if self.verdict(c)[0] == "probe"]
-
-    def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
-        """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
-        # training time, not wall time: the first probe's wall time includes waiting for imports.
-        # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
-        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
-                for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
-        if not rows:
-            return None
-        per_token = max(w / t for w, t in rows)
-        overheads = [r.wall_seconds - r.train_seconds for _, r in self.probes[1:]
-                     if r.wall_seconds and r.train_seconds]
-        overhead = statistics.median(overheads) if overheads else 1.0
-        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
-
-
-def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
-    acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
-    return steps * acc * cfg.tokens_per_micro_batch
-
-
-def promise(cfg: TrialConfig) -> tuple[Any, ...]:
-    """Which untried config to probe when the sampler only repeats itself: longest length,
-    least recomputation, no quantization, then the largest micro-batch."""
-    ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
-    return (cfg.max_length, -ck, -QUANT_COST.index(cfg.quantization), cfg.micro_batch_size,
-            -int(cfg.expandable_segments))
-
-
-# --------------------------------------------------------------------------- the search
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
 @dataclass
@@ -278,9 +66,9 @@ class SearchSettings:
     budget_s: float
     seed: int = 0
     probe_timeout_s: float = 900.0
-    warmup_steps: int = 2
-    timed_steps: int = 5
-    max_probe_accumulation: int | None = 4
+    warmup_steps: int = WARMUP_STEPS
+    timed_steps: int = TIMED_STEPS
+    max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION
     standby: int = 1
     local_storage: bool = True
     """The study lives in the run folder: RUNNING trials found at start are stale."""
@@ -290,19 +78,48 @@ class SearchSettings:
     """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
 
 
-@dataclass
+class EventKind(StrEnum):
+    """What a progress line reports: a probe, a repeat of a fit, or a skip (one per Verdict)."""
+
+    PROBE = "probe"
+    AGAIN = "again"
+    DUPLICATE = Verdict.DUPLICATE.value
+    SHORTER = Verdict.SHORTER.value
+    DOMINATED = Verdict.DOMINATED.value
+    PREDICTED = Verdict.PREDICTED.value
+    SLOWER = Verdict.SLOWER.value
+
+    def skipped(self) -> bool:
+        return self not in (EventKind.PROBE, EventKind.AGAIN)
+
+
+@dataclass(frozen=True)
 class Event:
-    """One line of progress: a probe or a skip."""
+    """One line of progress: a probe, a repeat or a skip."""
 
     number: int
     worker: str
     config: dict[str, Any]
-    kind: str
+    kind: EventKind
     result: ProbeResult | None
     predicted: int | None
-    detail: str
     best: ProbeResult | None
     seconds_left: float
+
+
+@dataclass
+class _Pace:
+    """When the most promising untried config goes before the sampler's proposal: the first
+    probes after the seed, then every other one (guided), or whenever the sampler keeps proposing
+    what needs no probe (or what would not finish in time)."""
+
+    guided: bool
+    probed: int = 0
+    streak: int = 0
+    """Proposals in a row that were not probed."""
+
+    def guide_now(self) -> bool:
+        return self.streak >= 2 or (self.guided and (self.probed <= 3 or self.probed % 2 == 1))
 
 
 class Search:
@@ -317,47 +134,26 @@ class Search:
         self.runners: list[Runner] = []
         self.deadline = 0.0
         self.candidates = s.space.candidates()
+        self.shape = Shape.from_config(s.model.config)
         self.errors: list[BaseException] = []
+        self.time = ProbeTime(s.warmup_steps + s.timed_steps, s.max_probe_accumulation, s.confirm > 0)
 
-    def usable(self, t: Target) -> int | None:
-        return int(t.memory_limit_bytes * (1 - t.headroom)) if t.memory_limit_bytes else None
-
-    def prepare(self) -> optuna.Study:
-        study = open_study(self.s.storage, self.s.study_name, create=True, seed=self.s.seed)
-        trials = study.get_trials(deepcopy=False)
-        if self.s.local_storage:
-            for t in trials:  # a killed search left these RUNNING
-                if t.state != TrialState.RUNNING:
-                    continue
-                if t.user_attrs.get("kind") == "probe" and "result" in t.user_attrs:
-                    # the probe finished and its result is stored: record it, do not run it again
-                    res = ProbeResult.from_dict(t.user_attrs["result"])
-                    trial = optuna.trial.Trial(study, t._trial_id)
-                    self._tell_result(study, trial, TrialConfig.from_dict(res.config), res,
-                                      self.usable(self.s.targets[0]))
-                else:  # its probe never finished: it runs again
-                    study._storage.set_trial_user_attr(t._trial_id, "kind", INTERRUPTED)
-                    study.tell(t.number, state=TrialState.FAIL)
-        seed_cfg = self.s.space.config(self.s.space.seed())
-        if not any(t.user_attrs.get("config_key") == seed_cfg.key() for t in trials):
-            study.enqueue_trial(self.s.space.seed(), user_attrs={"seeded": "common recipe"},
-                                skip_if_exists=True)
-        return study
+    # ----------------------------------------------------------------------- the whole search
 
     def run(self) -> str:
-        """Search until done; returns why it stopped. KeyboardInterrupt stops every probe first."""
-        self.prepare()
+        """Search until done; returns why it stopped. KeyboardInterrupt stops every probe first.
+        A study or run folder that cannot be written (a full disk) raises CannotWrite."""
+        try:
+            return self._run()
+        except (StorageInternalError, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in FULL:
+                raise
+            raise self._cannot_write(e) from None
+
+    def _run(self) -> str:
+        study = self.prepare()
         self.deadline = time.monotonic() + self.s.budget_s
-        threads = []
-        for target in self.s.targets:
-            runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
-                            warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
-                            max_probe_accumulation=self.s.max_probe_accumulation)
-            runner.warm_up()
-            self.runners.append(runner)
-            th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
-            threads.append(th)
-            th.start()
+        threads = [self._start_worker(t) for t in self.s.targets]
         try:
             while any(th.is_alive() for th in threads):
                 for th in threads:
@@ -371,21 +167,267 @@ class Search:
                 r.abort()
             for th in threads:
                 th.join(timeout=30)
+            record_stop_reason(study, "interrupted (Ctrl-C); continue with --resume")
             raise
         finally:
             for r in self.runners:
                 r.close()
         if self.errors:
             raise self.errors[0]
+        record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
 
+    def _start_worker(self, target: Target) -> threading.Thread:
+        runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
+                        warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
+                        max_probe_accumulation=self.s.max_probe_accumulation)
+        runner.warm_up()
+        self.runners.append(runner)
+        th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
+        th.start()
+        return th
+
+    def _cannot_write(self, e: BaseException) -> CannotWrite:
+        """A storage or file error as one clear message."""
+        cause = e.__cause__ or e.__context__ or e
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return CannotWrite(f"cannot write the study ({self.s.storage}) or the run folder {self.s.run_dir}: "
+                           f"{detail}. Every probe told before this is kept in the study; free space (or "
+                           f"fix the permissions), then continue with `autofit search --resume {self.s.run_dir}`.")
+
+    def prepare(self) -> optuna.Study:
+        """Open the study, settle what a killed search left RUNNING, and seed the common recipe."""
+        study = open_study(self.s.storage, self.s.study_name, create=True, seed=self.s.seed)
+        trials = study.get_trials(deepcopy=False)
+        if self.s.local_storage:  # RUNNING trials are this run folder's, left by a killed search
+            for t in trials:
+                if t.state == TrialState.RUNNING:
+                    self._settle(study, t)
+        seed_cfg = self.s.space.config(self.s.space.seed())
+        if not any(t.user_attrs.get("config_key") == seed_cfg.key() for t in trials):
+            study.enqueue_trial(self.s.space.seed(), user_attrs={"seeded": "common recipe"},
+                                skip_if_exists=True)
+        return study
+
+    def _settle(self, study: optuna.Study, stale: FrozenTrial) -> None:
+        """A finished probe (its result stored, or its result file written) is adopted; one that
+        never finished, or says nothing about its config, runs again."""
+        res = self._finished_result(stale)
+        if res is None:
+            supersede(study, stale, TrialKind.INTERRUPTED.value)
+            return
+        adopt(study, stale, res, self.s.targets[0].usable_bytes, self.s.space.values("max_length"))
+
+    def _finished_result(self, t: FrozenTrial) -> ProbeResult | None:
+        if t.user_attrs.get("kind") not in (None, TrialKind.PROBE):
+            return None
+        found = [ProbeResult.from_dict(t.user_attrs["result"])] if "result" in t.user_attrs else []
+        for name in (f"trial-{t.number:04d}-retry", f"trial-{t.number:04d}"):
+            path = result_file(self.s.run_dir / "logs", name)
+            try:
+                found.append(ProbeResult.from_dict(json.loads(path.read_text())))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        usable = [r for r in found if r.outcome is not Outcome.CANCELLED and not r.retryable]
+        return usable[0] if usable else None
+
+    # ----------------------------------------------------------------------- one worker
+
     def _worker_main(self, target: Target, runner: Runner) -> None:
+        study = None
         try:
             study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
             self._worker(study, target, runner)
-        except BaseException as e:  # surfaced by run(); the other workers stop
-            self.errors.append(e)
+        except BaseException as e:  # noqa: BLE001 - surfaced by run(); the other workers stop
+            writing = isinstance(e, StorageInternalError) or (isinstance(e, OSError) and e.errno in FULL)
+            self.errors.append(self._cannot_write(e) if writing else e)
             self.stop.set()
+            if writing and study is not None:
+                self._close_running(study, target)
+
+    def _close_running(self, study: optuna.Study, target: Target) -> None:
+        """After a write failed: settle this worker's RUNNING trial where the storage still takes
+        it; otherwise `--resume` does (it adopts a finished probe's result file)."""
+        try:
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if t.user_attrs.get("worker") == target.describe():
+                    self._settle(study, t)
+        except (StorageInternalError, OSError):
+            pass
+
+    def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
+        """ask -> verdict -> probe -> tell, until the budget or the space runs out."""
+        pace = _Pace(self.s.guided)
+        while not self.stop.is_set():
+            know = self._knowledge(study, target)
+            why = self._steer(study, know, pace)
+            if why:
+                return self._finish(why)
+            trial, cfg, predicted = self._ask(study, know, target)
+            verdict, detail = self._verdict(study, know, trial, cfg)
+            if not verdict.probes():
+                pace.streak += 1
+                self._tell_skip(study, trial, cfg, verdict, detail, know)
+                self._event(trial.number, target, cfg, EventKind(verdict.value), None, predicted, know.best())
+                continue
+            if not self._in_time(know, cfg):  # the next round probes one that finishes in time
+                pace.streak = 2
+                trial.set_user_attr("kind", TrialKind.BUDGET.value)
+                study.tell(trial, state=TrialState.PRUNED)
+                continue
+            pace.streak, pace.probed = 0, pace.probed + 1
+            res = self._probe(study, trial, cfg, runner)
+            if res is None:  # interrupted
+                return None
+            self._tell_probe(study, trial, cfg, res, know, target)
+        return None
+
+    def _steer(self, study: optuna.Study, know: Knowledge, pace: _Pace) -> str:
+        """Why to stop now (empty: go on); puts the most promising untried config that can
+        finish in time first when the pace says so."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return "budget spent"
+        viable = know.viable(self.candidates)
+        if not viable:
+            return "no remaining configuration can win"
+        pick = self.time.pick(know, viable, left)
+        if pick is None:
+            kept = " (time is kept to measure the best again)" if self.time.kept(know) else ""
+            return "budget: no untried configuration would finish in the time left" + kept
+        if pace.guide_now():
+            study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
+                                user_attrs={"seeded": "most promising untried"})
+            pace.streak = 0
+        return ""
+
+    def _ask(self, study: optuna.Study, know: Knowledge, target: Target,
+             ) -> tuple[optuna.Trial, TrialConfig, int]:
+        trial = study.ask()
+        params = {k: trial.suggest_categorical(k, v) for k, v in self.s.space.dimensions.items()}
+        cfg = self.s.space.config(params)
+        predicted = know.memory.predict(cfg)
+        trial.set_user_attr("config_key", cfg.key())
+        trial.set_user_attr("config", cfg.to_dict())
+        trial.set_user_attr("worker", target.describe())
+        trial.set_user_attr("predicted_peak", predicted)
+        return trial, cfg, predicted
+
+    def _verdict(self, study: optuna.Study, know: Knowledge, trial: optuna.Trial,
+                 cfg: TrialConfig) -> tuple[Verdict, str]:
+        verdict, detail = know.verdict(cfg)
+        return self._claimed(study, trial.number, cfg) if verdict.probes() else (verdict, detail)
+
+    def _claimed(self, study: optuna.Study, number: int, cfg: TrialConfig) -> tuple[Verdict, str]:
+        """Another worker took this config first (a lower trial number, running or done)."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
+            if (t.number < number and t.user_attrs.get("config_key") == cfg.key()
+                    and t.user_attrs.get("kind", TrialKind.PROBE) == TrialKind.PROBE):
+                return Verdict.DUPLICATE, f"trial {t.number} of another worker has it"
+        return Verdict.PROBE, ""
+
+    def _probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig,
+               runner: Runner) -> ProbeResult | None:
+        """Run the probe; a result killed from outside autofit (retryable) is probed once more.
+        None when the search was interrupted (the trial is told so)."""
+        trial.set_user_attr("kind", TrialKind.PROBE.value)
+        number = trial.number
+
+        def cancel() -> bool:
+            return not self._claimed(study, number, cfg)[0].probes()
+
+        res = self._run_probe(runner, cfg, f"trial-{number:04d}", cancel)
+        if res.retryable and not self.stop.is_set():
+            first = res.reason
+            res = self._run_probe(runner, cfg, f"trial-{number:04d}-retry", cancel)
+            res.extra = {**res.extra, "first_attempt": first}
+        if self.stop.is_set() and self.stop_reason == INTERRUPTED:
+            trial.set_user_attr("kind", TrialKind.INTERRUPTED.value)
+            study.tell(trial, state=TrialState.FAIL)
+            return None
+        return res
+
+    def _run_probe(self, runner: Runner, cfg: TrialConfig, name: str, cancel: Callable[[], bool]) -> ProbeResult:
+        left = max(self.deadline - time.monotonic(), 1.0)
+        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left), cancel=cancel)
+
+    # ----------------------------------------------------------------------- telling the study
+
+    def _tell_skip(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, verdict: Verdict,
+                   detail: str, know: Knowledge) -> None:
+        trial.set_user_attr("kind", verdict.value)
+        trial.set_user_attr("detail", detail)
+        seen = know.by_key.get(cfg.key())
+        predicted = trial.user_attrs.get("predicted_peak")
+        if verdict is Verdict.DUPLICATE and seen is not None and seen.state == TrialState.COMPLETE:
+            _constrain(trial, seen.user_attrs.get("constraint", 1.0))
+            study.tell(trial, seen.value)
+        elif verdict.infeasible():
+            over = (predicted / know.usable - 1) if predicted and know.usable else 0.0
+            _constrain(trial, max(over, 0.01))
+            study.tell(trial, 0.0)
+        else:  # shorter, slower, or a duplicate still running elsewhere: not better, not measured
+            study.tell(trial, state=TrialState.PRUNED)
+
+    def _tell_probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
+                    know: Knowledge, target: Target) -> None:
+        if res.outcome is Outcome.CANCELLED:  # another worker probes it
+            self._tell_skip(study, trial, cfg, Verdict.DUPLICATE, "another worker probed it", know)
+            return
+        trial.set_user_attr("result", res.to_dict())  # first: a search killed after this resumes it
+        obs = observation(res, target.usable_bytes, self.s.space.values("max_length"))
+        if obs.constraint is not None:
+            _constrain(trial, obs.constraint)
+        study.tell(trial, obs.value, state=obs.state)
+        with self.lock, open(self.s.run_dir / "trials.jsonl", "a") as f:
+            f.write(json.dumps({"trial": trial.number, "predicted_peak": trial.user_attrs.get(
+                "predicted_peak"), **res.to_dict()}) + "\n")
+        best = best_of([r for r in (know.best(), res) if r is not None])
+        self._event(trial.number, target, cfg, EventKind.PROBE, res, trial.user_attrs.get("predicted_peak"), best)
+
+    # ----------------------------------------------------------------------- time and knowledge
+
+    def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
+        return Knowledge.build(study.get_trials(deepcopy=False), self.shape, target.device == "cuda",
+                               target.usable_bytes, repeats_of(study), superseded_of(study))
+
+    def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
+        return self.time.in_time(know, cfg, self.deadline - time.monotonic())
+
+    # ----------------------------------------------------------------------- measuring fits again
+
+    def _confirm(self, target: Target, runner: Runner) -> None:
+        """Measure again, in a fresh process, the best fit while it was measured once, noisy fits
+        that could be the best, and up to `confirm` fits within CONFIRM_BAND of the best, while
+        the budget allows: one noisy probe (a launch-bound config moves 10-15% between processes)
+        should not pick the winner alone. A repeat can demote the best; the new best is then
+        measured again too, so the winner is never a config measured once beside one measured twice."""
+        study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
+        repeated: set[int] = set()
+        know = self._knowledge(study, target)
+        while True:
+            pick = know.to_confirm(len(repeated), self.s.confirm)
+            if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
+                return
+            t, r, must = pick
+            cfg = TrialConfig.from_dict(r.config)
+            left = self.deadline - time.monotonic()
+            est = self.time.estimate(know, cfg)
+            if est is None or est > left:
+                if must:
+                    self._finish_note(f"the best fit was measured once: measuring it again needs about "
+                                      f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
+                return
+            res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
+                             timeout=min(self.s.probe_timeout_s, left))
+            repeated.add(t.number)
+            record_repeat(study, t.number, res)
+            know = self._knowledge(study, target)
+            merged = next(m for u, m in know.probes if u.number == t.number)
+            self._event(t.number, target, cfg, EventKind.AGAIN, merged, t.user_attrs.get("predicted_peak"),
+                        know.best())
+
+    # ----------------------------------------------------------------------- stopping and progress
 
     def _finish_note(self, note: str) -> None:
         with self.lock:
@@ -397,173 +439,10 @@ class Search:
                 self.stop_reason = why
         self.stop.set()
 
-    def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
-        return Knowledge.build(study.get_trials(deepcopy=False), self.s.space, self.s.model, self.usable(target),
-                               target.device == "cuda", repeats_of(study))
-
-    def _estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
-        return know.estimate_seconds(cfg, self.s.warmup_steps + self.s.timed_steps, self.s.max_probe_accumulation)
-
-    def _confirm_seconds(self, know: Knowledge, cfg: TrialConfig) -> float:
-        """Time to keep back, beside probing cfg, for measuring the best fit again: the current
-        best's repeat, or cfg's own if it is longer, since cfg may become the best."""
-        if not self.s.confirm:
-            return 0.0
-        best = know.best()
-        keep = 0.0
-        if best is not None and len(best.measurements) < 2:
-            keep = self._estimate(know, TrialConfig.from_dict(best.config)) or 0.0
-        return max(keep, self._estimate(know, cfg) or 0.0)
-
-    def _confirm(self, target: Target, runner: Runner) -> None:
-        """Measure again, in a fresh process, the `confirm` fastest fits within CONFIRM_BAND of the
-        best at its length, while the budget allows: one noisy probe (a launch-bound config moves
-        10-15% between processes) should not pick the winner alone. A repeat can demote the best
-        (its median falls below a runner-up's single figure); the new best is then measured
-        again too, so the winner is never a config measured once beside one measured twice."""
-        study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
-        repeated: set[int] = set()
-        know = self._knowledge(study, target)
-        while True:
-            pick = know.to_confirm(len(repeated), self.s.confirm)
-            if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
-                return
-            t, r, is_best = pick
-            cfg = TrialConfig.from_dict(r.config)
-            left = self.deadline - time.monotonic()
-            est = self._estimate(know, cfg)
-            if est is None or est > left:
-                if is_best:
-                    self._finish_note(f"the best fit was measured once: measuring it again needs about "
-                                      f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
-                return
-            res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
-                             timeout=min(self.s.probe_timeout_s, left))
-            repeated.add(t.number)
-            study.set_user_attr(f"{REPEAT_PREFIX}{t.number}:{uuid.uuid4().hex[:8]}", res.to_dict())
-            know = self._knowledge(study, target)
-            merged = next(m for u, m in know.probes if u.number == t.number)
-            self._event(t.number, target, cfg, "again", merged, t.user_attrs.get("predicted_peak"),
-                        res.reason, know.best())
-
-    def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
-        usable = self.usable(target)
-        streak = probed = 0
-        while not self.stop.is_set():
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                return self._finish("budget spent")
-            know = self._knowledge(study, target)
-            viable = know.viable(self.candidates)
-            if not viable:
-                return self._finish("no remaining configuration can win")
-            # The first probes after the seed, then every other one, or whenever the sampler keeps
-            # proposing what is already known: the most promising untried config (least
-            # recomputation at the largest micro-batch the memory model lets through), since the
-            # fast configs sit at that edge. The sampler explores the rest of the space.
-            if streak >= 2 or (self.s.guided and (probed <= 3 or probed % 2 == 1)):
-                pick = max(viable, key=promise)
-                study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
-                                    user_attrs={"seeded": "most promising untried"})
-                streak = 0
-            trial = study.ask()
-            cfg = self._config(trial)
-            trial.set_user_attr("config_key", cfg.key())
-            trial.set_user_attr("config", cfg.to_dict())
-            trial.set_user_attr("worker", target.describe())
-            kind, detail = know.verdict(cfg)
-            predicted = know.memory.predict(cfg) if know.memory else None
-            if kind == "probe":
-                kind, detail = self._claimed(study, trial, cfg)
-            if kind != "probe":
-                streak += 1
-                self._tell_skip(study, trial, cfg, kind, detail, know, predicted)
-                self._event(trial.number, target, cfg, kind, None, predicted, detail, know.best())
-                continue
-            streak = 0
-            probed += 1
-            est = self._estimate(know, cfg)
-            keep = self._confirm_seconds(know, cfg)
-            if est is not None and est > left - keep:
-                trial.set_user_attr("kind", "budget")
-                study.tell(trial, state=TrialState.FAIL)
-                return self._finish("budget: the next probe would not finish in time"
-                                    + (" (time is kept to measure the best again)" if keep else ""))
-            trial.set_user_attr("kind", "probe")
-            trial.set_user_attr("predicted_peak", predicted)
-            res = runner.run(cfg, self.s.model, name=f"trial-{trial.number:04d}",
-                             timeout=min(self.s.probe_timeout_s, left),
-                             cancel=lambda: self._claimed(study, trial, cfg)[0] != "probe")
-            if self.stop.is_set() and self.stop_reason == INTERRUPTED:
-                trial.set_user_attr("kind", INTERRUPTED)
-                study.tell(trial, state=TrialState.FAIL)
-                return None
-            if res.reason.startswith("cancelled"):
-                self._tell_skip(study, trial, cfg, "duplicate", "another worker probed it", know, predicted)
-                continue
-            self._tell_probe(study, trial, cfg, res, usable)
-            best = best_of([r for r in (know.best(), res) if r is not None])
-            self._event(trial.number, target, cfg, "probe", res, predicted, res.reason, best)
-        return None
-
-    def _config(self, trial: optuna.Trial) -> TrialConfig:
-        params = {k: trial.suggest_categorical(k, v) for k, v in self.s.space.dimensions.items()}
-        return self.s.space.config(params)
-
-    def _claimed(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig) -> tuple[str, str]:
-        """Another worker took this config first (a lower trial number, running or done)."""
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)):
-            if (t.number < trial.number and t.user_attrs.get("config_key") == cfg.key()
-                    and t.user_attrs.get("kind", "probe") == "probe"):
-                return "duplicate", f"trial {t.number} of another worker has it"
-        return "probe", ""
-
-    def _tell_skip(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, kind: str,
-                   detail: str, know: Knowledge, predicted: int | None) -> None:
-        trial.set_user_attr("kind", kind)
-        trial.set_user_attr("detail", detail)
-        trial.set_user_attr("predicted_peak", predicted)
-        seen = know.by_key.get(cfg.key())
-        if kind == "duplicate" and seen is not None and seen.state == TrialState.COMPLETE:
-            _constrain(trial, seen.user_attrs.get("constraint", 1.0))
-            study.tell(trial, seen.value)
-        elif kind in ("dominated", "predicted"):
-            over = (predicted / know.usable - 1) if predicted and know.usable else 0.0
-            _constrain(trial, max(over, 0.01))
-            study.tell(trial, 0.0)
-        else:  # shorter, slower, or a duplicate still running elsewhere: not better, not measured
-            study.tell(trial, state=TrialState.PRUNED)
-
-    def _tell_probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
-                    usable: int | None) -> None:
-        trial.set_user_attr("result", res.to_dict())  # first: a search killed after this resumes it
-        self._tell_result(study, trial, cfg, res, usable)
+    def _event(self, number: int, target: Target, cfg: TrialConfig, kind: EventKind, res: ProbeResult | None,
+               predicted: int | None, best: ProbeResult | None) -> None:
         with self.lock:
-            with open(self.s.run_dir / "trials.jsonl", "a") as f:
-                f.write(json.dumps({"trial": trial.number, "predicted_peak": trial.user_attrs.get(
-                    "predicted_peak"), **res.to_dict()}) + "\n")
-
-    def _tell_result(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
-                     usable: int | None) -> None:
-        """A probe's outcome to the study: fits with their value, memory failures as infeasible."""
-        if res.outcome is Outcome.CRASH:
-            study.tell(trial, state=TrialState.FAIL)
-            return
-        if res.outcome.is_fit():
-            peak = res.peak_memory_bytes or 0
-            _constrain(trial, (peak / usable - 1) if usable else -1.0)
-            study.tell(trial, study_value(res, self.s.space.values("max_length")))
-            return
-        over = 1.0
-        if usable and res.peak_memory_bytes:
-            over = max(res.peak_memory_bytes / usable - 1, 0.01)
-        _constrain(trial, over)
-        study.tell(trial, 0.0)
-
-    def _event(self, number: int, target: Target, cfg: TrialConfig, kind: str, res: ProbeResult | None,
-               predicted: int | None, detail: str, best: ProbeResult | None) -> None:
-        with self.lock:
-            self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, detail, best,
+            self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, best,
                                 max(0.0, self.deadline - time.monotonic())))
 
 
@@ -571,30 +450,3 @@ def _constrain(trial: optuna.Trial, value: float) -> None:
     """<= 0 feasible (peak over the usable memory, minus one), > 0 out of memory or unusable."""
     trial.set_user_attr("constraint", value)
     trial.set_constraint("memory", value)
-
-
-def new_run_id(model: ModelSource) -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
-
-
-def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
-    """Probe rows (trial number, predicted peak, full result) and the timeline of fits."""
-    trials = study.get_trials(deepcopy=False)
-    starts = [t.datetime_start for t in trials if t.datetime_start]
-    t0 = min(starts) if starts else None
-    rows, timeline = [], []
-    for t, res in probe_results(trials, repeats_of(study)):
-        rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
-                     **res.to_dict()})
-        if res.outcome.is_fit() and t.datetime_complete and t0:
-            timeline.append(((t.datetime_complete - t0).total_seconds(), float(res.tokens_per_s or 0)))
-    return rows, timeline
-
-
-def skipped_counts(study: optuna.Study) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        kind = t.user_attrs.get("kind")
-        if kind and kind != "probe":
-            out[kind] = out.get(kind, 0) + 1
-    return out

@@ -73,11 +73,19 @@ class Space:
             out[k] = want if want in vals else (min(vals) if k == "micro_batch_size" else vals[0])
         return out
 
+    def warnings(self) -> list[str]:
+        """What a person should hear before a search of this space (nothing is wrong enough to stop)."""
+        where = self.source or self.name
+        if not self.dimensions:
+            return [(f"{where}: the space has no dimensions: the search probes one configuration (the fixed "
+                    "settings, defaults for the rest) and stops; list values under `dimensions:` to search.")]
+        return []
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "fixed": self.fixed,
                 "dimensions": self.dimensions, "divisors_only": self.divisors_only}
 
-    def replaced(self, **dims: list[Any]) -> "Space":
+    def replaced(self, **dims: list[Any]) -> Space:
         """The space with some dimensions replaced (--max-length, --global-batch)."""
         fixed, dimensions = dict(self.fixed), dict(self.dimensions)
         for k, vals in dims.items():

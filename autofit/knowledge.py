@@ -1,0 +1,244 @@
+"""What the study has learned: the fits, the memory failures, the memory model, and the rules
+that decide whether a config still needs a probe."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from optuna.trial import FrozenTrial
+
+from .memory import MemoryModel, Shape
+from .objective import best_of, once_and_noisy
+from .result import ProbeResult
+from .space import CKPT_COST, QUANT_COST
+from .spec import TrialConfig
+from .study import probe_results
+from .units import format_size
+
+SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
+CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
+
+
+class Verdict(StrEnum):
+    """Whether a config needs a probe, or why not (the trial's `kind` when it is skipped)."""
+
+    PROBE = "probe"
+    DUPLICATE = "duplicate"
+    """The same config was probed (or is being probed) already."""
+    SHORTER = "shorter"
+    """A longer length already fits: a shorter one cannot win."""
+    DOMINATED = "dominated"
+    """A config with no more tokens per micro-batch and the same settings ran out of memory."""
+    PREDICTED = "predicted"
+    """The memory model puts its peak over the usable memory by more than the model's error."""
+    SLOWER = "slower"
+    """It cannot beat a measured fit on speed."""
+
+    def probes(self) -> bool:
+        return self is Verdict.PROBE
+
+    def infeasible(self) -> bool:
+        """Told to the sampler as out of memory (it learns from it), not as merely skipped."""
+        return self in (Verdict.DOMINATED, Verdict.PREDICTED)
+
+
+@dataclass
+class Knowledge:
+    """Everything the study has learned so far, rebuilt from its trials."""
+
+    usable: int | None
+    memory: MemoryModel
+    probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
+    by_key: dict[str, FrozenTrial] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
+              repeats: dict[int, list[dict[str, Any]]] | None = None,
+              superseded: frozenset[int] = frozenset()) -> Knowledge:
+        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu))
+        k.probes = probe_results(trials, repeats, superseded)
+        for t, res in k.probes:
+            k.by_key.setdefault(t.user_attrs["config_key"], t)
+            if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
+                k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
+                                 t.user_attrs.get("predicted_peak"))
+        return k
+
+    def fits(self) -> list[ProbeResult]:
+        return [r for _, r in self.probes if r.outcome.is_fit()]
+
+    def memory_failures(self) -> list[TrialConfig]:
+        return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
+
+    def best(self) -> ProbeResult | None:
+        return best_of(self.fits())
+
+    def best_length(self) -> int | None:
+        b = self.best()
+        return b.config["max_length"] if b else None
+
+    def dominated_by_oom(self, cfg: TrialConfig) -> TrialConfig | None:
+        """A known memory failure with the same settings and no more tokens per micro-batch."""
+        for o in self.memory_failures():
+            if (o.replace(micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
+                          global_batch=cfg.global_batch) == cfg
+                    and o.micro_batch_size <= cfg.micro_batch_size and o.max_length <= cfg.max_length):
+                return o
+        return None
+
+    def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
+        """A fit that differs only by cheaper checkpointing or quantization: never slower."""
+        ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else None
+        qu = QUANT_COST.index(cfg.quantization)
+        if ck is None:
+            return None
+        for r in self.fits():
+            f = TrialConfig.from_dict(r.config)
+            if f.gradient_checkpointing not in CKPT_COST:
+                continue
+            same = f.replace(gradient_checkpointing=cfg.gradient_checkpointing, quantization=cfg.quantization)
+            fck, fqu = CKPT_COST.index(f.gradient_checkpointing), QUANT_COST.index(f.quantization)
+            if same == cfg and fck <= ck and fqu <= qu and (fck, fqu) != (ck, qu):
+                return r
+        return None
+
+    def speed_bound(self, cfg: TrialConfig) -> tuple[float, str] | None:
+        """An upper bound on cfg's tokens/s from fits that differ from it only in micro-batch.
+
+        With everything else equal, tokens/s in the micro-batch m behaves as m / (t0 + m c): it
+        rises and flattens (concave). So a smaller micro-batch than a measured one is not faster,
+        and beyond the two largest measured ones it stays under their secant. SPEED_NOISE covers
+        timing noise.
+        """
+        group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
+                       if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
+                           micro_batch_size=cfg.micro_batch_size) == cfg)
+        m = cfg.micro_batch_size
+        larger = [(b, t) for b, t in group if b > m]
+        if larger:
+            b, t = min(larger, key=lambda x: x[1])
+            return t * (1 + SPEED_NOISE), f"micro-batch {b} of the same settings ran at {t:,.0f} tokens/s"
+        if len(group) >= 2:
+            (a, ta), (b, tb) = group[-2], group[-1]
+            bound = tb + max(tb - ta, 0.0) / (b - a) * (m - b)
+            return bound * (1 + SPEED_NOISE), (f"tokens/s flattens with micro-batch: {a} -> {b} went "
+                                               f"{ta:,.0f} -> {tb:,.0f}")
+        return None
+
+    def verdict(self, cfg: TrialConfig) -> tuple[Verdict, str]:
+        """(PROBE, '') or why the config need not be probed, with the detail for a person."""
+        seen = self.by_key.get(cfg.key())
+        if seen is not None:
+            return Verdict.DUPLICATE, f"same as trial {seen.number}"
+        best_len = self.best_length()
+        if best_len is not None and cfg.max_length < best_len:
+            return Verdict.SHORTER, f"length {best_len} already fits"
+        dom = self.dominated_by_oom(cfg)
+        if dom is not None:
+            return Verdict.DOMINATED, (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
+                                       f"length {dom.max_length})")
+        if self.usable and self.memory.hopeless(cfg, self.usable):
+            return Verdict.PREDICTED, (f"predicted peak {format_size(self.memory.predict(cfg))} exceeds the "
+                                       f"usable {format_size(self.usable)} by more than the model's error "
+                                       f"({self.memory.margin():.0%})")
+        if self.dominated_in_speed(cfg) is not None:
+            return Verdict.SLOWER, "a fit with less recomputation or no quantization differs only there"
+        return self._speed_verdict(cfg, best_len)
+
+    def _speed_verdict(self, cfg: TrialConfig, best_len: int | None) -> tuple[Verdict, str]:
+        best = self.best()
+        if best is None or cfg.max_length != best_len or once_and_noisy(best):
+            return Verdict.PROBE, ""  # a noisy best measured once bounds nothing yet
+        bound = self.speed_bound(cfg)
+        if bound is not None and bound[0] < (best.tokens_per_s or 0):
+            return Verdict.SLOWER, (f"at most {bound[0]:,.0f} tokens/s ({bound[1]}), below the best "
+                                    f"{best.tokens_per_s:,.0f}")
+        return Verdict.PROBE, ""
+
+    def to_confirm(self, done: int, limit: int) -> tuple[FrozenTrial, ProbeResult, bool] | None:
+        """The next fit to measure again, with whether it must be (True: the best, or a noisy fit
+        measured once that could be it, also when an earlier repeat demoted another), else, until
+        `limit` repeats are done, the fastest fit measured once within CONFIRM_BAND of the best at
+        its length."""
+        best = self.best()
+        if best is None:
+            return None
+        floor = (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)
+        once = [(t, r) for t, r in self.probes
+                if r.outcome.is_fit() and len(r.measurements) < 2
+                and r.config["max_length"] == best.config["max_length"] and (r.tokens_per_s or 0) >= floor]
+        must = [(t, r) for t, r in once if r.config == best.config or r.noisy]
+        pool = must or (once if done < limit else [])
+        if not pool:
+            return None
+        t, r = max(pool, key=lambda p: p[1].tokens_per_s or 0)
+        return t, r, bool(must)
+
+    def viable(self, candidates: list[TrialConfig]) -> list[TrialConfig]:
+        return [c for c in candidates if self.verdict(c)[0].probes()]
+
+    def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
+        """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
+        # training time, not wall time: the first probe's wall time includes waiting for imports.
+        # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
+        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
+                for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
+        if not rows:
+            return None
+        per_token = max(w / t for w, t in rows)
+        overheads = [r.wall_seconds - r.train_seconds for _, r in self.probes[1:]
+                     if r.wall_seconds and r.train_seconds]
+        overhead = statistics.median(overheads) if overheads else 1.0
+        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
+
+
+def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
+    acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
+    return steps * acc * cfg.tokens_per_micro_batch
+
+
+def promise(cfg: TrialConfig) -> tuple[Any, ...]:
+    """Which untried config to probe when the sampler only repeats itself: longest length,
+    least recomputation, no quantization, then the largest micro-batch."""
+    ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
+    return (cfg.max_length, -ck, -QUANT_COST.index(cfg.quantization), cfg.micro_batch_size,
+            -int(cfg.expandable_segments))
+
+
+@dataclass(frozen=True)
+class ProbeTime:
+    """How long probes take, for the budget: estimates from the probes so far, and the time kept
+    back to measure the best fit again."""
+
+    steps: int
+    """Warm-up plus timed optimizer steps of one probe."""
+    max_acc: int | None
+    confirm: bool
+    """Time is kept to measure the best fit again."""
+
+    def estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
+        return know.estimate_seconds(cfg, self.steps, self.max_acc)
+
+    def kept(self, know: Knowledge, cfg: TrialConfig | None = None) -> float:
+        """Time to keep back, beside probing cfg, for measuring the best fit again: the current
+        best's repeat, or cfg's own if it is longer, since cfg may become the best."""
+        if not self.confirm:
+            return 0.0
+        best = know.best()
+        keep = 0.0
+        if best is not None and len(best.measurements) < 2:
+            keep = self.estimate(know, TrialConfig.from_dict(best.config)) or 0.0
+        return max(keep, (self.estimate(know, cfg) or 0.0) if cfg is not None else 0.0)
+
+    def in_time(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
+        """Would a probe of cfg finish in `left` seconds, with the time kept? (Unknown: yes.)"""
+        est = self.estimate(know, cfg)
+        return est is None or est <= left - self.kept(know, cfg)
+
+    def pick(self, know: Knowledge, viable: list[TrialConfig], left: float) -> TrialConfig | None:
+        """The most promising of the viable configs that finishes in time (None: none does)."""
+        timely = [c for c in viable if self.in_time(know, c, left)]
+        return max(timely, key=promise) if timely else None

@@ -1,0 +1,113 @@
+"""The search's faults, each a real process and a real fault: a disk that fills up during a search
+(a tmpfs mounted for the test), and a budget that the next proposal would overrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli
+from faults import Fault
+
+from autofit.rundir import read_spec
+from autofit.study import open_study, stop_reason_of, study_rows
+
+FAULTS = [
+    Fault("disk-full", "the disk fills up during a search (SQLite: database or disk is full)",
+          "autofit search ... --out <a full filesystem>", 4, "cannot write the study", nothing_lost=True),
+    Fault("budget-left", "the sampler's next proposal would not finish in the budget left",
+          "autofit search --model tiny-llama --device cpu --budget 2m", 0,
+          "a cheaper config is probed; stops when none can finish"),
+]
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          check=False, capture_output=True).returncode == 0
+
+
+def _fill(where: Path) -> Path:
+    """Write until the filesystem is full; the file is the space to free later."""
+    filler = where / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    spec = read_spec(run_dir)
+    return study_rows(open_study(spec["storage"], spec["study_name"], create=False, seed=0))[0]
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "24m"):
+        pytest.fail("this test needs root to mount a small tmpfs (run the suite as root, or in CI's container)")
+    try:
+        cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
+               "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(disk), "--json"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        deadline = time.monotonic() + 240
+        run_dir = None
+        while time.monotonic() < deadline and run_dir is None:
+            run_dir = next((p.parent for p in disk.glob("*/trials.jsonl") if p.read_text().strip()), None)
+            time.sleep(0.2)
+        assert run_dir is not None, "no probe finished"
+        filler = _fill(disk)
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 4, stderr[-3000:]
+        assert "cannot write the study" in stderr and "--resume" in stderr
+        assert "Traceback" not in stderr, stderr
+        filler.unlink()  # space freed: what was measured is all there, and the search continues
+        before = _rows(run_dir)
+        assert before
+        resumed = run_cli("search", "--resume", str(run_dir), "--budget", "40s", "--json")
+        assert resumed.returncode in (0, 3), resumed.stderr[-2000:]
+        after = {r["trial"]: r for r in _rows(run_dir)}
+        for row in before:
+            kept = after[row["trial"]]
+            assert (kept["config"], kept["outcome"], kept["peak_memory_bytes"]) == \
+                (row["config"], row["outcome"], row["peak_memory_bytes"])
+        spec = read_spec(run_dir)
+        study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
+        assert not [t for t in study.get_trials() if t.state.name == "RUNNING"]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_budget_the_next_proposal_would_overrun_is_spent_on_a_cheaper_config(tmp_path: Path) -> None:
+    """The default lora space on the CPU with a short budget: once the best is measured twice and
+    the sampler's proposal is too long for what is left, a config that finishes in time is probed;
+    the search stops on the budget only when no untried config can finish."""
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "2m", "--out",
+                   str(tmp_path), "--json", timeout=400)
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]  # 3: a machine so loaded that no probe finished
+    summary = json.loads(proc.stdout)
+    run_dir = Path(summary["run_dir"])
+    reason = summary["stop_reason"]
+    assert "would not finish in time" not in reason  # the old stop: a proposal too long, time left unused
+    spec = read_spec(run_dir)
+    study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
+    assert stop_reason_of(study) == reason
+    kinds = [t.user_attrs.get("kind") for t in sorted(study.get_trials(), key=lambda t: t.number)]
+    for i, kind in enumerate(kinds):  # a proposal too long for the time left is followed by a probe
+        if kind == "budget":
+            assert "probe" in kinds[i + 1:], (kinds, reason)
+    assert read_trials(run_dir), "the search probed"
