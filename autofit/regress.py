@@ -431,9 +431,11 @@ def plot_trend(run_dir: Path, history: list[dict[str, Any]]) -> Path:
 
 def record(p: Plan, checks: Sequence[Check], tol: Tolerance, env_now: dict[str, Any],
            reports: Reports) -> Path:
-    """History first (nothing measured is lost), then --json/--junit, then the trend plot."""
-    append_history(p.run_dir, checks, env_now, p.target.memory_limit_bytes)
-    reports.write(summary(p, checks, tol, env_now), checks)
+    """The history, --json and --junit (both written even when the history cannot be), the trend plot."""
+    try:
+        append_history(p.run_dir, checks, env_now, p.target.memory_limit_bytes)
+    finally:
+        reports.write(summary(p, checks, tol, env_now), checks)
     return plot_trend(p.run_dir, read_history(p.run_dir))
 
 

@@ -17,7 +17,7 @@ from conftest import run_cli
 
 from autofit import regress
 from autofit.cli import main
-from autofit.errors import RegressionFound, UsageError
+from autofit.errors import CannotWrite, RegressionFound, UsageError
 from autofit.export.common import BestEntry
 from autofit.models import resolve_model
 from autofit.regress import Status, Tolerance
@@ -171,6 +171,18 @@ def test_history_appends_one_entry_per_job_and_skips_a_line_cut_short(tmp_path: 
     assert first["gpu"] == "cpu" and first["memory_limit_bytes"] == 2 * 2**30
     assert [h["checks"][0]["status"] for h in history] == ["ok", "slower"]
     assert regress.plot_trend(tmp_path, history).is_file()
+
+
+def test_a_history_that_cannot_be_written_keeps_the_checks_in_the_reports(tmp_path: Path) -> None:
+    p = regress.plan(write_run(tmp_path / "run"), top=1)
+    (p.run_dir / regress.HISTORY).mkdir()  # a real fault root cannot write through either
+    reports = regress.Reports.claim(str(tmp_path / "r.json"), str(tmp_path / "r.xml"), str(p.run_dir))
+    checks = [regress.settle(BASE, [fit(500)] * 3, TOL10)]
+    with pytest.raises(CannotWrite) as e:
+        regress.record(p, checks, TOL10, {}, reports)
+    assert e.value.exit_code == 4 and str(e.value).startswith(f"RUN: cannot append to {p.run_dir / regress.HISTORY}")
+    assert json.loads((tmp_path / "r.json").read_text())["checks"] == [checks[0].to_dict()]
+    assert ET.parse(tmp_path / "r.xml").getroot().find("testcase/failure").get("type") == "slower"
 
 
 # --------------------------------------------------------------------------- the baseline and target, in-process

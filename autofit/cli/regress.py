@@ -16,25 +16,19 @@ from .common import add_target_flags, fraction, gather
 def cmd_regress(a: argparse.Namespace) -> int:
     reports = regress.Reports.claim(a.json, a.junit, a.run)
     try:
-        return _regress(a, reports)
-    except RegressionFound:
-        raise
-    except AutofitError as e:  # bad input or a file that cannot be read: an <error>, not a <failure>
+        speed, memory = gather(lambda: fraction(a.tolerance, "--tolerance"),
+                               lambda: fraction(a.memory_tolerance, "--memory-tolerance"))
+        tol = regress.Tolerance(speed, memory)
+        p = regress.plan(Path(a.run), a.top, a.gpu, a.device, a.memory_limit, a.allow_gpu_change)
+        env_now = regress.now_env()
+        print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
+        print("what changed since the baseline:")
+        for what, before, now, changed in regress.version_diff(p.env_before, env_now):
+            print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
+        checks = regress.run_checks(p, tol, show)
+    except AutofitError as e:  # nothing could be checked: an <error>, not a <failure>
         reports.error(e)
         raise
-
-
-def _regress(a: argparse.Namespace, reports: regress.Reports) -> int:
-    speed, memory = gather(lambda: fraction(a.tolerance, "--tolerance"),
-                           lambda: fraction(a.memory_tolerance, "--memory-tolerance"))
-    tol = regress.Tolerance(speed, memory)
-    p = regress.plan(Path(a.run), a.top, a.gpu, a.device, a.memory_limit, a.allow_gpu_change)
-    env_now = regress.now_env()
-    print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
-    print("what changed since the baseline:")
-    for what, before, now, changed in regress.version_diff(p.env_before, env_now):
-        print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
-    checks = regress.run_checks(p, tol, show)
     trend = regress.record(p, checks, tol, env_now, reports)
     print(f"history: {p.run_dir / regress.HISTORY}; trend: {trend}")
     if a.update_baseline:
