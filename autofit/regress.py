@@ -33,6 +33,7 @@ from .result import ProbeResult
 from .rundir import model_of, read_spec, targets_of
 from .runner import Runner
 from .target import Target, resolve_targets
+from .units import format_size
 
 HISTORY = "regress-history.jsonl"
 TREND = "regress-trend.png"
@@ -229,17 +230,16 @@ def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance) -> C
 
 
 def describe(c: Check, m: Measured, tol: Tolerance) -> tuple[str, ...]:
-    gib = 2**30
     if c.status is Status.NO_LONGER_FITS:
         line = (f"{c.name} no longer fits: outcome {m.outcome} ({m.reason}); baseline "
-                f"{c.baseline_tokens_per_s:,.0f} tokens/s at {c.baseline_peak_bytes / gib:.2f} GiB")
+                f"{c.baseline_tokens_per_s:,.0f} tokens/s at {format_size(c.baseline_peak_bytes)}")
         return (line,)
     dt = (c.tokens_per_s or 0) / c.baseline_tokens_per_s - 1
     dm = (c.peak_bytes or 0) / c.baseline_peak_bytes - 1
     runs = f"median of {len(c.runs)} runs" if len(c.runs) > 1 else "1 run"
     line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} ({dt:+.1%}, "
-            f"tolerance {tol.speed:.0%}); peak {(c.peak_bytes or 0) / gib:.2f} GiB vs "
-            f"{c.baseline_peak_bytes / gib:.2f} GiB ({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
+            f"tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs {format_size(c.baseline_peak_bytes)} "
+            f"({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
     if c.status is Status.FASTER:
         hint = (f"{c.name} is faster than its baseline beyond tolerance: re-baseline with "
                 "`autofit regress RUN --update-baseline`")

@@ -131,8 +131,8 @@ def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run")
     for fmt in FORMATS:
         text = export_run(run, fmt).text
-        assert "Exported by autofit from run run." in text
-        assert "Probe: 1,000 tokens/s, peak 0.10 GiB (every sequence 128 tokens" in text, fmt
+        assert "Exported by autofit from run run." in text and "Measured on: CPU (no GPU), 2 GiB memory limit" in text
+        assert "Probe: 1,000 tokens/s, peak 100 MiB (every sequence 128 tokens" in text, fmt
 
 
 @pytest.mark.parametrize("content, problem", [

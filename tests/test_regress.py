@@ -83,15 +83,15 @@ def test_out_of_memory_is_no_longer_fits(results: list[ProbeResult], attempts: i
     check = check_of(results)
     assert check.status is Status.NO_LONGER_FITS and check.failed and check.attempts == attempts
     assert check.outcome == "oom" and check.tokens_per_s is None
-    assert check.messages == ("winner no longer fits: outcome oom (oom here); baseline 1,000 tokens/s at 0.10 GiB",)
+    assert check.messages == ("winner no longer fits: outcome oom (oom here); baseline 1,000 tokens/s at 100 MiB",)
 
 
 def test_the_messages_state_the_figures_and_the_policy() -> None:
     assert check_of([fit(1000)]).messages == (
-        ("winner: 1,000 tokens/s vs baseline 1,000 (+0.0%, tolerance 10%); peak 0.10 GiB vs 0.10 GiB "
+        ("winner: 1,000 tokens/s vs baseline 1,000 (+0.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
         "(+0.0%, tolerance 5%); 1 run"),)
     assert check_of([fit(2000), fit(1900), fit(2100)]).messages == (
-        ("winner: 2,000 tokens/s vs baseline 1,000 (+100.0%, tolerance 10%); peak 0.10 GiB vs 0.10 GiB "
+        ("winner: 2,000 tokens/s vs baseline 1,000 (+100.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
         "(+0.0%, tolerance 5%); median of 3 runs"),
         ("winner is faster than its baseline beyond tolerance: re-baseline with "
         "`autofit regress RUN --update-baseline`"))

@@ -18,6 +18,7 @@ import yaml
 from ..errors import UsageError
 from ..rundir import read_spec
 from ..spec import TrialConfig
+from ..units import format_size
 
 BEST = "best.json"
 ENV = "env.json"
@@ -167,7 +168,7 @@ class ExportRun:
         t = self.best.get("target", {})
         gpu = t.get("gpu_name") or "CPU (no GPU)"
         limit = t.get("memory_limit_bytes")
-        lim = f"{limit / 2**30:g} GiB memory limit" if limit else "no memory limit"
+        lim = f"{format_size(limit)} memory limit" if limit else "no memory limit"
         v = self.env.get("packages", {})
         vers = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "peft", "bitsandbytes", "trl")
                          if k in v)
@@ -176,8 +177,8 @@ class ExportRun:
             f"Measured on: {gpu}, {lim}" + (" (an emulated card: that card's memory, this GPU's speed)"
                                               if limit and t.get("device") == "cuda" else ""),
             f"Driver {self.env.get('driver') or '-'}, CUDA {self.env.get('cuda_driver') or '-'}; {vers}.",
-            (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {self.best['peak_memory_bytes'] / 2**30:.2f} "
-             f"GiB (every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."),
+            (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {format_size(self.best['peak_memory_bytes'])} "
+             f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."),
             f"Model: {self.model['ref']} ({self.model['kind']})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
                 if self.model["kind"] in ("preset", "config") else ""),
