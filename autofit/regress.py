@@ -1,33 +1,90 @@
 """Nightly re-measurement of a stored run: did anything get slower, heavier, or stop fitting?
 
 The baseline is what `RUN/best.json` records (the winner and its runners-up). Each config is
-re-probed on the same GPU with the stored settings and limit; a figure outside tolerance is
-measured again before it counts, so noise alone does not fail the job. Every check is
-appended to `RUN/regress-history.jsonl`.
+re-probed on the same GPU with the stored settings and limit. A figure outside tolerance is
+measured until there are `RUNS_OUTSIDE_TOLERANCE` runs, combined by the search's rule for
+repeats (tokens/s the median, `objective.combined_tokens_per_s`; the peak the largest), so one
+noisy run neither fails nor passes the job. Every check is appended to
+`RUN/regress-history.jsonl`.
+
+The --json and --junit files are claimed before anything is measured: written at once with an
+error ("did not finish"), replaced by the checks at the end, or by the error that stopped the
+job. A CI job therefore never reads a stale pass, and exit 1 means a regression, nothing else.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .envinfo import collect
-from .errors import UsageError
+from .errors import CannotWrite, RegressionFound, UsageError
+from .export.common import Best, BestEntry, read_best, read_env
 from .models import ModelSource
+from .objective import combined_tokens_per_s
 from .result import ProbeResult
+from .rundir import model_of, read_spec, targets_of
 from .runner import Runner
-from .target import Target
-from .spec import TrialConfig
+from .target import Target, resolve_targets
+from .units import format_size
 
 HISTORY = "regress-history.jsonl"
+TREND = "regress-trend.png"
+RUNS_OUTSIDE_TOLERANCE = 3
+"""Runs of a config whose first figure is outside tolerance: the median of three outvotes one outlier."""
 
 
-@dataclass
+class Status(str, enum.Enum):
+    """A check's verdict (stored by value in the history and the JSON)."""
+
+    OK = "ok"
+    FASTER = "faster"
+    SLOWER = "slower"
+    HEAVIER = "heavier"
+    NO_LONGER_FITS = "no_longer_fits"
+
+    def failed(self) -> bool:
+        """A regression: exit 1 and a JUnit <failure>."""
+        return self in (Status.SLOWER, Status.HEAVIER, Status.NO_LONGER_FITS)
+
+    def settled(self) -> bool:
+        """No need to measure again: within tolerance, or not fitting at all (an OOM fails at once)."""
+        return self in (Status.OK, Status.NO_LONGER_FITS)
+
+    @property
+    def mark(self) -> str:
+        return "ok" if self is Status.OK else self.value.replace("_", " ").upper()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Fractions: slower than `speed`, or heavier than `memory`, is a regression."""
+
+    speed: float
+    memory: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The runs of one config, combined by the search's rule for repeats."""
+
+    fits: bool
+    tokens_per_s: float | None
+    peak_bytes: int | None
+    outcome: str
+    reason: str
+    runs: tuple[float, ...]
+    """tokens/s of each fitting run."""
+
+
+@dataclass(frozen=True)
 class Check:
     """One re-probed configuration against its baseline."""
 
@@ -35,17 +92,81 @@ class Check:
     config: dict[str, Any]
     baseline_tokens_per_s: float
     baseline_peak_bytes: int
-    tokens_per_s: float | None = None
-    peak_bytes: int | None = None
-    outcome: str = ""
-    attempts: int = 0
-    status: str = "ok"
-    """ok | slower | heavier | no_longer_fits | faster"""
-    messages: list[str] = field(default_factory=list)
+    tokens_per_s: float | None
+    peak_bytes: int | None
+    outcome: str
+    attempts: int
+    status: Status
+    runs: tuple[float, ...]
+    messages: tuple[str, ...]
 
     @property
     def failed(self) -> bool:
-        return self.status in ("slower", "heavier", "no_longer_fits")
+        return self.status.failed()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        d["runs"], d["messages"] = list(self.runs), list(self.messages)
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a regress job measures, where, against what."""
+
+    run_dir: Path
+    run_id: str
+    model: ModelSource
+    probe: dict[str, Any]
+    """The search's probe settings (warm-up, timed steps, timeout) from spec.yaml."""
+    best: Best
+    configs: tuple[BestEntry, ...]
+    target: Target
+    env_before: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- what to check, where
+
+
+def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = None,
+         memory_limit: str | None = None, allow_gpu_change: bool = False) -> Plan:
+    """Read the run's baseline and choose the target; bad flags or files are one UsageError."""
+    if top < 1:
+        raise UsageError("--top: at least 1 (the winner).")
+    spec = read_spec(run_dir)
+    best = read_best(run_dir)
+    target = choose_target(targets_of(spec)[0], gpu, device, memory_limit)
+    check_gpu(best.target, target, allow_gpu_change)
+    return Plan(run_dir, str(spec.get("run_id", run_dir.name)), model_of(spec), dict(spec.get("probe") or {}),
+                best, best.entries[:top], target, read_env(run_dir))
+
+
+def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None) -> Target:
+    """The stored target unless flags say otherwise; a GPU is read again (its name now), and the
+    stored memory limit holds unless --memory-limit replaces it."""
+    if gpu is None and device is None:
+        if stored.device == "cuda":
+            gpu = str(stored.gpu_index)
+        elif not memory_limit:
+            return stored
+        else:
+            device = "cpu"
+    target = resolve_targets(gpu, device, memory_limit, stored.headroom)[0]
+    return target if memory_limit else replace(target, memory_limit_bytes=stored.memory_limit_bytes)
+
+
+def check_gpu(measured_on: dict[str, Any], target: Target, allow_change: bool) -> None:
+    was = measured_on.get("gpu_name") if measured_on.get("device") == "cuda" else "cpu"
+    now = target.gpu_name if target.device == "cuda" else "cpu"
+    if was != now and not allow_change:
+        raise UsageError(f"the baseline was measured on {was}, this check would run on {now}: figures from "
+                         "different GPUs are not comparable. Run on the baseline's GPU model, or pass "
+                         "--allow-gpu-change (and then --update-baseline) to start a new baseline.")
+
+
+def now_env() -> dict[str, Any]:
+    return collect()
 
 
 def version_diff(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
@@ -62,114 +183,239 @@ def version_diff(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str,
     return [(w, b, n, b != n) for w, b, n in rows]
 
 
-def judge(check: Check, res: ProbeResult, tol: float, mem_tol: float) -> str:
-    if not res.outcome.is_fit():
-        return "no_longer_fits"
-    tps, peak = res.tokens_per_s or 0.0, res.peak_memory_bytes or 0
-    if tps < check.baseline_tokens_per_s * (1 - tol):
-        return "slower"
-    if peak > check.baseline_peak_bytes * (1 + mem_tol):
-        return "heavier"
-    if tps > check.baseline_tokens_per_s * (1 + tol):
-        return "faster"
-    return "ok"
+# --------------------------------------------------------------------------- judging
 
 
-def run_checks(configs: list[tuple[str, dict[str, Any]]], model: ModelSource, target: Target, log_dir: Path,
-               probe: dict[str, Any], tol: float, mem_tol: float,
-               on_check: Callable[[Check], None] | None = None) -> list[Check]:
-    """Re-probe each baseline config; repeat once before calling a figure a regression."""
+def judge(base: BestEntry, m: Measured, tol: Tolerance) -> Status:
+    if not m.fits:
+        return Status.NO_LONGER_FITS
+    tps, peak = m.tokens_per_s or 0.0, m.peak_bytes or 0
+    if tps < base.tokens_per_s * (1 - tol.speed):
+        return Status.SLOWER
+    if peak > base.peak_memory_bytes * (1 + tol.memory):
+        return Status.HEAVIER
+    if tps > base.tokens_per_s * (1 + tol.speed):
+        return Status.FASTER
+    return Status.OK
+
+
+def combine(results: Sequence[ProbeResult]) -> Measured:
+    """The search's rule for repeats: tokens/s the median of the fitting runs, the peak the largest;
+    a run out of memory (or no fitting run at all) means the config no longer fits. Other failures
+    of a repeat (a crash, a timeout) are not counted."""
+    fits = [r for r in results if r.outcome.is_fit() and r.tokens_per_s]
+    runs = tuple(r.tokens_per_s or 0.0 for r in fits)
+    failed = [r for r in results if r.outcome.is_memory()] or ([] if fits else list(results))
+    if failed:
+        return Measured(False, None, failed[0].peak_memory_bytes, failed[0].outcome.value, failed[0].reason, runs)
+    peak = max(r.peak_memory_bytes or 0 for r in fits)
+    return Measured(True, combined_tokens_per_s(list(runs)), peak or None, fits[0].outcome.value, "", runs)
+
+
+def check_config(base: BestEntry, measure: Callable[[int], ProbeResult], tol: Tolerance) -> Check:
+    """Measure once; outside tolerance, measure until there are RUNS_OUTSIDE_TOLERANCE runs, then judge."""
+    results = [measure(1)]
+    if not judge(base, combine(results), tol).settled():
+        results += [measure(n) for n in range(2, RUNS_OUTSIDE_TOLERANCE + 1)]
+    return settle(base, results, tol)
+
+
+def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance) -> Check:
+    """The check of `base` from its runs."""
+    m = combine(results)
+    status = judge(base, m, tol)
+    check = Check(base.name, base.config.to_dict(), base.tokens_per_s, base.peak_memory_bytes, m.tokens_per_s,
+                  m.peak_bytes, m.outcome, len(results), status, m.runs, ())
+    return replace(check, messages=describe(check, m, tol))
+
+
+def describe(c: Check, m: Measured, tol: Tolerance) -> tuple[str, ...]:
+    if c.status is Status.NO_LONGER_FITS:
+        line = (f"{c.name} no longer fits: outcome {m.outcome} ({m.reason}); baseline "
+                f"{c.baseline_tokens_per_s:,.0f} tokens/s at {format_size(c.baseline_peak_bytes)}")
+        return (line,)
+    dt = (c.tokens_per_s or 0) / c.baseline_tokens_per_s - 1
+    dm = (c.peak_bytes or 0) / c.baseline_peak_bytes - 1
+    runs = f"median of {len(c.runs)} runs" if len(c.runs) > 1 else "1 run"
+    line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} ({dt:+.1%}, "
+            f"tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs {format_size(c.baseline_peak_bytes)} "
+            f"({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
+    if c.status is Status.FASTER:
+        hint = (f"{c.name} is faster than its baseline beyond tolerance: re-baseline with "
+                "`autofit regress RUN --update-baseline`")
+        return (line, hint)
+    return (line,)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def run_checks(p: Plan, tol: Tolerance, on_check: Callable[[Check], None] | None = None) -> list[Check]:
+    """Re-probe each baseline config in fresh probe processes, with the search's probe settings."""
     checks = []
-    with Runner(target, log_dir, standby=1 if len(configs) > 1 else 0,
-                warmup_steps=probe.get("warmup_steps", 2), timed_steps=probe.get("timed_steps", 5),
-                max_probe_accumulation=probe.get("max_probe_accumulation", 4)) as runner:
-        for i, (name, best) in enumerate(configs):
-            cfg = TrialConfig.from_dict(best["config"])
-            c = Check(name, cfg.to_dict(), float(best["tokens_per_s"]), int(best["peak_memory_bytes"]))
+    with Runner(p.target, p.run_dir / "logs", standby=1 if len(p.configs) > 1 else 0,
+                warmup_steps=p.probe.get("warmup_steps", 2), timed_steps=p.probe.get("timed_steps", 5),
+                max_probe_accumulation=p.probe.get("max_probe_accumulation", 4)) as runner:
+        for i, base in enumerate(p.configs):
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-            results = []
-            for attempt in (1, 2):
-                res = runner.run(cfg, model, name=f"regress-{stamp}-{i}-{attempt}",
-                                 timeout=probe.get("timeout_s", 900))
-                results.append(res)
-                status = judge(c, res, tol, mem_tol)
-                if status in ("ok", "no_longer_fits"):  # an OOM is a failure at once
-                    break
-            fits = [r for r in results if r.outcome.is_fit()]
-            final = fits[-1] if len(fits) == len(results) else results[-1]
-            if len(fits) == 2:  # the better of two measurements, each figure on its own
-                final.tokens_per_s = max(r.tokens_per_s or 0 for r in fits)
-                final.peak_memory_bytes = min(r.peak_memory_bytes or 0 for r in fits)
-            c.attempts = len(results)
-            c.outcome = final.outcome.value
-            c.tokens_per_s, c.peak_bytes = final.tokens_per_s, final.peak_memory_bytes
-            c.status = judge(c, final, tol, mem_tol)
-            c.messages = describe(c, final, tol, mem_tol)
-            checks.append(c)
+
+            def measure(attempt: int, base: BestEntry = base, i: int = i, stamp: str = stamp) -> ProbeResult:
+                return runner.run(base.config, p.model, name=f"regress-{stamp}-{i}-{attempt}",
+                                  timeout=p.probe.get("timeout_s", 900))
+
+            checks.append(check_config(base, measure, tol))
             if on_check:
-                on_check(c)
+                on_check(checks[-1])
     return checks
 
 
-def describe(c: Check, res: ProbeResult, tol: float, mem_tol: float) -> list[str]:
-    gib = 2**30
-    if c.status == "no_longer_fits":
-        return [f"{c.name} no longer fits: outcome {res.outcome.value} ({res.reason}); baseline "
-                f"{c.baseline_tokens_per_s:,.0f} tokens/s at {c.baseline_peak_bytes / gib:.2f} GiB"]
-    out = []
-    dt = (c.tokens_per_s or 0) / c.baseline_tokens_per_s - 1
-    dm = (c.peak_bytes or 0) / c.baseline_peak_bytes - 1
-    line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} ({dt:+.1%}, "
-            f"tolerance {tol:.0%}); peak {(c.peak_bytes or 0) / gib:.2f} GiB vs {c.baseline_peak_bytes / gib:.2f} "
-            f"GiB ({dm:+.1%}, tolerance {mem_tol:.0%}); {c.attempts} measurement(s)")
-    out.append(line)
-    if c.status == "faster":
-        out.append(f"{c.name} is faster than its baseline beyond tolerance: re-baseline with "
-                   "`autofit regress RUN --update-baseline`")
-    return out
+# --------------------------------------------------------------------------- what is written
 
 
-def append_history(run_dir: Path, checks: list[Check], env: dict[str, Any], limit: int | None) -> dict[str, Any]:
+def summary(p: Plan, checks: Sequence[Check], tol: Tolerance, env_now: dict[str, Any]) -> dict[str, Any]:
+    """The --json document."""
+    return {"run": str(p.run_dir), "target": p.target.describe(), "tolerance": tol.speed,
+            "memory_tolerance": tol.memory, "regression": any(c.failed for c in checks), "error": None,
+            "checks": [c.to_dict() for c in checks],
+            "versions": [{"what": w, "baseline": b, "now": n, "changed": ch}
+                         for w, b, n, ch in version_diff(p.env_before, env_now)]}
+
+
+def junit_xml(checks: Sequence[Check], suite: str) -> str:
+    """One test case per config: a regression is a <failure> of its type."""
+    root = ET.Element("testsuite", name=suite, tests=str(len(checks)),
+                      failures=str(sum(c.failed for c in checks)), errors="0")
+    for c in checks:
+        case = ET.SubElement(root, "testcase", classname="autofit.regress", name=c.name)
+        if c.failed:
+            fail = ET.SubElement(case, "failure", message=f"{c.status.value}: " + "; ".join(c.messages)[:500],
+                                 type=c.status.value)
+            fail.text = json.dumps(c.to_dict(), indent=1)
+        else:
+            ET.SubElement(case, "system-out").text = "; ".join(c.messages)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+def junit_error(suite: str, message: str, kind: str) -> str:
+    """The job could not check anything (bad input, a file it cannot read, or it never finished):
+    one test case with an <error>, which CI shows apart from a regression's <failure>."""
+    root = ET.Element("testsuite", name=suite, tests="1", failures="0", errors="1")
+    case = ET.SubElement(root, "testcase", classname="autofit.regress", name="regress")
+    ET.SubElement(case, "error", message=message.splitlines()[0][:500] if message else kind,
+                  type=kind).text = message
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+NOT_FINISHED = ("autofit regress did not finish: it was stopped, killed, or failed before writing its "
+                "results; see its output")
+
+
+@dataclass(frozen=True)
+class Reports:
+    """The --json and --junit files of one job."""
+
+    json_path: Path | None
+    junit_path: Path | None
+    run: str
+
+    @property
+    def suite(self) -> str:
+        return f"autofit-regress {Path(self.run).name}"
+
+    @classmethod
+    def claim(cls, json_path: str | None, junit_path: str | None, run: str) -> Reports:
+        """Write both files at once, each with the error "did not finish", before anything is measured.
+        A path that cannot be written is a UsageError naming its flag; the other file still gets the error."""
+        reports = cls(Path(json_path) if json_path else None, Path(junit_path) if junit_path else None, run)
+        problems = []
+        for flag, path in (("--json", reports.json_path), ("--junit", reports.junit_path)):
+            if path is not None:
+                try:
+                    write_text(path, reports.error_text(path, NOT_FINISHED, "NotFinished"), flag)
+                except UsageError as e:
+                    problems += e.problems
+        if problems:
+            reports.error(UsageError(problems))
+            raise UsageError(problems)
+        return reports
+
+    def error_text(self, path: Path, message: str, kind: str) -> str:
+        if path == self.junit_path:
+            return junit_error(self.suite, message, kind)
+        return json.dumps({"run": self.run, "regression": None, "error": message,
+                           "error_type": kind, "checks": []}, indent=1) + "\n"
+
+    def error(self, e: Exception) -> None:
+        """Replace what can still be written with the error that stopped the job (never raises)."""
+        for path in (self.json_path, self.junit_path):
+            if path is not None:
+                try:
+                    path.write_text(self.error_text(path, str(e), type(e).__name__))
+                except OSError:
+                    pass  # the claim already named this path; the error itself is what the user sees
+
+    def write(self, doc: dict[str, Any], checks: Sequence[Check]) -> None:
+        if self.json_path is not None:
+            write_text(self.json_path, json.dumps(doc, indent=1) + "\n", "--json", CannotWrite)
+        if self.junit_path is not None:
+            write_text(self.junit_path, junit_xml(checks, self.suite), "--junit", CannotWrite)
+
+
+def write_text(path: Path, text: str, flag: str, error: type[Exception] = UsageError) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise error(f"{flag}: cannot write {path} ({e.strerror}); give a path in a writable folder.") from None
+
+
+def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any],
+                   limit: int | None) -> dict[str, Any]:
     entry = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "gpu": ", ".join(g["name"] for g in env.get("gpus", [])) or "cpu",
              "driver": env.get("driver"), "packages": env.get("packages"), "memory_limit_bytes": limit,
-             "checks": [asdict(c) for c in checks]}
-    with open(run_dir / HISTORY, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+             "checks": [c.to_dict() for c in checks]}
+    try:
+        with open(run_dir / HISTORY, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    except OSError as e:
+        raise CannotWrite(f"RUN: cannot append to {run_dir / HISTORY} ({e.strerror}); the checks are in "
+                          "the output above (and in --json where given).") from None
     return entry
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """Entries of the history, oldest first; a line that is not a JSON object (a write cut short) is skipped."""
     path = run_dir / HISTORY
     if not path.is_file():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("checks"), list):
+            out.append(entry)
+    return out
 
 
 def plot_trend(run_dir: Path, history: list[dict[str, Any]]) -> Path:
+    # Deferred: matplotlib takes a second to import and only the trend plot needs it.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = run_dir / "regress-trend.png"
+    path = run_dir / TREND
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
-    names = sorted({c["name"] for h in history for c in h["checks"]})
-    for name in names:
-        xs, tps, peaks = [], [], []
-        base_t = base_p = None
-        for i, h in enumerate(history):
-            for c in h["checks"]:
-                if c["name"] == name:
-                    xs.append(i)
-                    tps.append(c["tokens_per_s"] or 0)
-                    peaks.append((c["peak_bytes"] or 0) / 2**30)
-                    base_t, base_p = c["baseline_tokens_per_s"], c["baseline_peak_bytes"] / 2**30
-        a1.plot(xs, tps, marker="o", label=name)
-        a2.plot(xs, peaks, marker="o", label=name)
-        if base_t:
-            a1.axhline(base_t, linestyle=":", color="gray")
-            a2.axhline(base_p, linestyle=":", color="gray")
+    for name in sorted({c["name"] for h in history for c in h["checks"]}):
+        points = [(i, c) for i, h in enumerate(history) for c in h["checks"] if c["name"] == name]
+        xs = [i for i, _ in points]
+        a1.plot(xs, [c["tokens_per_s"] or 0 for _, c in points], marker="o", label=name)
+        a2.plot(xs, [(c["peak_bytes"] or 0) / 2**30 for _, c in points], marker="o", label=name)
+        last = points[-1][1]
+        a1.axhline(last["baseline_tokens_per_s"], linestyle=":", color="gray")
+        a2.axhline(last["baseline_peak_bytes"] / 2**30, linestyle=":", color="gray")
     a1.set_ylabel("tokens/s")
     a2.set_ylabel("peak GiB")
     a2.set_xlabel("check (oldest first); dotted: baseline")
@@ -183,52 +429,38 @@ def plot_trend(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     return path
 
 
-def junit_xml(checks: list[Check], suite: str) -> str:
-    root = ET.Element("testsuite", name=suite, tests=str(len(checks)),
-                      failures=str(sum(c.failed for c in checks)), errors="0")
-    for c in checks:
-        case = ET.SubElement(root, "testcase", classname="autofit.regress", name=c.name)
-        if c.failed:
-            fail = ET.SubElement(case, "failure", message=f"{c.status}: " + "; ".join(c.messages)[:500],
-                                 type=c.status)
-            fail.text = json.dumps(asdict(c), indent=1)
-        else:
-            ET.SubElement(case, "system-out").text = "; ".join(c.messages)
-    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+def record(p: Plan, checks: Sequence[Check], tol: Tolerance, env_now: dict[str, Any],
+           reports: Reports) -> Path:
+    """The history, --json and --junit (both written even when the history cannot be), the trend plot."""
+    try:
+        append_history(p.run_dir, checks, env_now, p.target.memory_limit_bytes)
+    finally:
+        reports.write(summary(p, checks, tol, env_now), checks)
+    return plot_trend(p.run_dir, read_history(p.run_dir))
 
 
-def update_baseline(run_dir: Path, checks: list[Check], env: dict[str, Any]) -> Path:
-    """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them."""
+# --------------------------------------------------------------------------- re-baselining
+
+
+def update_baseline(p: Plan, checks: Sequence[Check], env: dict[str, Any]) -> Path:
+    """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them.
+    A config that no longer fits is not a baseline: RegressionFound, nothing rewritten."""
+    if any(c.status is Status.NO_LONGER_FITS for c in checks):
+        raise RegressionFound("a baseline config no longer fits; not re-baselining. Search again.")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    best_path = run_dir / "best.json"
-    kept = run_dir / f"best.previous-{stamp}.json"
-    shutil.copy2(best_path, kept)
-    if (run_dir / "env.json").is_file():
-        shutil.copy2(run_dir / "env.json", run_dir / f"env.previous-{stamp}.json")
-    best = json.loads(best_path.read_text())
+    kept = p.run_dir / f"best.previous-{stamp}.json"
+    best = json.loads(json.dumps(p.best.doc))  # a copy to edit
     entries = [best, *best.get("runners_up", [])]
     for entry, c in zip(entries, checks):
-        if c.status != "no_longer_fits":
-            entry["tokens_per_s"], entry["peak_memory_bytes"] = c.tokens_per_s, c.peak_bytes
+        entry["tokens_per_s"], entry["peak_memory_bytes"] = c.tokens_per_s, c.peak_bytes
     best["baseline_updated"] = stamp
-    best_path.write_text(json.dumps(best, indent=1) + "\n")
-    (run_dir / "env.json").write_text(json.dumps(env, indent=1) + "\n")
+    try:
+        shutil.copy2(p.best.path, kept)
+        if (p.run_dir / "env.json").is_file():
+            shutil.copy2(p.run_dir / "env.json", p.run_dir / f"env.previous-{stamp}.json")
+        p.best.path.write_text(json.dumps(best, indent=1) + "\n")
+        (p.run_dir / "env.json").write_text(json.dumps(env, indent=1) + "\n")
+    except OSError as e:
+        raise CannotWrite(f"RUN: cannot re-baseline {p.run_dir} ({e.strerror}: {e.filename}); the checks "
+                          f"are in {p.run_dir / HISTORY}.") from None
     return kept
-
-
-def baseline_configs(best: dict[str, Any], top: int) -> list[tuple[str, dict[str, Any]]]:
-    entries = [best, *best.get("runners_up", [])][:top]
-    return [("winner" if i == 0 else f"runner-up {i}", e) for i, e in enumerate(entries)]
-
-
-def check_gpu(baseline_target: dict[str, Any], target: Target, allow_change: bool) -> None:
-    was = baseline_target.get("gpu_name") if baseline_target.get("device") == "cuda" else "cpu"
-    now = target.gpu_name if target.device == "cuda" else "cpu"
-    if was != now and not allow_change:
-        raise UsageError(f"the baseline was measured on {was}, this check would run on {now}: figures from "
-                         "different GPUs are not comparable. Run on the baseline's GPU model, or pass "
-                         "--allow-gpu-change (and then --update-baseline) to start a new baseline.")
-
-
-def now_env() -> dict[str, Any]:
-    return collect()

@@ -1,4 +1,5 @@
-"""`autofit export`: recipes that run for real and never import autofit."""
+"""`autofit export`: recipes that run for real and never import autofit (end to end, marked slow); the
+run folder checks, --force and the import discipline in-process."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, run_cli
+from test_regress import write_run
 
+from autofit.cli import main
 from autofit.errors import UsageError
+from autofit.export import FORMATS, export_run
 from autofit.export.common import check_fields
 from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY
-from conftest import ROOT, run_cli
 
 DATA = ROOT / "tests" / "data" / "tiny.jsonl"
 
@@ -35,6 +39,7 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, name", [("hf-trainer", "train.py"), ("trl", "train_trl.py")])
 def test_python_recipes_train_three_steps(tiny_run: Path, tmp_path: Path, fmt: str, name: str) -> None:
     script = tmp_path / name
@@ -48,10 +53,10 @@ def test_python_recipes_train_three_steps(tiny_run: Path, tmp_path: Path, fmt: s
     assert f"'gradient_accumulation_steps': {best['config']['gradient_accumulation_steps']}" in text
     # run it where autofit cannot be imported at all
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.modules['autofit'] = None; "
+    run = subprocess.run([sys.executable, "-c", ("import sys; sys.modules['autofit'] = None; "
                           f"sys.argv = {[str(script), '--dataset', str(DATA), '--output-dir', str(out), '--max-steps', '3']!r}; "
-                          f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+                          f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")],
+                         check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     assert summary and json.loads(summary[-1].split(" ", 1)[1])["steps"] == 3
@@ -59,6 +64,7 @@ def test_python_recipes_train_three_steps(tiny_run: Path, tmp_path: Path, fmt: s
     assert (out / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_yaml_recipes_parse_and_carry_the_winner(tiny_run: Path, tmp_path: Path) -> None:
     best = json.loads((tiny_run / "best.json").read_text())["config"]
     assert export(tiny_run, "axolotl", tmp_path / "a.yaml").returncode == 0
@@ -79,6 +85,7 @@ def test_yaml_recipes_parse_and_carry_the_winner(tiny_run: Path, tmp_path: Path)
     assert set(lf) <= LLAMA_FACTORY["keys"]
 
 
+@pytest.mark.slow
 def test_what_a_target_cannot_express_is_a_comment_and_a_warning(tiny_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -105,23 +112,81 @@ def test_a_renamed_field_fails_at_export() -> None:
         check_fields(TrainingArguments, {"learning_rate", "gradient_checkpointing_every"}, "TrainingArguments")
 
 
-def test_bad_export_input_exits_2(tiny_run: Path, tmp_path: Path) -> None:
+def test_bad_export_input_exits_2(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run")
     cases = [
-        (["export", str(tmp_path)], "is not an autofit run"),
-        (["export", str(tiny_run), "--format", "deepspeed"], "--format: 'deepspeed' is not known"),
-        (["export", str(tiny_run), "-o", str(tmp_path / "no" / "such" / "dir" / "t.py")], "-o: cannot write"),
+        (["export", str(tmp_path)], (f"RUN: {tmp_path} is not an autofit run (it has no spec.yaml); give a folder "
+                                    "made by `autofit search`.")),
+        (["export", str(run), "--format", "deepspeed"],
+         "--format: 'deepspeed' is not known; expected one of hf-trainer, trl, axolotl, llama-factory."),
+        (["export", str(run), "--format", "axolotl", "-o", str(tmp_path / "no" / "dir" / "t.yaml")],
+         f"-o: cannot write {tmp_path / 'no' / 'dir' / 't.yaml'} (No such file or directory); give a writable path."),
     ]
-    nofit = tmp_path / "nofit"
-    shutil.copytree(tiny_run, nofit)
-    (nofit / "best.json").unlink()
-    cases.append((["export", str(nofit)], "has no fitting probe"))
     for args, message in cases:
         proc = run_cli(*args)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert message in proc.stderr
-        assert "Traceback" not in proc.stderr
+        assert (proc.returncode, proc.stderr) == (2, f"autofit: error: {message}\n"), args
 
 
+def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run")
+    for fmt in FORMATS:
+        text = export_run(run, fmt).text
+        assert "Exported by autofit from run run." in text and "Measured on: CPU (no GPU), 2 GiB memory limit" in text
+        assert "Probe: 1,000 tokens/s, peak 100 MiB (every sequence 128 tokens" in text, fmt
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"outcome":', "is not valid JSON (line 1 column 12: Expecting value)"),
+    ("[1,2,3]", "holds a JSON list, not an object with the winner"),
+    ('{"tokens_per_s": 5, "peak_memory_bytes": 9}', "the winner: config is missing or not an object"),
+])
+def test_a_corrupt_best_json_is_a_usage_error_naming_it(tmp_path: Path, content: str, problem: str) -> None:
+    run = write_run(tmp_path / "run")
+    (run / "best.json").write_text(content)
+    with pytest.raises(UsageError) as e:
+        export_run(run, "axolotl")
+    assert e.value.problems[0].startswith(f"RUN: {run / 'best.json'}")
+    assert problem in e.value.problems[0]
+    assert e.value.problems[-1].endswith(f"`autofit report {run}` rewrites it from the study.")
+
+
+def test_a_missing_best_json_says_how_to_rebuild_it(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run")
+    (run / "best.json").unlink()
+    with pytest.raises(UsageError) as e:
+        export_run(run, "axolotl")
+    assert e.value.problems == [(f"RUN: {run} has no fitting probe (no best.json), so there is nothing to use; "
+                                f"run `autofit report {run}` to see why, or search with more options.")]
+    rows = [{"trial": 0, "outcome": "oom"}, {"trial": 1, "outcome": "fit"}, {"trial": 2, "outcome": "fit"}]
+    (run / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut sh')
+    with pytest.raises(UsageError) as e:
+        export_run(run, "axolotl")
+    assert e.value.problems == [
+        (f"RUN: {run} has no best.json, but trials.jsonl records 2 fitting probe(s): the search stopped before "
+        f"writing it. Run `autofit report {run}` (it rebuilds best.json from the study), then run this command "
+        "again.")]
+
+
+def test_an_existing_output_needs_force(tmp_path: Path) -> None:
+    run, out = write_run(tmp_path / "run"), tmp_path / "a.yaml"
+    out.write_text("# edited by hand\n")
+    assert main(["export", str(run), "--format", "axolotl", "-o", str(out)]) == 2
+    assert out.read_text() == "# edited by hand\n"
+    assert main(["export", str(run), "--format", "axolotl", "-o", str(out), "--force"]) == 0
+    assert yaml.safe_load(out.read_text())["sequence_len"] == 128
+
+
+def test_importing_the_exporters_imports_no_ml_library() -> None:
+    modules = ["autofit.export", *(f"autofit.export.{m.stem}" for m in (ROOT / "autofit" / "export").glob("*.py")),
+               "autofit.cli.export", "autofit.regress", "autofit.cli.regress"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr
+
+
+@pytest.mark.slow
 def test_export_to_stdout(tiny_run: Path) -> None:
     proc = run_cli("export", str(tiny_run))
     assert proc.returncode == 0 and proc.stdout.startswith("#!/usr/bin/env python3")

@@ -8,26 +8,18 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..export import SCRIPTS, export_run, write_recipe
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from ..export import export_run
-
     rendered = export_run(a.run, a.format)
     for item in rendered.unexpressed:
         print(f"autofit: warning: {a.format} cannot express {item}", file=sys.stderr)
     if not a.output:
         sys.stdout.write(rendered.text)
         return 0
-    out = Path(a.output)
-    try:
-        out.write_text(rendered.text)
-    except OSError as e:
-        raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
-    if a.format in ("hf-trainer", "trl"):
-        out.chmod(0o755)
-    print(f"wrote {out}", file=sys.stderr)
+    write_recipe(rendered.text, Path(a.output), a.force, executable=a.format in SCRIPTS)
+    print(f"wrote {a.output}", file=sys.stderr)
     return 0
 
 
@@ -47,5 +39,6 @@ def add_parser(sub: Any, fmt: Any) -> None:
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
-    ex.add_argument("-o", "--output", help="output file (default: stdout)")
+    ex.add_argument("-o", "--output", help="output file (default: stdout); an existing one needs --force")
+    ex.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
     ex.set_defaults(func=cmd_export)

@@ -1,12 +1,34 @@
 """Exporters: a run's winner as a recipe for the tools people already use.
 
 Each format module has `render(run: ExportRun) -> Rendered`. The output never imports autofit.
+Importing this package imports no ML library: the Python formats check their fields against the
+installed transformers/peft/trl inside `render`, at export time.
 """
 
 from __future__ import annotations
 
-from .common import ExportRun, Rendered, export_run, load_run
+from collections.abc import Callable
+from pathlib import Path
 
-FORMATS = ("hf-trainer", "trl", "axolotl", "llama-factory")
+from ..errors import UsageError
+from . import axolotl, hf_trainer, llama_factory, trl
+from .common import Best, BestEntry, ExportRun, Rendered, load_run, read_best, read_env, write_recipe
 
-__all__ = ["FORMATS", "ExportRun", "Rendered", "export_run", "load_run"]
+RENDERERS: dict[str, Callable[[ExportRun], Rendered]] = {
+    "hf-trainer": hf_trainer.render, "trl": trl.render, "axolotl": axolotl.render,
+    "llama-factory": llama_factory.render,
+}
+FORMATS = tuple(RENDERERS)
+SCRIPTS = ("hf-trainer", "trl")
+"""Formats that write a Python script (made executable)."""
+
+
+def export_run(run: str | Path, fmt: str) -> Rendered:
+    """The run's winner rendered in `fmt`; a bad format or run folder is a UsageError."""
+    if fmt not in RENDERERS:
+        raise UsageError(f"--format: {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
+    return RENDERERS[fmt](load_run(run))
+
+
+__all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",
+           "read_best", "read_env", "write_recipe"]

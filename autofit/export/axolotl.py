@@ -57,5 +57,5 @@ def render(r: ExportRun) -> Rendered:
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
     out["output_dir"] = "./autofit-out"
-    return yaml_recipe(r, out, AXOLOTL["keys"], [f"axolotl config (keys of axolotl {AXOLOTL['version']}). "
-                                                  "Run: axolotl train this.yaml"], lost)
+    intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: axolotl train this.yaml"]
+    return yaml_recipe(r, out, AXOLOTL["keys"], intro, lost)

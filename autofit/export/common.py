@@ -1,17 +1,150 @@
-"""What every exporter needs: the run's winner, its provenance, and field checks."""
+"""What every exporter needs: the run's winner, its provenance, and field checks.
+
+`read_best` is also regress's reader of the baseline: one place decides what a usable best.json is.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..errors import UsageError
+from ..rundir import read_spec
 from ..spec import TrialConfig
+from ..units import format_size
+
+BEST = "best.json"
+ENV = "env.json"
+TRIALS = "trials.jsonl"
+
+
+@dataclass(frozen=True)
+class BestEntry:
+    """One measured config of best.json: the winner or a runner-up."""
+
+    name: str
+    """`winner`, `runner-up 1`, ..."""
+    config: TrialConfig
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Best:
+    """A run's best.json, checked: the raw document and its entries, winner first."""
+
+    path: Path
+    doc: dict[str, Any]
+    entries: tuple[BestEntry, ...]
+
+    @property
+    def winner(self) -> BestEntry:
+        return self.entries[0]
+
+    @property
+    def target(self) -> dict[str, Any]:
+        """Where the winner was measured (device, gpu_name, memory_limit_bytes, ...)."""
+        t = self.doc.get("target")
+        return t if isinstance(t, dict) else {}
+
+
+def read_json_object(path: Path, what: str, remedy: str) -> dict[str, Any]:
+    """A JSON object from a run folder's file; anything else is a UsageError naming the file."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"RUN: cannot read {path} ({e.strerror}).") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else e.reason
+        raise UsageError(f"RUN: {path} is not valid JSON ({where}); {remedy}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"RUN: {path} holds a JSON {type(doc).__name__}, not an object with {what}; {remedy}")
+    return doc
+
+
+def read_best(run_dir: Path) -> Best:
+    """best.json, checked entry by entry; a missing, corrupt or malformed file is a UsageError that names
+    it and says how to get a good one (`autofit report RUN` rebuilds it from the study)."""
+    path = run_dir / BEST
+    if not path.is_file():
+        raise UsageError(missing_best(run_dir))
+    remedy = f"`autofit report {run_dir}` rewrites it from the study."
+    doc = read_json_object(path, "the winner", remedy)
+    runners_up = doc.get("runners_up", [])
+    if not isinstance(runners_up, list):
+        raise UsageError(f"RUN: {path}: runners_up is not a list; {remedy}")
+    raw = [doc, *runners_up]
+    names = ["winner"] + [f"runner-up {i}" for i in range(1, len(raw))]
+    entries, problems = [], []
+    for name, entry in zip(names, raw):
+        try:
+            entries.append(best_entry(name, entry))
+        except UsageError as e:
+            problems += [f"RUN: {path}: the {name}: {p}" for p in e.problems]
+    if problems:
+        raise UsageError(problems + [f"RUN: {remedy}"])
+    return Best(path, doc, tuple(entries))
+
+
+def best_entry(name: str, entry: Any) -> BestEntry:
+    if not isinstance(entry, dict):
+        raise UsageError(f"a JSON {type(entry).__name__} where an object was expected")
+    problems = [f"{key} is {entry.get(key)!r}, expected a positive number"
+                for key in ("tokens_per_s", "peak_memory_bytes") if not _positive(entry.get(key))]
+    if not isinstance(entry.get("config"), dict):
+        problems.append("config is missing or not an object")
+    if problems:
+        raise UsageError(problems)
+    return BestEntry(name, TrialConfig.from_dict(entry["config"]), float(entry["tokens_per_s"]),
+                     int(entry["peak_memory_bytes"]))
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def missing_best(run_dir: Path) -> str:
+    """Why there is no best.json, and what to do: a search stopped before writing it still has its fits."""
+    fits = count_fits(run_dir / TRIALS)
+    if fits:
+        return (f"RUN: {run_dir} has no {BEST}, but {TRIALS} records {fits} fitting probe(s): the search "
+                f"stopped before writing it. Run `autofit report {run_dir}` (it rebuilds {BEST} from the "
+                "study), then run this command again.")
+    if (run_dir / "study.db").exists() or (run_dir / "study.journal").exists():
+        return (f"RUN: {run_dir} has no {BEST}. Run `autofit report {run_dir}`: it rebuilds {BEST} from the "
+                "study if any probe fitted, and says why none did otherwise.")
+    return (f"RUN: {run_dir} has no fitting probe (no {BEST}), so there is nothing to use; run "
+            f"`autofit report {run_dir}` to see why, or search with more options.")
+
+
+def count_fits(trials: Path) -> int:
+    """Rows of trials.jsonl whose outcome is a fit (unreadable rows are not counted)."""
+    if not trials.is_file():
+        return 0
+    n = 0
+    for line in trials.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        n += isinstance(row, dict) and row.get("outcome") == "fit"
+    return n
+
+
+def read_env(run_dir: Path) -> dict[str, Any]:
+    """env.json (versions and GPUs at search time), or {} where the run has none."""
+    path = run_dir / ENV
+    if not path.is_file():
+        return {}
+    return read_json_object(path, "the environment", "delete it (the versions are then shown as unknown) "
+                            "or restore it from a copy.")
 
 
 @dataclass(frozen=True)
@@ -35,7 +168,7 @@ class ExportRun:
         t = self.best.get("target", {})
         gpu = t.get("gpu_name") or "CPU (no GPU)"
         limit = t.get("memory_limit_bytes")
-        lim = f"{limit / 2**30:g} GiB memory limit" if limit else "no memory limit"
+        lim = f"{format_size(limit)} memory limit" if limit else "no memory limit"
         v = self.env.get("packages", {})
         vers = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "peft", "bitsandbytes", "trl")
                          if k in v)
@@ -44,8 +177,8 @@ class ExportRun:
             f"Measured on: {gpu}, {lim}" + (" (an emulated card: that card's memory, this GPU's speed)"
                                               if limit and t.get("device") == "cuda" else ""),
             f"Driver {self.env.get('driver') or '-'}, CUDA {self.env.get('cuda_driver') or '-'}; {vers}.",
-            f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {self.best['peak_memory_bytes'] / 2**30:.2f} GiB "
-            f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks).",
+            (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {format_size(self.best['peak_memory_bytes'])} "
+             f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."),
             f"Model: {self.model['ref']} ({self.model['kind']})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
                 if self.model["kind"] in ("preset", "config") else ""),
@@ -60,28 +193,22 @@ class Rendered:
 
 
 def load_run(run: str | Path) -> ExportRun:
-    from ..rundir import read_spec
-
     run_dir = Path(run)
     spec = read_spec(run_dir)
-    best_path = run_dir / "best.json"
-    if not best_path.is_file():
-        raise UsageError(f"RUN: {run_dir} has no fitting probe (no best.json), so there is nothing to "
-                         "export; run `autofit report` to see why, or search with more options.")
-    best = json.loads(best_path.read_text())
-    env_path = run_dir / "env.json"
-    env = json.loads(env_path.read_text()) if env_path.is_file() else {}
-    return ExportRun(run_dir, spec["run_id"], TrialConfig.from_dict(best["config"]), spec["model"], best, env)
+    best = read_best(run_dir)
+    return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir))
 
 
-def export_run(run: str | Path, fmt: str) -> Rendered:
-    from . import FORMATS
-
-    if fmt not in FORMATS:
-        raise UsageError(f"--format: {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
-    r = load_run(run)
-    module = importlib.import_module(f".{fmt.replace('-', '_')}", __package__)
-    return module.render(r)
+def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
+    """Write a recipe to -o; an existing file is kept unless `force` (a recipe may have been edited)."""
+    if out.exists() and not force:
+        raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
+    try:
+        out.write_text(text)
+        if executable:
+            out.chmod(0o755)
+    except OSError as e:
+        raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
 
 
 def check_fields(cls: Any, keys: list[str] | set[str], what: str) -> None:
@@ -97,6 +224,23 @@ def check_fields(cls: Any, keys: list[str] | set[str], what: str) -> None:
                          "used (see env.json) or update autofit.")
 
 
+BNB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward"
+"""bitsandbytes 0.50 logs this on every import on a CPU with AVX512-BF16 when the optional `kernels`
+package is missing; peft imports bitsandbytes, so every export printed it. Nothing here runs 4-bit."""
+
+
+def quiet_bitsandbytes() -> None:
+    """Drop exactly the notice above (before peft or transformers import bitsandbytes); others pass."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropNotice) for f in logger.filters):
+        logger.addFilter(_DropNotice())
+
+
+class _DropNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(BNB_KERNEL_NOTICE)
+
+
 def comment_block(lines: list[str], prefix: str = "# ") -> str:
     return "\n".join(prefix + ln for ln in lines)
 
@@ -104,8 +248,6 @@ def comment_block(lines: list[str], prefix: str = "# ") -> str:
 def yaml_recipe(r: ExportRun, body: dict[str, Any], allowed: set[str], intro: list[str],
                 lost: list[str]) -> Rendered:
     """A YAML config: provenance and intro as comments, the keys, what could not be expressed."""
-    import yaml
-
     unknown = set(body) - allowed
     assert not unknown, unknown  # the versioned key list and the exporter move together
     tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import ExportRun, Rendered, check_fields
+from .common import ExportRun, Rendered, check_fields, quiet_bitsandbytes
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 MAIN = '''
@@ -20,6 +20,8 @@ def main():
 
 
 def render(r: ExportRun) -> Rendered:
+    quiet_bitsandbytes()
+    # Deferred: transformers and peft import torch (seconds); only this check needs them.
     import peft
     import transformers
 

@@ -54,6 +54,6 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
-    intro = [f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). "
-             "Run: llamafactory-cli train this.yaml", "Register my_dataset in data/dataset_info.json first."]
+    intro = [(f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). "
+              "Run: llamafactory-cli train this.yaml"), "Register my_dataset in data/dataset_info.json first."]
     return yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost)

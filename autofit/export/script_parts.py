@@ -24,6 +24,7 @@ measured this configuration (its speed and memory hold for exactly that).
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -33,6 +34,9 @@ import time
 # The allocator setting must be in place before torch starts CUDA.
 for _key, _value in {allocator!r}.items():
     os.environ.setdefault(_key, _value)
+# bitsandbytes (imported by peft) logs a notice about an optional CPU kernel on every import; unused here.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
 import torch
 '''
@@ -81,11 +85,37 @@ def load_tokenizer(model_ref):
     return tok
 
 
+def fail(message):
+    """A problem with the input: one line naming the file, exit 2 (no traceback)."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def read_texts(path):
-    with open(path, encoding="utf-8") as f:
-        if path.endswith((".jsonl", ".json")):
-            return [json.loads(line)["text"] for line in f if line.strip()]
-        return [f.read()]
+    """The texts of --dataset: the "text" field of each JSONL line, or a whole text file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith((".jsonl", ".json")):
+                return [text_of(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
+            return [f.read()]
+    except OSError as e:
+        fail(f'--dataset: cannot read {path} ({e.strerror}); give a JSONL file with a "text" field '
+             "per line, or a text file")
+    except UnicodeDecodeError as e:
+        fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8")
+
+
+def text_of(path, n, line):
+    """The "text" field of line `n` of a JSONL file."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"--dataset: {path} line {n} is not JSON ({e.msg}, column {e.colno}); each line must be an "
+             'object such as {"text": "..."} (or give a file not ending in .jsonl to train on plain text)')
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        fail(f'--dataset: {path} line {n} has no "text" field holding a string; each line must be an '
+             'object such as {"text": "..."}')
+    return row["text"]
 
 
 def packed_blocks(texts, tokenizer, length):
@@ -96,7 +126,7 @@ def packed_blocks(texts, tokenizer, length):
         ids.append(tokenizer.eos_token_id)
     n = len(ids) // length
     if n == 0:
-        sys.exit(f"error: --dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
+        fail(f"--dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
@@ -194,9 +224,10 @@ def arguments():
 def prepare():
     """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
     a = arguments()
+    texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
     emulate(a.emulate_memory_gib)
     tokenizer = load_tokenizer(a.model)
-    blocks = packed_blocks(read_texts(a.dataset), tokenizer, MAX_LENGTH)
+    blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
     return a, tokenizer, blocks, adapt(build_model(a.model))
 
 
@@ -214,7 +245,10 @@ def settings(r: ExportRun, max_steps: int = 1000) -> str:
     on_cpu = r.best.get("target", {}).get("device") == "cpu"
     args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps)
     args["logging_steps"] = 10
-    fmt = lambda obj: pprint.pformat(obj, indent=1, width=100, sort_dicts=False)  # noqa: E731
+
+    def fmt(obj: Any) -> str:
+        return pprint.pformat(obj, indent=1, width=100, sort_dicts=False)
+
     return SETTINGS.format(
         model=r.model["ref"] if r.model["kind"] not in ("preset", "config") else None,
         model_config=fmt(r.model["config"]) if r.model["kind"] in ("preset", "config") else "None",

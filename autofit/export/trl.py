@@ -6,7 +6,8 @@ packing off, packing strategy `bfd` which needs FlashAttention): every setting i
 
 from __future__ import annotations
 
-from .common import ExportRun, Rendered, check_fields
+from ..errors import UsageError
+from .common import ExportRun, Rendered, check_fields, quiet_bitsandbytes
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
@@ -37,11 +38,10 @@ def main():
 
 
 def render(r: ExportRun) -> Rendered:
-    try:
+    quiet_bitsandbytes()
+    try:  # deferred: TRL imports torch (seconds) and is optional; only this check needs it
         import trl
     except ImportError:
-        from ..errors import UsageError
-
         raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
                          "trl`) and export again.") from None
     names = checked_names(r)

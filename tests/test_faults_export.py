@@ -1,0 +1,189 @@
+"""The fault suite, export and regress side: corrupt run files, unwritable result paths, an existing
+output, bad datasets for an exported script, met by real processes. Each row says the exit code and the
+message required; where a row says nothing is lost, the run folder is compared before and after."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_cli
+from faults import Fault
+
+BNB_NOTICE = "Failed to load CPU gemm_4bit_forward"
+
+FAULTS = [
+    Fault("regress-best-truncated", "best.json cut short (`{\"outcome\":`), with --junit",
+          "autofit regress RUN --junit x.xml", 2, "best.json is not valid JSON (line 1 column 12",
+          nothing_lost=True),
+    Fault("regress-best-not-object", "best.json holding `[1,2,3]`, with --junit",
+          "autofit regress RUN --junit x.xml", 2, "best.json holds a JSON list, not an object with the winner",
+          nothing_lost=True),
+    Fault("regress-junit-under-file", "--junit under a regular file (unwritable, even as root)",
+          "autofit regress RUN --junit file.txt/x.xml --json r.json", 2,
+          "--junit: cannot write", nothing_lost=True),
+    Fault("regress-junit-missing-folder", "--junit in a folder that does not exist",
+          "autofit regress RUN --junit missing/x.xml", 2, "--junit: cannot write", nothing_lost=True),
+    Fault("export-best-truncated", "best.json cut short", "autofit export RUN", 2,
+          "best.json is not valid JSON (line 1 column 12", nothing_lost=True),
+    Fault("export-best-missing", "best.json missing after a search was killed (its fits are in the study)",
+          "autofit export RUN", 2, "Run `autofit report", nothing_lost=True),
+    Fault("export-output-exists", "-o naming a file that exists", "autofit export RUN -o train.py", 2,
+          "train.py already exists; pass --force to overwrite it", nothing_lost=True),
+    Fault("export-bitsandbytes-notice", "bitsandbytes' CPU kernel notice on every export",
+          "autofit export RUN -o train.py", 0, "wrote "),
+    Fault("script-dataset-not-json", "an exported script given a .jsonl with a line that is not JSON",
+          "python train.py --dataset notjson.jsonl", 2, "notjson.jsonl line 2 is not JSON"),
+    Fault("script-dataset-no-text", "an exported script given JSONL rows without a \"text\" field",
+          "python train.py --dataset notext.jsonl", 2, "notext.jsonl line 1 has no \"text\" field"),
+    Fault("script-dataset-missing", "an exported script given a dataset that does not exist",
+          "python train.py --dataset missing.jsonl", 2, "--dataset: cannot read"),
+]
+
+
+def _corrupt_best(content: str, command: str) -> Callable[[Path, Path], list[str]]:
+    def setup(run: Path, tmp: Path) -> list[str]:
+        (run / "best.json").write_text(content)
+        if command == "export":
+            return ["export", str(run)]
+        return ["regress", str(run), "--junit", str(tmp / "x.xml")]
+    return setup
+
+
+def _junit_under_file(run: Path, tmp: Path) -> list[str]:
+    (tmp / "file.txt").write_text("a regular file")
+    return ["regress", str(run), "--junit", str(tmp / "file.txt" / "x.xml"), "--json", str(tmp / "r.json")]
+
+
+def _output_exists(run: Path, tmp: Path) -> list[str]:
+    (tmp / "train.py").write_text("# my edited recipe\n")
+    return ["export", str(run), "-o", str(tmp / "train.py")]
+
+
+def _best_missing(run: Path, tmp: Path) -> list[str]:
+    (run / "best.json").unlink()
+    return ["export", str(run)]
+
+
+ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "regress-best-truncated": _corrupt_best('{"outcome":', "regress"),
+    "regress-best-not-object": _corrupt_best("[1,2,3]", "regress"),
+    "regress-junit-under-file": _junit_under_file,
+    "regress-junit-missing-folder": lambda run, tmp: ["regress", str(run), "--junit", str(tmp / "missing" / "x.xml")],
+    "export-best-truncated": _corrupt_best('{"outcome":', "export"),
+    "export-best-missing": _best_missing,
+    "export-output-exists": _output_exists,
+    "export-bitsandbytes-notice": lambda run, tmp: ["export", str(run), "-o", str(tmp / "train.py")],
+}
+
+DATASETS = {
+    "script-dataset-not-json": ("notjson.jsonl", '{"text": "fine"}\nnot json\n'),
+    "script-dataset-no-text": ("notext.jsonl", '{"txt": "a typo in the field name"}\n'),
+    "script-dataset-missing": ("missing.jsonl", None),
+}
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def script(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("recipe") / "train.py"
+    proc = run_cli("export", str(tiny_run), "-o", str(path))
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], subprocess.CompletedProcess[str]]:
+    """Set the fault up; return its command, run for real: an autofit process, or the exported script."""
+    if fault.id in ARGS:
+        args = ARGS[fault.id](run, tmp)
+        return lambda: run_cli(*args)
+    name, content = DATASETS[fault.id]
+    if content is not None:
+        (tmp / name).write_text(content)
+    return lambda: subprocess.run([sys.executable, str(script), "--dataset", name, "--max-steps", "1"],
+                                  check=False, capture_output=True, text=True, cwd=tmp, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
+def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> None:
+    run = tmp_path / tiny_run.name
+    shutil.copytree(tiny_run, run)
+    command = prepare(fault, run, tmp_path, script)
+    before = snapshot(run)
+    proc = command()
+    assert proc.returncode == fault.exit_code, proc.stdout + proc.stderr
+    assert fault.message in proc.stderr
+    assert "Traceback" not in proc.stderr and BNB_NOTICE not in proc.stderr
+    if fault.nothing_lost:
+        assert snapshot(run) == before
+    EXTRA.get(fault.id, lambda *a: None)(run, tmp_path, proc)
+
+
+def _junit_error(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """The CI job reads an <error> (cannot check), never a <failure> (a regression) or a stale pass."""
+    root = ET.parse(tmp / "x.xml").getroot()
+    assert (root.get("failures"), root.get("errors")) == ("0", "1") and root.find(".//failure") is None
+    error = root.find("testcase/error")
+    assert error.get("type") == "UsageError" and str(run / "best.json") in error.text
+    assert proc.stderr == f"autofit: error: {error.text}\n"
+
+
+def _nothing_measured(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """Refused before measuring; the --json file carries the same error."""
+    assert not (run / "regress-history.jsonl").exists() and "what changed" not in proc.stdout
+    if (tmp / "r.json").exists():
+        assert f"--junit: cannot write {tmp / 'file.txt' / 'x.xml'} (Not a directory)" in (tmp / "r.json").read_text()
+
+
+def _report_rebuilds_best(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """Following the message works: report rebuilds best.json from the study, then export succeeds."""
+    assert f"Run `autofit report {run}`" in proc.stderr
+    assert run_cli("report", str(run)).returncode == 0
+    again = run_cli("export", str(run), "-o", str(tmp / "t.py"))
+    assert again.returncode == 0, again.stderr
+    assert again.stderr == f"wrote {tmp / 't.py'}\n"
+
+
+def _output_kept(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    assert (tmp / "train.py").read_text() == "# my edited recipe\n"
+    forced = run_cli("export", str(run), "-o", str(tmp / "train.py"), "--force")
+    assert forced.returncode == 0 and (tmp / "train.py").read_text().startswith("#!/usr/bin/env python3")
+
+
+def _quiet_export(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.stderr == f"wrote {tmp / 'train.py'}\n"
+
+
+def _script_error(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """One line of the script's own, naming the file: no traceback, nothing loaded first."""
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("train.py: error: --dataset")]
+    assert len(errors) == 1 and "stand-in tokenizer" not in proc.stderr
+
+
+EXTRA: dict[str, Callable[[Path, Path, subprocess.CompletedProcess[str]], None]] = {
+    "regress-best-truncated": _junit_error,
+    "regress-best-not-object": _junit_error,
+    "regress-junit-under-file": _nothing_measured,
+    "regress-junit-missing-folder": _nothing_measured,
+    "export-best-missing": _report_rebuilds_best,
+    "export-output-exists": _output_kept,
+    "export-bitsandbytes-notice": _quiet_export,
+    "script-dataset-not-json": _script_error,
+    "script-dataset-no-text": _script_error,
+    "script-dataset-missing": _script_error,
+}
+
+
+def test_every_fault_has_a_setup_and_a_check() -> None:
+    ids = [f.id for f in FAULTS]
+    assert len(set(ids)) == len(ids) and set(ids) == set(ARGS) | set(DATASETS)
+    assert set(EXTRA) <= set(ids) and all(str(ROOT) not in f.command for f in FAULTS)
