@@ -34,7 +34,6 @@ from .spec import TrialConfig
 from .study import (
     TrialKind,
     adopt,
-    new_run_id,
     observation,
     open_study,
     record_repeat,
@@ -48,7 +47,7 @@ from .study import (
 )
 from .target import Target
 
-__all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "new_run_id", "open_study",
+__all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "open_study",
            "skipped_counts", "stop_reason_of", "study_rows"]
 
 INTERRUPTED = "interrupted"

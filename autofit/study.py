@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from .models import ModelSource
 from .objective import combined_tokens_per_s, study_value
 from .result import Outcome, ProbeResult
 
@@ -160,10 +158,6 @@ def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResul
         res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
         res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
     return res
-
-
-def new_run_id(model: ModelSource) -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
 
 
 def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:

@@ -3,7 +3,8 @@
 Layers, bottom to top (a module imports its own layer or lower ones, never a cycle):
   0 foundation   errors, protocol, units, result, envinfo, spec, models, signatures, objective
   1 domain       space, memory, recipe, target
-  2 run & probes rundir (the run folder), runner (the parent side of the process boundary), report
+  2 run & probes rundir (the run folder), runner (the parent side of the process boundary), report,
+                 study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
   3 workflows    search (and its parts), regress, export
   4 session      session (what `search` starts, resumes or joins)
   5 interface    cli, __main__
@@ -26,7 +27,7 @@ PACKAGE = ROOT / "autofit"
 LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
     1: ("space", "memory", "recipe", "target"),
-    2: ("rundir", "runner", "report"),
+    2: ("rundir", "runner", "report", "study", "knowledge"),
     3: ("search", "regress", "export"),
     4: ("session",),
     5: ("cli", "__main__"),

@@ -21,7 +21,7 @@ from autofit.search import open_study
 from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions
 
 COMMANDS = ("search", "export", "regress", "report", "env", "probe")
-WITH_EXIT_CODES = ("search", "report", "env", "probe")  # export/regress: their module's epilogs
+WITH_EXIT_CODES = ("search", "report", "env", "probe", "export", "regress")
 
 
 def search_plan(tmp_path: Path, *flags: str):

@@ -11,15 +11,15 @@ from typing import Any
 from ..export import SCRIPTS, export_run, write_recipe
 
 
-def cmd_export(a: argparse.Namespace) -> int:
-    rendered = export_run(a.run, a.format)
+def cmd_export(args: argparse.Namespace) -> int:
+    rendered = export_run(args.run, args.format)
     for item in rendered.unexpressed:
-        print(f"autofit: warning: {a.format} cannot express {item}", file=sys.stderr)
-    if not a.output:
+        print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
+    if not args.output:
         sys.stdout.write(rendered.text)
         return 0
-    write_recipe(rendered.text, Path(a.output), a.force, executable=a.format in SCRIPTS)
-    print(f"wrote {a.output}", file=sys.stderr)
+    write_recipe(rendered.text, Path(args.output), args.force, executable=args.format in SCRIPTS)
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 
@@ -36,6 +36,9 @@ def add_parser(sub: Any, fmt: Any) -> None:
                               autofit export runs/<id> -o train.py && python train.py --dataset data.jsonl
                               autofit export runs/<id> --format trl -o train_trl.py
                               autofit export runs/<id> --format axolotl -o axolotl.yaml
+
+                            exit codes: 0 written, 2 usage error (not a run folder, a corrupt best.json,
+                            an existing -o without --force, an -o path that cannot be written)
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")

@@ -13,13 +13,13 @@ from ..errors import AutofitError, RegressionFound
 from .common import add_target_flags, fraction, gather
 
 
-def cmd_regress(a: argparse.Namespace) -> int:
-    reports = regress.Reports.claim(a.json, a.junit, a.run)
+def cmd_regress(args: argparse.Namespace) -> int:
+    reports = regress.Reports.claim(args.json, args.junit, args.run)
     try:
-        speed, memory = gather(lambda: fraction(a.tolerance, "--tolerance"),
-                               lambda: fraction(a.memory_tolerance, "--memory-tolerance"))
+        speed, memory = gather(lambda: fraction(args.tolerance, "--tolerance"),
+                               lambda: fraction(args.memory_tolerance, "--memory-tolerance"))
         tol = regress.Tolerance(speed, memory)
-        p = regress.plan(Path(a.run), a.top, a.gpu, a.device, a.memory_limit, a.allow_gpu_change)
+        p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit, args.allow_gpu_change)
         env_now = regress.now_env()
         print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
         print("what changed since the baseline:")
@@ -31,7 +31,7 @@ def cmd_regress(a: argparse.Namespace) -> int:
         raise
     trend = regress.record(p, checks, tol, env_now, reports)
     print(f"history: {p.run_dir / regress.HISTORY}; trend: {trend}")
-    if a.update_baseline:
+    if args.update_baseline:
         kept = regress.update_baseline(p, checks, env_now)
         print(f"baseline updated; the previous one is kept as {kept}")
         return 0

@@ -103,7 +103,7 @@ def request(args: argparse.Namespace) -> SearchRequest:
 def cmd_search(args: argparse.Namespace) -> int:
     session = plan(request(args))
     study = start(session)
-    for warning in busy_gpus(session.spec.targets):
+    for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets)]:
         warn(warning)
     if not args.json:
         print(_opening(session), file=sys.stderr)
