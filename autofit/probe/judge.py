@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import traceback
-from typing import Any
 
+from ..protocol import SPREAD_BOUND, ProbeRequest
 from ..result import Outcome, ProbeResult
 from ..signatures import classify_text, oom_shortfall
 from .errors import Unsupported
-from .sampler import Memory
+from .state import ProbeState
 
 
 def judge_limit(res: ProbeResult, limit: int | None, headroom: float) -> ProbeResult:
@@ -27,7 +27,12 @@ def judge_limit(res: ProbeResult, limit: int | None, headroom: float) -> ProbeRe
     return res
 
 
-def failure_result(req: dict[str, Any], exc: BaseException, partial: dict[str, Any]) -> ProbeResult:
+def noisy_reason(spread: float, steps: int) -> str:
+    return (f"noisy: the last timed steps spread {spread:.2f}x (max/min, bound {SPREAD_BOUND:.2f}x) "
+            f"after {steps} timed steps")
+
+
+def failure_result(req: ProbeRequest, exc: BaseException, state: ProbeState) -> ProbeResult:
     """Turn what the probe raised into an outcome, keeping the figures measured so far."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}\n{tb}"
@@ -36,24 +41,29 @@ def failure_result(req: dict[str, Any], exc: BaseException, partial: dict[str, A
         outcome = Outcome.HOST_OOM
     if isinstance(exc, Unsupported):
         outcome = Outcome.UNSUPPORTED
-    res = ProbeResult(outcome=outcome, config=req["config"], error_tail=tb[-4000:],
+    res = ProbeResult(outcome=outcome, config=req.config.to_dict(), error_tail=tb[-4000:],
                       reason=str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__)
-    mem: Memory | None = partial.get("mem")
-    cb = partial.get("callback")
-    if mem is not None:
-        mem.stop()
-        if outcome is Outcome.OOM and mem.device == "cuda":
-            import torch
-
-            reserved = max(torch.cuda.max_memory_reserved(), getattr(cb, "max_reserved", 0))
-            res.max_memory_reserved = int(reserved)
-            res.peak_memory_bytes = int(reserved + partial.get("outside_at_start", 0))
-            short = oom_shortfall(text)
-            res.oom_shortfall_bytes = short
-        elif outcome is Outcome.OOM:  # the CPU limit
-            res.peak_memory_bytes = int(mem.sampled_peak)
-            if mem.limit:
-                res.oom_shortfall_bytes = max(int(mem.sampled_peak - mem.limit), 0)
-    if "memory_after_load" in partial:
-        res.memory_after_load = int(partial["memory_after_load"])
+    if state.mem is not None:
+        state.mem.stop()
+        if outcome is Outcome.OOM:
+            _oom_figures(res, state, text)
+    res.memory_after_load = state.memory_after_load
     return res
+
+
+def _oom_figures(res: ProbeResult, state: ProbeState, text: str) -> None:
+    """The peak and shortfall of a probe that ran out of memory (GPU allocator or CPU limit)."""
+    mem = state.mem
+    assert mem is not None
+    if mem.device == "cuda":
+        import torch  # only a GPU probe gets here
+
+        cb_reserved = state.callback.max_reserved if state.callback is not None else 0
+        reserved = max(torch.cuda.max_memory_reserved(), cb_reserved)
+        res.max_memory_reserved = int(reserved)
+        res.peak_memory_bytes = int(reserved + state.outside_at_start)
+        res.oom_shortfall_bytes = oom_shortfall(text)
+    else:  # the CPU limit
+        res.peak_memory_bytes = int(mem.sampled_peak)
+        if mem.limit:
+            res.oom_shortfall_bytes = max(int(mem.sampled_peak - mem.limit), 0)

@@ -38,9 +38,9 @@ class Memory:
                 self.nvml = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
             except Exception:  # no NVML in this container: allocator figures only
                 self.nvml = None
-        self.baseline = self._raw()
+        self.baseline = self.used()
 
-    def _raw(self) -> int:
+    def used(self) -> int:
         """Device memory used (GPU, whole device) or this process's RSS (CPU)."""
         if self.device == "cpu":
             return int(self.proc.memory_info().rss)
@@ -66,7 +66,11 @@ class Memory:
 
     def added(self) -> int:
         """Memory this process added since the baseline (device-level on a GPU)."""
-        return max(0, self._raw() - self.baseline)
+        return max(0, self.used() - self.baseline)
+
+    def rebase(self) -> None:
+        """Count from now: what the process holds already is not the probe's."""
+        self.baseline = self.used()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._sample, daemon=True)
