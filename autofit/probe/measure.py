@@ -36,8 +36,9 @@ class Trained:
     total: int
     n_layers: int
     train_seconds: float
-    optimizer_class: str
-    """The optimizer Trainer really stepped (`bitsandbytes.optim...` for the 8-bit ones)."""
+    optimizer: dict[str, Any]
+    """What Trainer really stepped: its class, bits and state dtypes (bitsandbytes keeps 32-bit state
+    for tensors under its min_8bit_size, e.g. tiny-llama's LoRA matrices), paged or not."""
     bnb_modules: int
     """Modules of the trained model that are bitsandbytes layers (quantized linears)."""
 
@@ -151,8 +152,15 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     return Trained(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                    total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
                    train_seconds=time.perf_counter() - state.t_start,
-                   optimizer_class=f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                   optimizer=describe_optimizer(optimizer),
                    bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
+
+
+def describe_optimizer(opt: Any) -> dict[str, Any]:
+    dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if hasattr(v, "dtype")}
+    return {"optimizer_class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+            "optimizer_bits": getattr(getattr(opt, "args", None), "optim_bits", None),  # bitsandbytes only
+            "optimizer_state_dtypes": sorted(dtypes), "optimizer_paged": bool(getattr(opt, "is_paged", False))}
 
 
 def verify_checkpointing(req: ProbeRequest, cb: ProbeCallback | None, n_layers: int) -> None:
@@ -209,7 +217,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
-        extra={"optimizer_class": trained.optimizer_class, "bnb_modules": trained.bnb_modules},
+        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules},
     )
     notes = []
     if spread(window) > SPREAD_BOUND:
