@@ -68,6 +68,8 @@ class _Hold:
         self._timing = 0
         self._members: set[Standby] = set()
         self._stopped: set[Standby] = set()
+        self.stops = 0
+        """How many times a standby's import was stopped (benchmarks read it)."""
 
     def add(self, s: Standby) -> None:
         with self._lock:
@@ -99,6 +101,7 @@ class _Hold:
     def _stop(self, s: Standby) -> None:
         if not s.ready.is_set() and s not in self._stopped and s.signal(signal.SIGSTOP):
             self._stopped.add(s)
+            self.stops += 1
 
 
 HOLD = _Hold()

@@ -24,7 +24,7 @@ from common import GIB, save
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
 from autofit.protocol import HEADROOM
-from autofit.runner import Runner
+from autofit.runner import HOLD, Runner
 from autofit.spec import TrialConfig
 from autofit.target import Target
 from autofit.units import parse_size
@@ -49,10 +49,12 @@ def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace,
     with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold) as runner:
         runner.warm_up()
         for i in range(a.runs):
+            stops = HOLD.stops
             res = runner.run(cfg, model, name=f"noise-{'after' if hold else 'before'}-{i}", timeout=900)
             runs.append({"outcome": res.outcome.value, "tokens_per_s": res.tokens_per_s, "spread": res.spread,
                          "noisy": res.noisy, "step_times": res.step_times, "reason": res.reason,
-                         "peak_gib": round((res.peak_memory_bytes or 0) / GIB, 3)})
+                         "peak_gib": round((res.peak_memory_bytes or 0) / GIB, 3),
+                         "standby_imports_stopped": HOLD.stops - stops})
             print("after" if hold else "before", i, res.outcome.value, res.tokens_per_s, res.spread,
                   res.step_times, flush=True)
     tps = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]

@@ -18,7 +18,7 @@ from autofit.probe.state import ProbeState
 from autofit.probe.timing import spread, timing_done
 from autofit.protocol import HEADROOM, SPREAD_BOUND, ProbeRequest
 from autofit.result import Outcome, ProbeResult
-from autofit.runner import Runner, _outside_sigkill
+from autofit.runner import HOLD, Runner, _outside_sigkill
 from autofit.signatures import classify_text
 from autofit.spec import TrialConfig
 from autofit.target import Target
@@ -192,6 +192,7 @@ def test_standby_imports_are_held_during_the_timed_phase(tmp_path: Path, fake: N
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MODE", "timed")
     monkeypatch.setenv("FAKE_TIMED_S", "3")
+    stops = HOLD.stops
     with Runner(Target(), tmp_path, standby=1) as runner:
         runner.warm_up()
         first = runner._pool[0]
@@ -213,3 +214,4 @@ def test_standby_imports_are_held_during_the_timed_phase(tmp_path: Path, fake: N
     assert out and "timed phase over" in Path(out[0].log_path).read_text()
     assert during == "T"  # stopped while the other probe was timed
     assert after in ("S", "R")  # and continued once it was over
+    assert HOLD.stops == stops + 1
