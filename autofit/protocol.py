@@ -1,14 +1,35 @@
 """The contract between the runner (parent) and a probe process (child), and its defaults.
 
-A probe process imports the training stack, prints `READY` on its protocol pipe and waits
-for one `ProbeRequest` (one JSON line on stdin). It writes one `ProbeResult` (result.py)
-to the request's `result_path` and exits. Nothing else crosses the process boundary.
+A probe process imports the training stack, prints `READY` on its protocol pipe (its
+stdout) and waits for one `ProbeRequest` (one JSON line on stdin). While it runs the
+request it prints `TIMED_START` and `TIMED_END` on the same pipe around its timed steps
+(the runner holds other work off the machine meanwhile). It writes one `ProbeResult`
+(result.py) to the request's `result_path` and exits. Nothing else crosses the process
+boundary. The child also ends when the process that started it dies (`PARENT_ENV`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
+import os
+import signal
+from dataclasses import asdict, dataclass
+
+from .models import ModelSource
+from .spec import TrialConfig
+
 READY = "autofit-standby-ready"
 """The line a probe process prints once its imports are done."""
+
+TIMED_START = "autofit-timed-start"
+"""The line a probe prints when its timed steps begin (after the warm-up)."""
+
+TIMED_END = "autofit-timed-end"
+"""The line a probe prints when its timed steps are over."""
+
+PARENT_ENV = "AUTOFIT_PARENT_PID"
+"""The runner's pid, given to the child so that it can tell its parent died before it could watch."""
 
 HEADROOM = 0.05
 """Fraction of the memory limit kept free: a peak inside it does not fit."""
@@ -22,10 +43,74 @@ TIMED_STEPS = 5
 MAX_PROBE_ACCUMULATION = 4
 """Micro-steps per probed optimizer step; the time of the rest is extrapolated."""
 
+SPREAD_BOUND = 1.10
+"""max/min of the timed steps' tokens/s above which a probe times more steps, then is `noisy`."""
+
+EXTRA_TIMED_STEPS = 5
+"""Most timed steps a probe adds while its last `timed_steps` spread more than `SPREAD_BOUND`."""
+
 
 def usable_bytes(limit: int | None, headroom: float = HEADROOM) -> int | None:
     """What a peak may reach under `limit` with `headroom` kept free (None: no limit)."""
     return int(limit * (1 - headroom)) if limit else None
 
-SPREAD_BOUND = 1.10
-"""max/min of the timed steps' tokens/s above which a probe times more steps, then is `noisy`."""
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One probe, as the runner asks for it: what to train, where, and how to measure it."""
+
+    config: TrialConfig
+    model: ModelSource
+    result_path: str
+    """Where the child writes its `ProbeResult` (JSON); `runner.result_file` names it."""
+    device: str = "cpu"
+    """cpu | cuda (the child sees one GPU, as device 0)."""
+    device_label: str = ""
+    """The target as results describe it (`Target.describe(long=True)`)."""
+    nvml_index: int | None = None
+    """The GPU's physical index, for NVML (None on the CPU)."""
+    memory_limit_bytes: int | None = None
+    headroom: float = HEADROOM
+    warmup_steps: int = WARMUP_STEPS
+    timed_steps: int = TIMED_STEPS
+    extra_timed_steps: int = EXTRA_TIMED_STEPS
+    max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION
+    """None: every micro-step of the config is run."""
+
+    @property
+    def usable_bytes(self) -> int | None:
+        return usable_bytes(self.memory_limit_bytes, self.headroom)
+
+    @property
+    def probe_accumulation(self) -> int:
+        """Micro-steps per probed optimizer step: the config's, capped by `max_probe_accumulation`."""
+        cap = self.max_probe_accumulation or self.config.gradient_accumulation_steps
+        return min(self.config.gradient_accumulation_steps, cap)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        d["model"] = self.model.to_dict()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, line: str) -> ProbeRequest:
+        d = json.loads(line)
+        d["config"] = TrialConfig.from_dict(d["config"])
+        d["model"] = ModelSource.from_dict(d["model"])
+        return cls(**d)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Linux: be SIGKILLed when the parent dies (also while stopped); exit now if it already has.
+
+    The runner starts every child from one long-lived thread (the kernel ties the signal to
+    the thread that forked, not to the process).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the stdin watch is what is left
+        pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(0)  # the parent died before the signal was set

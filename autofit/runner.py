@@ -3,26 +3,43 @@
 Each probe runs in a fresh process, so its memory figures are a fresh process's. The
 16-20 s that importing torch + transformers + peft costs is paid ahead of time: the
 runner keeps `standby` processes that have imported everything (and not touched CUDA)
-waiting for a request. The evidence for an outcome is trusted in this order: the result
-the child wrote, the runner's own timeout, the signal that ended the child, the
-signatures in its log, its exit code.
+waiting for a request. While a probe is in its timed steps, standby processes still
+importing are stopped (SIGSTOP) and continued after, so that their imports do not slow
+the steps being timed. The evidence for an outcome is trusted in this order: the result
+the child wrote, the runner's own timeout or cancellation, the signal that ended the
+child (a SIGKILL is the OOM killer's only on evidence, `kills.py`), the signatures in its
+log, its exit code. Children die with the process that started them (protocol.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any
 
+from .kills import SAMPLE_EVERY_S, KillWatch
 from .models import ModelSource
-from .protocol import READY
+from .protocol import (
+    MAX_PROBE_ACCUMULATION,
+    PARENT_ENV,
+    READY,
+    TIMED_END,
+    TIMED_START,
+    TIMED_STEPS,
+    WARMUP_STEPS,
+    ProbeRequest,
+)
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_shortfall
 from .spec import TrialConfig
@@ -32,63 +49,223 @@ from .target import Target
 # cannot happen on a CPU machine); nothing else should set this.
 CHILD_ENV = "AUTOFIT_PROBE_COMMAND"
 
+# Every child is started from this one thread, which lives as long as the process: the
+# kernel's parent-death signal fires when the thread that forked a child ends, and search
+# worker threads end before the process does.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autofit-spawn")
+
 
 def result_file(log_dir: Path, name: str) -> Path:
     """Where the probe called `name` writes its result (a resumed search adopts a finished one)."""
     return Path(log_dir) / f"{name}.result.json"
 
 
+class _Hold:
+    """Standby processes still importing are stopped while any probe of this process is timed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._timing = 0
+        self._members: set[Standby] = set()
+        self._stopped: set[Standby] = set()
+        self.stops = 0
+        """How many times a standby's import was stopped (benchmarks read it)."""
+
+    def add(self, s: Standby) -> None:
+        with self._lock:
+            self._members.add(s)
+            if self._timing:
+                self._stop(s)
+
+    def discard(self, s: Standby) -> None:
+        with self._lock:
+            self._members.discard(s)
+            if s in self._stopped:
+                self._stopped.discard(s)
+                s.signal(signal.SIGCONT)
+
+    def begin(self) -> None:
+        with self._lock:
+            self._timing += 1
+            for s in self._members:
+                self._stop(s)
+
+    def end(self) -> None:
+        with self._lock:
+            self._timing = max(0, self._timing - 1)
+            if self._timing == 0:
+                for s in self._stopped:
+                    s.signal(signal.SIGCONT)
+                self._stopped.clear()
+
+    def _stop(self, s: Standby) -> None:
+        if not s.ready.is_set() and s not in self._stopped and s.signal(signal.SIGSTOP):
+            self._stopped.add(s)
+            self.stops += 1
+
+
+HOLD = _Hold()
+
+
+def _open_log(log_dir: Path, seq: int) -> tuple[int, Path | None]:
+    """A log without a name until a probe uses it (nothing is left behind if this process is
+    killed); a hidden named file where the filesystem has no O_TMPFILE."""
+    try:
+        return os.open(log_dir, os.O_TMPFILE | os.O_RDWR, 0o644), None
+    except (OSError, AttributeError):
+        path = log_dir / f".standby-{os.getpid()}-{seq}.log"
+        return os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644), path
+
+
+def _link_open_file(fd: int, path: Path) -> None:
+    """Give the nameless file open as `fd` the name `path` (linkat through /proc, following the link)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, at_symlink_follow = -100, 0x400
+    if libc.linkat(at_fdcwd, f"/proc/self/fd/{fd}".encode(), at_fdcwd, os.fsencode(path), at_symlink_follow):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+
+
+def remove_stale_logs(log_dir: Path) -> None:
+    """Hidden standby logs of runner processes that are gone (where logs could not be nameless)."""
+    for p in log_dir.glob(".standby-*-*.log"):
+        m = re.fullmatch(r"\.standby-(\d+)-\d+\.log", p.name)
+        if m and not _alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Standby:
     """One child process that has imported the training stack and waits for a request."""
 
     def __init__(self, log_dir: Path, env: dict[str, str], seq: int) -> None:
-        self.log_path = log_dir / f".standby-{os.getpid()}-{seq}.log"
-        self.log = open(self.log_path, "wb")
+        self.log_fd, self._named_log = _open_log(log_dir, seq)
         cmd = shlex.split(os.environ[CHILD_ENV]) if os.environ.get(CHILD_ENV) else [
             sys.executable, "-m", "autofit.probe", "--standby"]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
-            start_new_session=True,  # its own process group: a timeout or Ctrl-C stops all of it
-        )
+        self.proc = _SPAWNER.submit(
+            subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_fd,
+            env=env, start_new_session=True,  # its own process group: a timeout or Ctrl-C stops all of it
+        ).result()
         self.started = time.monotonic()
         self.ready = threading.Event()
+        self.hold_while_timing = True
+        """Stop the other standby processes' imports during this one's timed steps (False: benchmark)."""
+        self._timing = False
+        self._stdin_lock = threading.Lock()
+        HOLD.add(self)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:  # anything but the ready line is ignored
-            if raw.decode(errors="replace").strip() == READY:
-                self.ready.set()
-                return
-        self.ready.set()  # ended without being ready: the caller sees it has exited
+        try:
+            for raw in self.proc.stdout:  # lines that are not the protocol's are ignored
+                line = raw.decode(errors="replace").strip()
+                if line == READY:
+                    self.ready.set()
+                elif line == TIMED_START:
+                    self._timed_start()
+                elif line == TIMED_END:
+                    self._timed_end()
+        finally:
+            self._timed_end()
+            _close(self.proc.stdout)
+            self.ready.set()  # ended without being ready: the caller sees it has exited
+
+    def _timed_start(self) -> None:
+        if self.hold_while_timing and not self._timing:
+            self._timing = True
+            HOLD.begin()
+        self.send("go\n")  # the child times its steps once the others are held
+
+    def _timed_end(self) -> None:
+        if self._timing:
+            self._timing = False
+            HOLD.end()
+
+    def send(self, text: str) -> bool:
+        with self._stdin_lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(text.encode())
+                self.proc.stdin.flush()
+                return True
+            except (BrokenPipeError, OSError, ValueError):
+                return False  # it died, or stdin was closed: judged from what it left
+
+    def signal(self, sig: int) -> bool:
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def name_log(self, path: Path) -> None:
+        """Give the log its probe's name (the probe's log from its first line)."""
+        path.unlink(missing_ok=True)
+        if self._named_log is not None:
+            self._named_log.replace(path)
+        else:
+            _link_open_file(self.log_fd, path)
+        self._named_log = path
+
     def kill(self) -> None:
+        HOLD.discard(self)
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.signal(signal.SIGKILL)
+        self.wait()
+
+    def wait(self) -> None:
         self.proc.wait()
-        self.log.close()
+        with self._stdin_lock:
+            _close(self.proc.stdin)
+        if self.log_fd >= 0:
+            os.close(self.log_fd)
+            self.log_fd = -1
+
+    def discard_log(self) -> None:
+        """A standby never used: its named log (where logs cannot be nameless) goes."""
+        if self._named_log is not None:
+            self._named_log.unlink(missing_ok=True)
+
+
+def _close(f: IO[bytes] | None) -> None:
+    try:
+        if f is not None:
+            f.close()
+    except OSError:
+        pass
 
 
 class Runner:
     """Runs probes one at a time on one target, with standby processes importing ahead."""
 
     def __init__(self, target: Target, log_dir: Path, *, standby: int = 1,
-                 warmup_steps: int = 2, timed_steps: int = 5,
-                 max_probe_accumulation: int | None = 4) -> None:
+                 warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
+                 max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
+                 hold_while_timing: bool = True) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_logs(self.log_dir)
         self.standby_count = max(0, standby)
         """Processes kept importing ahead, besides the one a probe needs now (0: start on demand)."""
         self.warmup_steps = warmup_steps
         self.timed_steps = timed_steps
         self.max_probe_accumulation = max_probe_accumulation
+        self.hold_while_timing = hold_while_timing
+        """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self._pool: list[Standby] = []
         self._seq = 0
         self._ours_killed: set[int] = set()
@@ -110,6 +287,7 @@ class Runner:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
+        env[PARENT_ENV] = str(os.getpid())
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
         env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -122,13 +300,16 @@ class Runner:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         return env
 
+    def _start_one(self) -> None:
+        self._seq += 1
+        self._pool.append(Standby(self.log_dir, self._env(), self._seq))
+
     def _fill(self) -> None:
         if self._aborted.is_set():
             return
         self._pool = [s for s in self._pool if s.alive() or not s.ready.is_set()]
         while len(self._pool) < self.standby_count:
-            self._seq += 1
-            self._pool.append(Standby(self.log_dir, self._env(), self._seq))
+            self._start_one()
 
     def warm_up(self) -> None:
         """Start the standby processes now (they import while the caller does other work)."""
@@ -139,12 +320,13 @@ class Runner:
             return None
         self._fill()
         if not self._pool:
-            self._seq += 1
-            self._pool.append(Standby(self.log_dir, self._env(), self._seq))
+            self._start_one()
         while time.monotonic() < deadline:
             for s in sorted(self._pool, key=lambda s: s.started):
                 if s.ready.is_set():
                     self._pool.remove(s)
+                    HOLD.discard(s)
+                    s.hold_while_timing = self.hold_while_timing
                     self._fill()
                     return s
             time.sleep(0.02)
@@ -153,34 +335,26 @@ class Runner:
     def close(self) -> None:
         for s in self._pool:
             s.kill()
-            s.log_path.unlink(missing_ok=True)
+            s.discard_log()
         self._pool = []
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- one probe -----------------------------------------------------------------------
 
-    def request(self, cfg: TrialConfig, model: ModelSource, result_path: Path) -> dict[str, Any]:
+    def request(self, cfg: TrialConfig, model: ModelSource, result_path: Path) -> ProbeRequest:
         t = self.target
-        return {
-            "config": cfg.to_dict(),
-            "model": model.to_dict(),
-            "device": t.device,
-            "device_label": t.describe(long=True),
-            "gpu_index": t.gpu_index,
-            "gpu_name": t.gpu_name,
-            "nvml_index": t.gpu_index,
-            "memory_limit_bytes": t.memory_limit_bytes,
-            "headroom": t.headroom,
-            "warmup_steps": self.warmup_steps,
-            "timed_steps": self.timed_steps,
-            "max_probe_accumulation": self.max_probe_accumulation,
-            "result_path": str(result_path),
-        }
+        return ProbeRequest(
+            config=cfg, model=model, result_path=str(result_path), device=t.device,
+            device_label=t.describe(long=True), nvml_index=t.gpu_index,
+            memory_limit_bytes=t.memory_limit_bytes, headroom=t.headroom,
+            warmup_steps=self.warmup_steps, timed_steps=self.timed_steps,
+            max_probe_accumulation=self.max_probe_accumulation,
+        )
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
             cancel: Callable[[], bool] | None = None) -> ProbeResult:
@@ -198,7 +372,11 @@ class Runner:
                                 asked, log_path, "")
         self._current = child
         try:
-            return self._drive(child, req, cfg, asked, deadline, timeout, result_path, log_path, cancel)
+            child.name_log(log_path)
+            ended = self._drive(child, req, deadline, cancel)
+            text = log_path.read_text(errors="replace")
+            res = self._judge(child, ended, timeout, req, text)
+            return self._finish(res, asked, log_path, f"pid {child.proc.pid}")
         except KeyboardInterrupt:
             child.kill()
             self.close()
@@ -206,73 +384,55 @@ class Runner:
         finally:
             self._current = None
 
-    def _drive(self, child: Standby, req: dict[str, Any], cfg: TrialConfig, asked: float,
-               deadline: float, timeout: float, result_path: Path, log_path: Path,
-               cancel: Callable[[], bool] | None) -> ProbeResult:
-        assert child.proc.stdin is not None
-        timed_out = cancelled = False
-        try:
-            child.proc.stdin.write((json.dumps(req) + "\n").encode())
-            child.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # it died before the request: judged below from what it left
-        last_cancel_check = 0.0
+    def _drive(self, child: Standby, req: ProbeRequest, deadline: float,
+               cancel: Callable[[], bool] | None) -> Ended:
+        """Send the request and wait for the child to end, our deadline, or a cancellation."""
+        ended = Ended(KillWatch.start())
+        child.send(req.to_json() + "\n")  # if it died before the request: judged from what it left
+        last_cancel = last_sample = 0.0
         while child.proc.poll() is None:
             now = time.monotonic()
             if now >= deadline:
-                timed_out = True
+                ended.timed_out = True
                 break
-            if cancel is not None and now - last_cancel_check > 1.0:
-                last_cancel_check = now
+            if cancel is not None and now - last_cancel > 1.0:
+                last_cancel = now
                 if cancel():
-                    cancelled = True
+                    ended.cancelled = True
                     break
+            if now - last_sample >= SAMPLE_EVERY_S:
+                last_sample = now
+                ended.watch.sample()
             time.sleep(0.02)
-        if timed_out or cancelled:
+        if ended.timed_out or ended.cancelled:
             self._ours_killed.add(child.proc.pid)
             child.kill()
         else:
-            child.proc.wait()
-            child.log.close()
-        child.log_path.replace(log_path)
-        text = log_path.read_text(errors="replace")
-        res = self._judge(child.proc.returncode, child.proc.pid, timed_out, cancelled, timeout,
-                          result_path, text, cfg)
-        return self._finish(res, asked, log_path, f"pid {child.proc.pid}")
+            child.wait()
+        return ended
 
-    def _judge(self, rc: int | None, pid: int, timed_out: bool, cancelled: bool, timeout: float,
-               result_path: Path, text: str, cfg: TrialConfig) -> ProbeResult:
+    def _judge(self, child: Standby, ended: Ended, timeout: float, req: ProbeRequest,
+               text: str) -> ProbeResult:
+        cfg = req.config.to_dict()
+        rc, pid = child.proc.returncode, child.proc.pid
+        tail = text[-4000:]
         # 1. the result the child wrote
-        if result_path.is_file():
-            try:
-                return ProbeResult.from_dict(json.loads(result_path.read_text()))
-            except (ValueError, KeyError, TypeError) as e:
-                return ProbeResult(Outcome.CRASH, cfg.to_dict(), reason=f"unreadable result file ({e})",
-                                   error_tail=text[-4000:])
-        # 2. our own timeout (or a cancellation: another worker owns this config)
-        if cancelled:
-            return ProbeResult(Outcome.CRASH, cfg.to_dict(), reason="cancelled: another worker probes this config")
-        if timed_out:
-            return ProbeResult(Outcome.TIMEOUT, cfg.to_dict(), error_tail=text[-4000:],
+        if Path(req.result_path).is_file():
+            return _read_result(Path(req.result_path), cfg, tail)
+        # 2. our own cancellation (another worker owns this config) or timeout
+        if ended.cancelled:
+            return ProbeResult(Outcome.CANCELLED, cfg, reason="cancelled: another worker probes this config")
+        if ended.timed_out:
+            return ProbeResult(Outcome.TIMEOUT, cfg, error_tail=tail,
                                reason=f"no result after {timeout:.0f} s; the probe's process group was stopped")
-        # 3. the signal that ended it; a SIGKILL we did not send is the kernel's OOM killer
+        # 3. the signal that ended it
         if rc is not None and rc < 0:
-            sig = -rc
-            if sig == signal.SIGKILL and pid not in self._ours_killed:
-                return ProbeResult(Outcome.HOST_OOM, cfg.to_dict(), error_tail=text[-4000:],
-                                   reason="killed by SIGKILL that autofit did not send (the host's OOM killer)")
-            outcome = classify_text(text) or Outcome.CRASH
-            return ProbeResult(outcome, cfg.to_dict(), error_tail=text[-4000:],
-                               reason=f"ended by signal {signal.Signals(sig).name}")
+            if -rc == signal.SIGKILL and pid not in self._ours_killed:
+                return _outside_sigkill(cfg, tail, ended.watch.host_oom_evidence(pid))
+            return ProbeResult(classify_text(text) or Outcome.CRASH, cfg, error_tail=tail,
+                               reason=f"ended by signal {signal.Signals(-rc).name}")
         # 4. what it printed
-        outcome = classify_text(text) or Outcome.CRASH
-        res = ProbeResult(outcome, cfg.to_dict(), error_tail=text[-4000:],
-                          reason=f"exited with code {rc} without writing a result")
-        if outcome is Outcome.OOM:
-            res.oom_shortfall_bytes = oom_shortfall(text)
-            lines = [ln for ln in text.splitlines() if "out of memory" in ln.lower() or "OutOfMemory" in ln]
-            res.reason = (lines[-1].strip()[:300] if lines else res.reason)
-        return res
+        return _from_text(cfg, text, rc)
 
     def _finish(self, res: ProbeResult, asked: float, log_path: Path, worker: str) -> ProbeResult:
         res.wall_seconds = time.monotonic() - asked
@@ -283,3 +443,40 @@ class Runner:
         if res.memory_limit_bytes is None:
             res.memory_limit_bytes = self.target.memory_limit_bytes
         return res
+
+
+class Ended:
+    """How the wait for one child ended, and the evidence gathered meanwhile."""
+
+    def __init__(self, watch: KillWatch) -> None:
+        self.watch = watch
+        self.timed_out = False
+        self.cancelled = False
+
+
+def _read_result(path: Path, cfg: dict[str, Any], tail: str) -> ProbeResult:
+    try:
+        return ProbeResult.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        return ProbeResult(Outcome.CRASH, cfg, reason=f"unreadable result file ({e})", error_tail=tail)
+
+
+def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None) -> ProbeResult:
+    """A SIGKILL autofit did not send: the OOM killer's on evidence, else says nothing about the config."""
+    if evidence is not None:
+        return ProbeResult(Outcome.HOST_OOM, cfg, error_tail=tail,
+                           reason=f"killed by SIGKILL from the host's OOM killer: {evidence}")
+    return ProbeResult(Outcome.CRASH, cfg, error_tail=tail, retryable=True,
+                       reason="killed by SIGKILL from outside autofit (no sign of the OOM killer)")
+
+
+def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:
+    """A child that exited without a result: what its log shows."""
+    outcome = classify_text(text) or Outcome.CRASH
+    res = ProbeResult(outcome, cfg, error_tail=text[-4000:],
+                      reason=f"exited with code {rc} without writing a result")
+    if outcome is Outcome.OOM:
+        res.oom_shortfall_bytes = oom_shortfall(text)
+        lines = [ln for ln in text.splitlines() if "out of memory" in ln.lower() or "OutOfMemory" in ln]
+        res.reason = (lines[-1].strip()[:300] if lines else res.reason)
+    return res

@@ -1,8 +1,10 @@
 """A stand-in for the probe child, for what cannot happen on a CPU machine.
 
-It speaks the runner's protocol (print the ready line, read one request) and then does
-what FAKE_MODE says: print the real CUDA OOM text and exit, hang, be SIGKILLed, segfault,
-print garbage, or write a result file that is not JSON.
+It speaks the runner's protocol (protocol.py: die with the parent, print the ready line,
+read one `ProbeRequest`) and then does what FAKE_MODE says: print the real CUDA OOM text
+and exit, hang, be SIGKILLed, segfault, print garbage, write a result file that is not
+JSON, or hold a timed phase (`timed`: announce it, wait for the go-ahead, sleep FAKE_TIMED_S).
+FAKE_IMPORT_S makes its "imports" take that long before it is ready.
 """
 
 import json
@@ -11,17 +13,24 @@ import signal
 import sys
 import time
 
+from autofit.protocol import PARENT_ENV, READY, TIMED_END, TIMED_START, die_with_parent
+
 CUDA_OOM = """Traceback (most recent call last):
   File "train.py", line 12, in <module>
     loss.backward()
 torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 39.38 GiB of which 1.50 GiB is free. Including non-PyTorch memory, this process has 37.86 GiB memory in use. Of the allocated memory 35.20 GiB is allocated by PyTorch, and 1.91 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.
 """
 
+die_with_parent(int(os.environ[PARENT_ENV]) if os.environ.get(PARENT_ENV) else None)
 mode = os.environ.get("FAKE_MODE", "hang")
+time.sleep(float(os.environ.get("FAKE_IMPORT_S", "0")))
 if mode == "garbage":
     print("\x00\x01 not the ready line {{{", flush=True)
-print("autofit-standby-ready", flush=True)
-req = json.loads(sys.stdin.readline())
+print(READY, flush=True)
+line = sys.stdin.readline()
+if not line.strip():
+    sys.exit(0)
+req = json.loads(line)  # a ProbeRequest: the same field names as protocol.ProbeRequest
 with open(os.path.join(os.path.dirname(req["result_path"]), "fake-child.pid"), "w") as f:
     f.write(str(os.getpid()))
 if mode == "cuda_oom":
@@ -40,4 +49,11 @@ elif mode == "garbage":
     sys.exit(0)
 elif mode == "host_oom_text":
     sys.stderr.write("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1234 bytes.\n")
+    sys.exit(1)
+elif mode == "timed":
+    print(TIMED_START, flush=True)
+    sys.stdin.readline()  # the runner's go-ahead
+    time.sleep(float(os.environ.get("FAKE_TIMED_S", "2")))
+    print(TIMED_END, flush=True)
+    sys.stderr.write("timed phase over\n")
     sys.exit(1)

@@ -10,17 +10,20 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import fake_env, probe_json, run_cli
+from conftest import ROOT, fake_env, probe_json, run_cli
 
 SHORT = ["--set", "max_length=128", "--set", "global_batch=4"]
 
 
+@pytest.mark.slow
 def test_tiny_llama_fits_and_reports_figures(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--set", "micro_batch_size=2", cwd=tmp_path)
     assert r["outcome"] == "fit"
     assert r["tokens_per_s"] > 0 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
-    assert len(r["step_times"]) == 5
+    # 5 timed steps, more (at most 5) while they spread above the bound
+    assert 5 <= len(r["step_times"]) <= 10
+    assert r["spread"] == round(r["tokens_per_s_max"] / r["tokens_per_s_min"], 4)
+    assert r["noisy"] == (r["spread"] > 1.10)
     assert r["peak_memory_bytes"] > 0
     assert r["device"].startswith("cpu")
     assert r["config"]["micro_batch_size"] == 2
@@ -32,6 +35,7 @@ def test_tiny_llama_fits_and_reports_figures(tmp_path: Path) -> None:
     assert Path(r["log_path"]).is_file()
 
 
+@pytest.mark.slow
 def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--memory-limit", "2MiB", cwd=tmp_path)
     assert r["outcome"] == "oom"
@@ -39,15 +43,20 @@ def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     assert r["memory_limit_bytes"] == 2 * 2**20
 
 
+@pytest.mark.slow
 def test_peak_inside_headroom_is_an_oom(tmp_path: Path) -> None:
     fit = probe_json(*SHORT, cwd=tmp_path)
-    # a limit just above the measured peak: the peak lands inside a 40% headroom
-    limit = int(fit["peak_memory_bytes"] * 1.3)
-    r = probe_json(*SHORT, "--memory-limit", f"{limit}B", "--headroom", "0.4", cwd=tmp_path)
-    assert r["outcome"] == "oom"
-    assert r["reason"].startswith(("headroom", "limit", "autofit: memory limit"))
+    # the measured peak at 75% of the limit, with 45% kept free: a peak from 55% to 100% of the
+    # limit (0.73x to 1.33x this one) lands inside the headroom, below the limit itself
+    limit = int(fit["peak_memory_bytes"] / 0.75)
+    r = probe_json(*SHORT, "--memory-limit", f"{limit}B", "--headroom", "0.45", cwd=tmp_path)
+    assert r["outcome"] == "oom", r["reason"]
+    assert r["reason"].startswith("headroom"), r["reason"]
+    assert int(limit * 0.55) < r["peak_memory_bytes"] <= limit
+    assert r["oom_shortfall_bytes"] == r["peak_memory_bytes"] - (limit - r["headroom_bytes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sets, expected", [
     (["gradient_checkpointing=every_2"], [0, 2]),
     (["gradient_checkpointing=on"], [0, 1, 2, 3]),
@@ -62,24 +71,35 @@ def test_checkpointing_exactly_on_the_layers_asked(tmp_path: Path, sets: list[st
     assert r["n_layers"] == 4
 
 
-@pytest.mark.parametrize("sets", [
-    ["quantization=8bit"],
-    ["optimizer=adamw_8bit"],
-    ["optimizer=paged_adamw_8bit"],
+@pytest.mark.slow
+@pytest.mark.parametrize("sets, bnb_optimizer, paged, bnb_layers", [
+    (["quantization=8bit"], False, False, True),
+    (["optimizer=adamw_8bit"], True, False, False),
+    (["optimizer=paged_adamw_8bit"], True, True, False),
 ])
-def test_bitsandbytes_runs_for_real_on_the_cpu(tmp_path: Path, sets: list[str]) -> None:
+def test_bitsandbytes_runs_for_real_on_the_cpu(tmp_path: Path, sets: list[str], bnb_optimizer: bool,
+                                               paged: bool, bnb_layers: bool) -> None:
     args = [x for s in sets for x in ("--set", s)]
     r = probe_json(*SHORT, *args, cwd=tmp_path)
     assert r["outcome"] == "fit", r["error_tail"]
-    assert r["config"][sets[0].split("=")[0]] == sets[0].split("=")[1]
+    # what really ran: bitsandbytes' 8-bit optimizer, paged or not (its state stays 32-bit for
+    # tensors under its min_8bit_size: all of tiny-llama's LoRA matrices); its quantized layers
+    x = r["extra"]
+    assert x["optimizer_class"].startswith("bitsandbytes.optim.") == bnb_optimizer, x
+    assert x["optimizer_bits"] == (8 if bnb_optimizer else None), x
+    assert x["optimizer_paged"] == paged
+    assert (x["bnb_modules"] > 0) == bnb_layers
+    assert r["loss"] is not None and r["loss"] > 0
 
 
+@pytest.mark.slow
 def test_missing_attention_kernel_is_unsupported(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--set", "attn_implementation=flash_attention_2", cwd=tmp_path)
     assert r["outcome"] == "unsupported"
     assert "flash" in r["reason"].lower()
 
 
+@pytest.mark.slow
 def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--set", "lora_targets=no_such_module", cwd=tmp_path)
     assert r["outcome"] == "crash"
@@ -104,7 +124,8 @@ def test_hang_is_a_timeout_and_its_group_is_stopped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode, outcome, reason", [
-    ("sigkill", "host_oom", "SIGKILL"),  # a SIGKILL the runner did not send: the kernel's OOM killer
+    # a SIGKILL the runner did not send, with no sign of the OOM killer: says nothing about the config
+    ("sigkill", "crash", "killed by SIGKILL from outside autofit"),
     ("host_oom_text", "host_oom", ""),
     ("segfault", "crash", "SIGSEGV"),
     ("garbage", "crash", "unreadable result"),  # garbage on stdout and in the result file
@@ -113,10 +134,12 @@ def test_what_a_child_leaves_behind_is_judged(tmp_path: Path, mode: str, outcome
     r = probe_json(*SHORT, env=fake_env(mode), cwd=tmp_path)
     assert r["outcome"] == outcome
     assert reason in r["reason"]
+    assert r["retryable"] == (mode == "sigkill")
 
 
 def test_ctrl_c_exits_130_and_stops_the_child(tmp_path: Path) -> None:
-    env = dict(os.environ, **fake_env("hang"))
+    # this checkout's package (the working directory is elsewhere)
+    env = dict(os.environ, **fake_env("hang"), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "autofit", "probe", "--model", "tiny-llama",
                              "--device", "cpu", "--log-dir", str(tmp_path)], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,10 +191,19 @@ def test_help_lists_presets_and_keys() -> None:
 
 
 def test_env_lists_versions() -> None:
+    from importlib import metadata
+
+    from autofit.envinfo import driver_info
+
     proc = run_cli("env")
     assert proc.returncode == 0
-    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "driver"):
-        assert pkg in proc.stdout
+    shown: dict[str, str] = {}
+    for line in proc.stdout.splitlines():  # first word -> the rest ("torch CUDA ..." comes after "torch")
+        name, _, value = line.partition(" ")
+        shown.setdefault(name, value.strip())
+    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl"):
+        assert shown[pkg] == metadata.version(pkg), pkg
+    assert shown["driver"] == (driver_info()["driver"] or "none (no NVIDIA driver)")
 
 
 # ----------------------------------------------------------------------------- model sources
@@ -189,6 +221,7 @@ def saved_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_local_folder_loads_with_from_pretrained(tmp_path: Path, saved_tiny: Path) -> None:
     proc = run_cli("probe", "--model", str(saved_tiny), "--device", "cpu", "--json", *SHORT, cwd=tmp_path,
                    env={"HF_HUB_OFFLINE": "1"})
@@ -204,6 +237,7 @@ def test_a_local_folder_loads_with_from_pretrained(tmp_path: Path, saved_tiny: P
     assert json.loads(proc.stdout)["outcome"] == "fit"
 
 
+@pytest.mark.slow
 def test_a_config_json_path_builds_random_weights(tmp_path: Path, saved_tiny: Path) -> None:
     import json
 
@@ -220,6 +254,7 @@ def test_a_hub_id_not_in_the_cache_offline_is_a_clear_error(tmp_path: Path) -> N
     assert "not in the local cache" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny: Path) -> None:
     # lay the folder out as the hub cache does (models--owner--name/snapshots/<rev>/ + refs/main)
     cache = tmp_path / "hub"
@@ -241,14 +276,6 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny
 # ----------------------------------------------------------------------------- the keys
 
 
-def test_key_defaults_match_the_dataclass() -> None:
-    from autofit.spec import KEYS, TrialConfig
-
-    cfg = TrialConfig()
-    for k in KEYS.values():
-        assert getattr(cfg, k.name) == k.default, k.name
-
-
 def test_every_optimizer_name_is_a_transformers_optim() -> None:
     from transformers.training_args import OptimizerNames
 
@@ -258,6 +285,7 @@ def test_every_optimizer_name_is_a_transformers_optim() -> None:
     assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
 
 
+@pytest.mark.slow
 def test_weights_that_make_the_loss_non_finite_are_unstable_not_a_fit(tmp_path: Path) -> None:
     """A diverged checkpoint (a NaN norm weight): real steps, a non-finite loss, outcome unstable."""
     import torch

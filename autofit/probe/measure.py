@@ -1,0 +1,239 @@
+"""The measured run: one configuration trained for warm-up and timed steps through Trainer.
+
+`run_probe` follows the protocol of docs/DESIGN.md ("The probe") step by step: the device
+and its memory cap, the model as the recipe builds it, the steps through Trainer (warm-up,
+then timed), checkpointing verified per layer, then the figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import recipe
+from ..protocol import SPREAD_BOUND, ProbeRequest
+from ..result import Outcome, ProbeResult
+from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
+from .child_io import write_json_atomic
+from .errors import Unsupported
+from .judge import judge_limit, noisy_reason
+from .sampler import Memory
+from .state import ProbeState
+from .timing import ProbeCallback, TimingPlan, make_callback, spread
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What the training steps left: the model's sizes and the time they took."""
+
+    trainable: int
+    total: int
+    n_layers: int
+    train_seconds: float
+    optimizer: dict[str, Any]
+    """What Trainer really stepped: its class, bits and state dtypes (bitsandbytes keeps 32-bit state
+    for tensors under its min_8bit_size, e.g. tiny-llama's LoRA matrices), paged or not."""
+    bnb_modules: int
+    """Modules of the trained model that are bitsandbytes layers (quantized linears)."""
+
+
+def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
+    """Run the probe `req` describes; `state` collects figures as they come, for failures."""
+    os.environ.update(recipe.allocator_env(req.config))
+    state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
+    state.mem.runaway = lambda now: _stop_runaway(req, now)
+    sync = prepare_device(req, state)
+    model = load_model(req, state)
+    trained = train(req, state, model, sync, announce)
+    verify_checkpointing(req, state.callback, trained.n_layers)
+    return figures(req, state, trained)
+
+
+def _stop_runaway(req: ProbeRequest, now: int) -> None:
+    """From the sampling thread: the CPU probe is far past its limit; write the OOM and end here."""
+    limit = req.memory_limit_bytes or 0
+    res = ProbeResult(Outcome.OOM, req.config.to_dict(), peak_memory_bytes=now, oom_shortfall_bytes=now - limit,
+                      reason="autofit: memory limit exceeded: stopped far past the CPU limit")
+    res = judge_limit(res, req.memory_limit_bytes, req.headroom)
+    res.device, res.model = req.device_label, req.model.ref
+    write_json_atomic(req.result_path, res.to_dict())
+    os._exit(0)
+
+
+def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
+    """Check the device can run the config; on a GPU create the context and cap the allocator."""
+    import torch  # the probe child's heavy import, after the standby's own
+
+    cfg, mem = req.config, state.mem
+    assert mem is not None
+    if req.device != "cuda":
+        if cfg.precision == "fp16":
+            raise Unsupported("fp16 mixed precision needs a GPU (Trainer refuses it on the CPU)")
+        mem.rebase()
+        return lambda: None
+    if not torch.cuda.is_available():
+        raise Unsupported("CUDA was asked for but torch sees no GPU")
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # create the context now, so it is measured as overhead
+    if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise Unsupported(f"bf16 is not supported on {torch.cuda.get_device_name()}")
+    if req.memory_limit_bytes:
+        # The cap covers the PyTorch allocator only: take off what lives outside it (the
+        # CUDA context now; cuBLAS/NCCL handles are counted in the peak afterwards).
+        total = torch.cuda.get_device_properties(0).total_memory
+        state.outside_at_start = max(mem.added() - torch.cuda.memory_reserved(), 0)
+        torch.cuda.set_per_process_memory_fraction(
+            max(req.memory_limit_bytes - state.outside_at_start, 1) / total)
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.synchronize
+
+
+def load_model(req: ProbeRequest, state: ProbeState) -> Any:
+    """The model as the recipe builds it (dtype, quantization, k-bit preparation, LoRA), measured."""
+    import torch
+
+    cfg, src, mem = req.config, req.model, state.mem
+    assert mem is not None
+    # Random weights for a quantized preset are saved once, before anything is measured.
+    path = weights_path(cfg, src, req.device)
+    if req.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    mem.start()
+    torch.manual_seed(0)
+    model = build_model(cfg, src, req.device, path)
+    model.config.use_cache = False
+    kbit, lora = recipe.kbit_preparation(cfg), recipe.lora_arguments(cfg)
+    if kbit is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, **kbit)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora))
+    state.memory_after_load = mem.allocator_now()[1]
+    mem.phase()
+    return model
+
+
+def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
+          announce: Callable[[str], None]) -> Trained:
+    """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length."""
+    from transformers import Trainer, TrainingArguments
+
+    cfg, ga = req.config, req.probe_accumulation
+    assert state.mem is not None
+    plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
+                      cfg.gradient_accumulation_steps - ga, announce)
+    data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
+                        int(req.model.config.get("vocab_size", 32000)))
+    cb = state.callback = make_callback(state.mem, sync, plan)
+    hook = model.register_forward_hook(cb.forward_hook)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, logging_steps=1, disable_tqdm=True,
+            **recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
+                                        gradient_accumulation_steps=ga),
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+        cb.trainer = trainer
+        trainer.train()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    cb.stop_timing()
+    hook.remove()
+    sync()
+    state.mem.stop()
+    return Trained(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                   total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
+                   train_seconds=time.perf_counter() - state.t_start,
+                   optimizer=describe_optimizer(optimizer),
+                   bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
+
+
+def describe_optimizer(opt: Any) -> dict[str, Any]:
+    dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if hasattr(v, "dtype")}
+    return {"optimizer_class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+            "optimizer_bits": getattr(getattr(opt, "args", None), "optim_bits", None),  # bitsandbytes only
+            "optimizer_state_dtypes": sorted(dtypes), "optimizer_paged": bool(getattr(opt, "is_paged", False))}
+
+
+def verify_checkpointing(req: ProbeRequest, cb: ProbeCallback | None, n_layers: int) -> None:
+    expected = expected_checkpointed(req.config, n_layers)
+    checkpointed = cb.checkpointed if cb is not None else None
+    if checkpointed != expected:
+        raise RuntimeError(
+            f"autofit: checkpointing is on layers {checkpointed}, but the config asks for {expected}"
+        )
+
+
+def peak_memory(req: ProbeRequest, state: ProbeState) -> tuple[int, int, int | None]:
+    """(peak, memory outside the allocator, allocator retries).
+
+    The allocator's reserved peak plus what lives outside it (context, cuBLAS workspaces,
+    bitsandbytes paged memory), or NVML's sampled peak if that is higher.
+    """
+    mem, cb = state.mem, state.callback
+    assert mem is not None and cb is not None
+    if req.device != "cuda":
+        return max(mem.sampled_peak, cb.max_reserved), 0, None
+    import torch
+
+    _, reserved_now = mem.allocator_now()
+    used_now = mem.process_used()
+    outside = max((used_now if used_now is not None else mem.added()) - reserved_now, 0)
+    retries = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return max(cb.max_reserved + outside, mem.sampled_peak), outside, retries
+
+
+def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResult:
+    """The result of a probe that trained: speed over the last timed steps, memory, stability."""
+    cfg, cb = req.config, state.callback
+    assert cb is not None
+    # Speed: each timed step extended to the config's accumulation where the probe ran fewer
+    # micro-steps (each extra micro-step costs the mean micro-step of its step).
+    real = cb.real_seconds()
+    window = real[-req.timed_steps:]
+    tps = [cfg.effective_batch * cfg.max_length / t for t in window]
+    timed = cb.timed_steps
+    peak, outside, retries = peak_memory(req, state)
+    growth = max(0, timed[-1]["reserved"] - timed[0]["reserved"]) if len(timed) >= 2 else 0
+    res = ProbeResult(
+        outcome=Outcome.FIT, config=cfg.to_dict(),
+        tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
+        peak_memory_bytes=int(peak), max_memory_allocated=int(cb.max_allocated),
+        max_memory_reserved=int(cb.max_reserved), memory_outside_allocator=int(outside),
+        memory_after_load=state.memory_after_load,
+        phase_peaks={k: int(v) for k, v in cb.phase_peaks.items()},
+        num_alloc_retries=retries, memory_growth_bytes=int(growth),
+        step_times=[round(t, 5) for t in real],
+        micro_step_s=statistics.median(s["micro"] for s in timed) if timed else None,
+        optimizer_step_s=statistics.median(s["optimizer"] for s in timed),
+        probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
+        n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
+        loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
+        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules},
+    )
+    notes = []
+    if spread(window) > SPREAD_BOUND:
+        res.noisy = True
+        notes.append(noisy_reason(spread(window), len(real)))
+    if growth > max(64 * 2**20, 0.01 * peak):
+        notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
+    res.reason = "; ".join(notes)
+    return judge_stability(res, cb, len(cb.steps))
+
+
+def judge_stability(res: ProbeResult, cb: ProbeCallback, steps: int) -> ProbeResult:
+    """Non-finite loss on most micro-steps, or most steps skipped by the fp16 scaler: unstable."""
+    bad = sum(1 for x in cb.losses if not math.isfinite(x))
+    if cb.losses and bad * 2 > len(cb.losses):
+        res.outcome, res.reason = Outcome.UNSTABLE, f"non-finite loss on {bad} of {len(cb.losses)} micro-steps"
+    elif cb.skipped_steps * 2 > steps:
+        res.outcome, res.reason = Outcome.UNSTABLE, f"fp16 loss scaler skipped {cb.skipped_steps} of {steps} steps"
+    return res

@@ -1,0 +1,114 @@
+"""The memory sampler: allocator figures, NVML (GPU) or RSS (CPU), peaks per phase."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+
+class Memory:
+    """Memory figures for one probe: device allocator, NVML (GPU) or RSS (CPU).
+
+    A sampling thread keeps the running peak of what the allocator cannot see (NVML on
+    a GPU, resident set size on the CPU); `phase()` returns and resets the peak of the
+    phase that just ended.
+    """
+
+    def __init__(self, device: str, nvml_index: int | None, limit: int | None) -> None:
+        import psutil
+
+        self.device = device
+        self.limit = limit
+        self.proc = psutil.Process()
+        self.nvml = None
+        self.baseline = 0
+        self.sampled_peak = 0
+        self._phase_peak = 0
+        self.over_limit = False
+        self.runaway: Any = None
+        """Called from the sampling thread when the CPU probe runs far past its limit."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device == "cuda" and nvml_index is not None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self.nvml = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            except Exception:  # no NVML in this container: allocator figures only
+                self.nvml = None
+        self.baseline = self.used()
+
+    def used(self) -> int:
+        """Device memory used (GPU, whole device) or this process's RSS (CPU)."""
+        if self.device == "cpu":
+            return int(self.proc.memory_info().rss)
+        if self.nvml is None:
+            return 0
+        import pynvml
+
+        return int(pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used)
+
+    def process_used(self) -> int | None:
+        """This process's GPU memory by NVML, when the driver reports it (often not in containers)."""
+        if self.nvml is None:
+            return None
+        import pynvml
+
+        try:
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self.nvml):
+                if p.pid == os.getpid() and p.usedGpuMemory:
+                    return int(p.usedGpuMemory)
+        except Exception:
+            return None
+        return None
+
+    def added(self) -> int:
+        """Memory this process added since the baseline (device-level on a GPU)."""
+        return max(0, self.used() - self.baseline)
+
+    def rebase(self) -> None:
+        """Count from now: what the process holds already is not the probe's."""
+        self.baseline = self.used()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01 if self.device == "cpu" else 0.02):
+            now = self.added()
+            self.sampled_peak = max(self.sampled_peak, now)
+            self._phase_peak = max(self._phase_peak, now)
+            if self.device == "cpu" and self.limit and now > self.limit:
+                self.over_limit = True
+                if now > 2 * self.limit + 2**30 and self.runaway is not None:
+                    self.runaway(now)  # far past the limit between two checks: stop here
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=1)
+
+    def phase(self) -> tuple[int, int]:
+        """(peak allocated, peak reserved) since the last call; resets the peaks."""
+        if self.device == "cuda":
+            import torch
+
+            out = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            return out
+        now = self.added()
+        peak = max(self._phase_peak, now)
+        self._phase_peak = now
+        self.sampled_peak = max(self.sampled_peak, peak)
+        return peak, peak
+
+    def allocator_now(self) -> tuple[int, int]:
+        if self.device == "cuda":
+            import torch
+
+            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        now = self.added()
+        return now, now

@@ -1,0 +1,21 @@
+"""What a probe has set up and measured so far, typed: a failure's result keeps these figures."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .sampler import Memory
+from .timing import ProbeCallback
+
+
+@dataclass
+class ProbeState:
+    """What a probe has set up and measured so far: a failure's result keeps these figures."""
+
+    mem: Memory | None = None
+    callback: ProbeCallback | None = None
+    outside_at_start: int = 0
+    """GPU memory outside the allocator when the cap was set (the CUDA context)."""
+    memory_after_load: int | None = None
+    t_start: float = field(default_factory=time.perf_counter)

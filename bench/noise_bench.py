@@ -1,0 +1,91 @@
+"""Issue 10 item 9: one config measured 5 times in one run, standby processes importing beside it.
+
+"before": the runner lets standby processes import while a probe is timed (the old behaviour,
+`Runner(hold_while_timing=False)`, kept only for this benchmark); "after": their imports are
+stopped during every timed phase. Each probe takes a standby process and the runner starts
+the next one at once, so a fresh import runs beside every probe, as in a search.
+
+GPU (S1: llama2-7b shape, LoRA, 40 GiB limit, length 2048, micro-batch 1, checkpointing on,
+global batch 16):   python bench/noise_bench.py
+CPU check that it works:   python bench/noise_bench.py --model tiny-llama --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import GIB, save
+
+from autofit.envinfo import gpus
+from autofit.models import resolve_model
+from autofit.protocol import HEADROOM
+from autofit.runner import HOLD, Runner
+from autofit.spec import TrialConfig
+from autofit.target import Target
+from autofit.units import parse_size
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama2-7b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--memory-limit", default="40GiB", help="none: no limit")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--standby", type=int, default=2)
+    p.add_argument("--modes", default="before,after")
+    p.add_argument("--name", default=None, help="result file name (default noise-<model>-<device>)")
+    return p.parse_args()
+
+
+def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace, hold: bool) -> dict[str, Any]:
+    runs = []
+    with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold) as runner:
+        runner.warm_up()
+        for i in range(a.runs):
+            stops = HOLD.stops
+            res = runner.run(cfg, model, name=f"noise-{'after' if hold else 'before'}-{i}", timeout=900)
+            runs.append({"outcome": res.outcome.value, "tokens_per_s": res.tokens_per_s, "spread": res.spread,
+                         "noisy": res.noisy, "step_times": res.step_times, "reason": res.reason,
+                         "peak_gib": round((res.peak_memory_bytes or 0) / GIB, 3),
+                         "standby_imports_stopped": HOLD.stops - stops})
+            print("after" if hold else "before", i, res.outcome.value, res.tokens_per_s, res.spread,
+                  res.step_times, flush=True)
+    tps = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]
+    return {"runs": runs, "tokens_per_s": tps,
+            "max_over_min": round(max(tps) / min(tps), 4) if tps else None,
+            "median_tokens_per_s": statistics.median(tps) if tps else None}
+
+
+def main() -> int:
+    a = parse()
+    limit = None if a.memory_limit == "none" else parse_size(a.memory_limit)
+    if a.device == "cuda":
+        g = gpus()[0]
+        target = Target("cuda", g.index, g.name, limit, HEADROOM)
+    else:
+        target = Target("cpu", None, "", limit, HEADROOM)
+    cfg = TrialConfig.from_mapping({"max_length": a.length, "global_batch": a.global_batch, "micro_batch_size": 1,
+                                    "gradient_checkpointing": "on"})
+    model = resolve_model(a.model)
+    modes = {m: measure(target, cfg, model, a, hold=m == "after") for m in a.modes.split(",")}
+    save(a.name or f"noise-{a.model}-{a.device}", {
+        "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
+                    f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby",
+        "target": target.describe(long=True),
+        "config": cfg.to_dict(),
+        "modes": modes,
+    })
+    for m, r in modes.items():
+        print(m, "max/min across runs:", r["max_over_min"], r["tokens_per_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
