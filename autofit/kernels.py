@@ -330,6 +330,25 @@ def compare(ref: Pass, k: Pass, tol: Tolerance) -> GateResult:
                       grad_norms_ref=ref.grad_norms, grad_norms_k=k.grad_norms)
 
 
+IGNORE_INDEX = -100
+"""transformers' label for positions without a loss (padding, a masked prompt)."""
+
+
+def gate_batch(vocab: int, length: int, rows: int = 2, seed: int = 1, ignored: float = 0.25) -> dict[str, Any]:
+    """The gate's fixed batch: random tokens; the first `ignored` share of each row's labels masked.
+
+    Masked labels are part of the check, not decoration: Liger's fused linear cross-entropy
+    returned a silently wrong loss under torch.compile whenever some targets were ignore_index
+    (linkedin/Liger-Kernel PR #1338); a batch without them passes that bug.
+    """
+    import torch
+
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, : int(length * ignored)] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
 def correctness_gate(
     build_reference: Callable[[], Any],
     with_kernels: Callable[[Any], Any],

@@ -37,8 +37,7 @@ def build(attn: str = "sdpa", precision: str = "fp32") -> object:
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, PRESETS["tiny-llama"]["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    return kernels.gate_batch(PRESETS["tiny-llama"]["vocab_size"], 32)
 
 
 def gate(batch: dict, with_kernels, precision: str = "fp32") -> kernels.GateResult:
@@ -116,6 +115,12 @@ def test_gate_catches_a_bypassed_adapter(batch):
 def test_gate_calls_a_non_finite_loss_a_mismatch(batch):
     res = gate(batch, scale_loss(float("nan")))
     assert not res.ok and "loss nan" in res.reason
+
+
+def test_gate_batch_masks_part_of_the_labels(batch):
+    masked = batch["labels"] == kernels.IGNORE_INDEX
+    assert masked[:, :8].all() and not masked[:, 8:].any()  # a quarter of 32 positions, at the start
+    assert torch.equal(batch["input_ids"], kernels.gate_batch(1024, 32)["input_ids"])  # fixed: same seed
 
 
 def test_compare_needs_the_same_trainable_tensors():
