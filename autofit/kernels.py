@@ -152,6 +152,29 @@ def liger_architecture_problem(model_type: str) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------- which probes are gated
+
+STOCK_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that are the reference: no gate needed on their own."""
+
+
+def needs_gate(cfg: Any) -> bool:
+    """A config that uses any non-stock kernel must pass the gate before it can win."""
+    attn = getattr(cfg, "attn_implementation", "sdpa")
+    return bool(getattr(cfg, "liger", False) or getattr(cfg, "torch_compile", False) or attn not in STOCK_ATTENTION)
+
+
+def gate_key(cfg: Any) -> str:
+    """The settings one gate verdict covers: the kernels and what changes the numbers they compute.
+
+    Micro-batch, accumulation and the allocator do not enter: the gate runs one fixed batch.
+    Checkpointing does (compile with checkpointing every N layers is its own combination).
+    """
+    names = ("liger", "torch_compile", "attn_implementation", "precision", "quantization", "method",
+             "lora_targets", "gradient_checkpointing")
+    return ";".join(f"{n}={getattr(cfg, n, None)}" for n in names)
+
+
 # ----------------------------------------------------------------------------- TrainingArguments
 
 
@@ -378,15 +401,33 @@ def correctness_gate(
     ref = loss_and_grads(model, batch, precision, device)
     kernel_model = with_kernels(model)
     k = loss_and_grads(kernel_model, batch, precision, device)
+    if hasattr(kernel_model, "_orig_mod"):  # compiled for the gate's small batch
+        import torch
+
+        # Forget it: the measured run compiles from scratch for its own shapes, as the exported
+        # run does; a second shape in the cache would make dynamo recompile with dynamic shapes.
+        torch._dynamo.reset()
     return compare(ref, k, tol)
 
 
-def apply_kernels(model: Any, cfg: Any) -> Any:
-    """The kernel model the gate compares: Liger patched in place as Trainer does, then compiled."""
+def apply_kernels(model: Any, cfg: Any, checkpointing: dict[str, Any] | None = None) -> Any:
+    """The kernel model the gate compares, built in Trainer.train()'s order (transformers 5.24).
+
+    Liger patched in place (`apply_liger_kernel`, which unwraps a PeftModel), then activation
+    checkpointing as Trainer enables it from `activation_checkpointing_kwargs` (`checkpointing`:
+    that dict, as `recipe.training_arguments` writes it), then torch.compile as accelerate wraps
+    the model. Checkpointing changes no numbers by itself; it is here because compile and
+    checkpointing every N layers are a combination to check, not to assume.
+    """
     if getattr(cfg, "liger", False):
         from transformers.integrations.liger import apply_liger_kernel
 
         apply_liger_kernel(model, getattr(cfg, "liger_kernel_config", None))
+    if checkpointing:
+        kw = dict(checkpointing)
+        every, offload = kw.pop("every_n_layers", 1), kw.pop("offload", False)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None,
+                                              every_n_layers=every, offload=offload)
     if getattr(cfg, "torch_compile", False):
         import torch
 

@@ -129,12 +129,34 @@ def test_compare_needs_the_same_trainable_tensors():
     assert not res.ok and "gradient" in res.reason
 
 
+def test_gate_passes_checkpointing_every_2_layers(batch):
+    """Checkpointing enabled as Trainer does it (every 2nd layer) recomputes the same numbers."""
+    ckpt = recipe.training_arguments(TrialConfig(gradient_checkpointing="every_2"), on_cpu=True, max_steps=1)
+    seen = {}
+
+    def with_kernels(model):
+        out = kernels.apply_kernels(model, SimpleNamespace(), ckpt["activation_checkpointing_kwargs"])
+        layers = model.get_base_model().model.layers
+        seen["checkpointed"] = [i for i, m in enumerate(layers) if getattr(m, "gradient_checkpointing", False)]
+        return out
+
+    res = gate(batch, with_kernels)
+    assert seen["checkpointed"] == [0, 2]  # the 4-layer tiny-llama, every 2nd layer
+    assert res.ok and res.loss_rel_err < 1e-6, res.reason
+
+
 @pytest.mark.slow
-def test_gate_passes_torch_compile_on_the_cpu(batch):
-    """inductor on the CPU (about 1.5 minutes on two cores): compiled and eager agree in fp32."""
+@pytest.mark.parametrize("every", [None, "every_2"])
+def test_gate_passes_torch_compile_on_the_cpu(batch, every):
+    """inductor on the CPU (about a minute each on two cores): compiled and eager agree in fp32,
+    also with checkpointing every 2nd layer inside the compiled graph."""
     if kernels.compile_problem("cpu"):
         pytest.skip(kernels.compile_problem("cpu"))
-    res = gate(batch, lambda m: kernels.apply_kernels(m, SimpleNamespace(torch_compile=True)))
+    ckpt = None
+    if every:
+        args = recipe.training_arguments(TrialConfig(gradient_checkpointing=every), on_cpu=True, max_steps=1)
+        ckpt = args["activation_checkpointing_kwargs"]
+    res = gate(batch, lambda m: kernels.apply_kernels(m, SimpleNamespace(torch_compile=True), ckpt))
     assert res.ok, res.reason
 
 
@@ -230,6 +252,18 @@ def test_stock_kernels_are_supported_and_reasons_are_joined():
     assert kernels.kernel_support(SimpleNamespace(attn_implementation="eager"), "cpu") is None
     why = kernels.kernel_support(SimpleNamespace(liger=True, attn_implementation="flex_attention"), "cpu")
     assert why.count("; ") == 1 and why.startswith("liger=on") and "flex_attention" in why
+
+
+def test_which_configs_are_gated_and_by_what():
+    assert not kernels.needs_gate(TrialConfig())  # stock: the reference itself
+    assert not kernels.needs_gate(TrialConfig(attn_implementation="eager"))
+    assert kernels.needs_gate(TrialConfig(attn_implementation="flex_attention"))
+    assert kernels.needs_gate(SimpleNamespace(liger=True, attn_implementation="sdpa"))
+    liger = SimpleNamespace(**TrialConfig().to_dict(), liger=True)
+    other_batch = SimpleNamespace(**{**TrialConfig().to_dict(), "micro_batch_size": 4}, liger=True)
+    assert kernels.gate_key(liger) == kernels.gate_key(other_batch)  # one verdict covers every micro-batch
+    other_ckpt = SimpleNamespace(**{**TrialConfig().to_dict(), "gradient_checkpointing": "every_2"}, liger=True)
+    assert kernels.gate_key(liger) != kernels.gate_key(other_ckpt)
 
 
 def test_kernels_module_does_not_import_torch():
