@@ -232,6 +232,32 @@ def amortised_tokens_per_s(tokens_per_s: float, compile_s: float, train_tokens: 
     return train_tokens / (train_tokens / tokens_per_s + compile_s)
 
 
+@dataclass(frozen=True)
+class DynamoStats:
+    """What torch.compile did in this process (torch._dynamo's counters, torch 2.13)."""
+
+    graphs: int
+    """Distinct graphs compiled: 1-2 per frame is a clean compile; more means breaks or recompiles."""
+    graph_breaks: int
+    frames: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"graphs": self.graphs, "graph_breaks": self.graph_breaks, "frames": self.frames}
+
+
+def dynamo_stats() -> DynamoStats:
+    """Read at the end of a probe: graph breaks (peft's adapter logic) and recompilations.
+
+    Compare a reading after the warm-up steps with one at the end: graphs compiled during the
+    timed steps mean the probe timed compilation, not training.
+    """
+    from torch._dynamo.utils import counters
+
+    return DynamoStats(graphs=int(counters["stats"].get("unique_graphs", 0)),
+                       graph_breaks=int(sum(counters["graph_break"].values())),
+                       frames=int(counters["frames"].get("total", 0)))
+
+
 # ----------------------------------------------------------------------------- correctness gate
 
 

@@ -156,8 +156,11 @@ def test_gate_passes_torch_compile_on_the_cpu(batch, every):
     if every:
         args = recipe.training_arguments(TrialConfig(gradient_checkpointing=every), on_cpu=True, max_steps=1)
         ckpt = args["activation_checkpointing_kwargs"]
+    before = kernels.dynamo_stats()
     res = gate(batch, lambda m: kernels.apply_kernels(m, SimpleNamespace(torch_compile=True), ckpt))
     assert res.ok, res.reason
+    after = kernels.dynamo_stats()
+    assert after.graphs > before.graphs and after.frames > before.frames  # it did compile
 
 
 # ----------------------------------------------------------------------------- support
