@@ -226,3 +226,106 @@ def test_importing_the_planning_side_does_not_import_torch() -> None:
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ----------------------------------------------------------------------------- collators on tiny-llama
+
+
+def _tiny_model(attn: str = "sdpa"):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]),
+                                             attn_implementation=attn)
+    model.config.use_cache = False  # what Trainer 5.24 does (args.use_cache); packed masks need it
+    return model
+
+
+@pytest.fixture(scope="module")
+def d1_ids():
+    data = load_samples(D1)
+    tok = tokenizer_for(TINY, data)
+    return tok.encode(data.samples), tok.pad_id, length_table(data, tok)
+
+
+@pytest.mark.parametrize("strategy", list(Batching))
+def test_every_strategy_trains_tiny_llama_from_jsonl(strategy: Batching, d1_ids) -> None:
+    import torch
+
+    from autofit.data.collate import collate, model_inputs
+    from autofit.data.correctness import check_batch
+
+    ids, pad, table = d1_ids
+    p = plan(strategy, table.lengths, 256, 4, seed=0)
+    model = _tiny_model()
+    assert check_batch(model, strategy, p.batches[0], ids, pad, 256).ok
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [model_inputs(collate(strategy, b, ids, pad, 256)) for b in p.batches[:3]]
+    model.train()
+    losses = []
+    for step in range(6):
+        loss = model(**batches[step % 3]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses))
+    assert losses[3] < losses[0] and losses[5] < losses[2], losses  # the same batches, after a step
+
+
+def test_padding_free_and_packed_layouts(d1_ids) -> None:
+    from autofit.data.collate import collate
+
+    ids, pad, table = d1_ids
+    free = plan(Batching.PADDING_FREE, table.lengths, 256, 4).batches[0]
+    out = collate(Batching.PADDING_FREE, free, ids, pad, 256)
+    assert out["input_ids"].shape == (1, free.real_tokens) and "attention_mask" not in out
+    starts = (out["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert len(starts) == len(free.samples) and all(out["labels"][0, s] == -100 for s in starts)
+    packed = plan(Batching.PACKED, table.lengths, 256, 4).batches[0]
+    out = collate(Batching.PACKED, packed, ids, pad, 256)
+    assert out["input_ids"].shape == (len(packed.rows), 256) and "attention_mask" not in out
+    assert int((out["labels"] != -100).sum()) == packed.trained_tokens
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_loss_check_catches_a_leaking_collator(attn: str, d1_ids) -> None:
+    from autofit.data.collate import packed_rows
+    from autofit.data.correctness import check_batch
+
+    ids, pad, table = d1_ids
+    batch = next(b for b in plan(Batching.PACKED, table.lengths, 256, 4).batches if len(b.rows[0]) > 2)
+    model = _tiny_model(attn)
+    good = check_batch(model, Batching.PACKED, batch, ids, pad, 256)
+    leak = check_batch(model, Batching.PACKED, batch, ids, pad, 256,
+                       candidate=packed_rows(batch, ids, pad, 256, boundaries=False))
+    assert good.ok and good.max_loss_diff <= good.tolerance
+    assert not leak.ok and leak.max_loss_diff > 10 * leak.tolerance
+    assert "see each other" in leak.reason
+
+
+def test_leaving_the_cache_on_leaks_packed_samples(d1_ids) -> None:
+    import torch
+
+    from autofit.data.collate import collate, model_inputs
+
+    ids, pad, table = d1_ids
+    batch = collate(Batching.PADDING_FREE, plan(Batching.PADDING_FREE, table.lengths, 256, 4).batches[0],
+                    ids, pad, 256)
+    model = _tiny_model()
+    model.train()
+    with torch.no_grad():
+        cached = model(**model_inputs(batch), use_cache=True).logits
+        clean = model(**model_inputs(batch), use_cache=False).logits
+    assert float((cached - clean).abs().max()) > 0.05  # the finding the check guards against
+
+
+def test_boundary_support_is_measured_and_missing_kernels_have_reasons() -> None:
+    from autofit.data.support import boundary_support
+
+    rows = boundary_support(["sdpa", "eager", "flash_attention_2"])
+    assert {(r.attn_implementation, r.strategy) for r in rows if r.supported} == \
+        {(a, s) for a in ("sdpa", "eager") for s in Batching}
+    flash = [r for r in rows if r.attn_implementation == "flash_attention_2"]
+    assert len(flash) == len(Batching) and all("flash_attn" in r.reason or "CUDA" in r.reason for r in flash)
