@@ -287,6 +287,9 @@ def test_padding_free_and_packed_layouts(d1_ids) -> None:
     out = collate(Batching.PACKED, packed, ids, pad, 256)
     assert out["input_ids"].shape == (len(packed.rows), 256) and "attention_mask" not in out
     assert int((out["labels"] != -100).sum()) == packed.trained_tokens
+    flat = collate(Batching.PACKED, packed, ids, pad, 256, flatten_packed=True)
+    assert flat["input_ids"].shape == (1, packed.real_tokens)
+    assert int((flat["labels"] != -100).sum()) == packed.trained_tokens
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -9,7 +9,8 @@ Layouts (labels are -100 where nothing is learned; the model shifts labels itsel
 - PACKED: [rows, max_length], `position_ids` restarting per sample, the first label of each
   sample -100, no attention mask (transformers finds the boundaries from position_ids only when
   the attention mask is None); the padding at a row's end is a segment of its own (positions
-  from 0, labels -100), so it attends to nothing real.
+  from 0, labels -100), so it attends to nothing real. With `flatten_packed`, TRL's layout (the
+  bins flattened into one row, as PADDING_FREE).
 `segments` (not a model input) gives each token's sample index, -1 for padding.
 """
 
@@ -25,12 +26,17 @@ MODEL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 def collate(strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int,
-            max_length: int) -> dict[str, Any]:
-    """Model inputs plus `segments`; samples are truncated to max_length."""
+            max_length: int, flatten_packed: bool = False) -> dict[str, Any]:
+    """Model inputs plus `segments`; samples are truncated to max_length. `flatten_packed` lays
+    PACKED bins out as TRL 1.16 does (`packing_strategy="bfd"` turns padding_free on: the bins of
+    a micro-batch flattened into one row, no tail padding)."""
     if strategy.pads:
         return _padded(batch, token_ids, pad_id, max_length)
     if strategy is Batching.PADDING_FREE:
         return _flattened(batch, token_ids, max_length)
+    if flatten_packed:
+        return _flattened(MicroBatch((batch.samples,), batch.real_tokens, batch.real_tokens,
+                                     batch.trained_tokens), token_ids, max_length)
     return packed_rows(batch, token_ids, pad_id, max_length)
 
 
