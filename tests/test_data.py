@@ -332,3 +332,41 @@ def test_boundary_support_is_measured_and_missing_kernels_have_reasons() -> None
         {(a, s) for a in ("sdpa", "eager") for s in Batching}
     flash = [r for r in rows if r.attn_implementation == "flash_attention_2"]
     assert len(flash) == len(Batching) and all("flash_attn" in r.reason or "CUDA" in r.reason for r in flash)
+
+
+# ----------------------------------------------------------------------------- summary, reference, feed
+
+
+def test_summary_writes_json_and_png_and_its_text_has_the_recomputable_percentiles(tmp_path: Path) -> None:
+    from autofit.data import summarize
+
+    s = summarize(D1, TINY, tmp_path)
+    saved = json.loads((tmp_path / "data.json").read_text())
+    values = np.array(s.table.lengths)
+    assert saved["percentiles"]["p50"] == pytest.approx(np.percentile(values, 50))
+    assert f"p99 {np.percentile(values, 99):.1f}" in s.text
+    assert saved["approximate"] is True and (tmp_path / "lengths.png").is_file()
+    assert saved["dataset"]["content_hash"] == s.data.content_hash
+
+
+def test_dataset_reference_reports_a_changed_or_missing_file(tmp_path: Path) -> None:
+    from autofit.data import DatasetRef, RefState
+
+    copy = _write(tmp_path, "d.jsonl", D1.read_bytes())
+    ref = DatasetRef.from_dict(json.loads(json.dumps(DatasetRef.of(load_samples(copy)).to_dict())))
+    assert ref.load()[0] is RefState.SAME
+    copy.write_text(copy.read_text().replace("a", "b", 1))
+    assert ref.load()[0] is RefState.CHANGED
+    copy.unlink()
+    assert ref.load()[0] is RefState.MISSING
+
+
+@pytest.mark.parametrize("strategy", list(Batching))
+def test_feed_heaviest_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -> None:
+    from autofit.data.feed import make_feed
+
+    ids, pad, _ = d1_ids
+    feed = make_feed(strategy, ids, pad, 512, 4, seed=0)
+    mb, heavy = feed.heaviest()
+    sizes = [b["input_ids"].numel() for _, b in feed.micro_batches(len(feed.plan.batches))]
+    assert heavy["input_ids"].numel() == mb.tensor_tokens >= max(sizes)

@@ -9,12 +9,35 @@ from __future__ import annotations
 from .batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
 from .lengths import LengthTable, length_table
 from .loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
+from .reference import DatasetRef, RefState
 from .stats import Cut, LengthStats, format_stats, histogram_png, length_stats
+from .summary import DataSummary, summarize
 from .tokenizer import TextTokenizer, tokenizer_for
 
 __all__ = [
-    "BadRows", "BatchPlan", "Batching", "Cut", "LengthStats", "LengthTable", "Message", "MicroBatch",
-    "Sample", "SampleSet", "SourceKind", "TextMode", "TextTokenizer", "best_fit_decreasing",
-    "format_stats", "histogram_png", "length_stats", "length_table", "load_samples", "plan",
+    "BadRows",
+    "BatchPlan",
+    "Batching",
+    "Cut",
+    "DataSummary",
+    "DatasetRef",
+    "LengthStats",
+    "LengthTable",
+    "Message",
+    "MicroBatch",
+    "RefState",
+    "Sample",
+    "SampleSet",
+    "SourceKind",
+    "TextMode",
+    "TextTokenizer",
+    "best_fit_decreasing",
+    "format_stats",
+    "histogram_png",
+    "length_stats",
+    "length_table",
+    "load_samples",
+    "plan",
+    "summarize",
     "tokenizer_for",
 ]
