@@ -38,7 +38,7 @@ def check_lengths(seed: int = 0) -> list[int]:
 
 def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tuple(Batching),
                      config: dict[str, Any] | None = None, precision: str = "fp32",
-                     device: str = "cpu") -> list[Support]:
+                     device: str = "cpu", flatten_packed: bool = False) -> list[Support]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -57,15 +57,16 @@ def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tupl
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype,
                                                      attn_implementation=attn)
-        out += [_one(model, s, attn, lengths, ids, precision) for s in strategies]
+        out += [_one(model, s, attn, lengths, ids, precision, flatten_packed) for s in strategies]
     return out
 
 
 def _one(model: Any, strategy: Batching, attn: str, lengths: list[int], ids: list[list[int]],
-         precision: str) -> Support:
+         precision: str, flatten_packed: bool) -> Support:
     batch = plan(strategy, lengths, CHECK_MAX_LENGTH, CHECK_MICRO_BATCH, seed=0).batches[0]
     try:
-        res: BoundaryCheck = check_batch(model, strategy, batch, ids, 0, CHECK_MAX_LENGTH, precision)
+        res: BoundaryCheck = check_batch(model, strategy, batch, ids, 0, CHECK_MAX_LENGTH, precision,
+                                         flatten_packed=flatten_packed)
     except Exception as e:  # noqa: BLE001 - any failure to run the pair is why it is unsupported
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         return Support(strategy, attn, False, f"{attn} with {strategy.value} failed to run: "
