@@ -117,6 +117,9 @@ def test_save_to_disk_and_parquet_folders(tmp_path: Path) -> None:
         assert data.kind is kind
         assert [s.text for s in data.samples] == ["alpha beta", "gamma"]
         assert data.bad.by_reason == {"empty 'text'": (2,)}
+    splits = datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list([{"text": "held out"}])})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    assert [s.text for s in load_samples(tmp_path / "dict").samples] == ["alpha beta", "gamma"]
 
 
 # ----------------------------------------------------------------------------- lengths and stats

@@ -6,7 +6,7 @@ Plain text files: `TextMode.LINES` (the default) makes one sample per non-empty 
 one sample. `TextMode.AUTO` picks PARAGRAPHS when the file has blank-line separated blocks of
 several lines (more than half of the blocks), else LINES; the choice is recorded in `SampleSet.text_mode`.
 
-Folders and parquet are read with pyarrow (imported only for them): it ships with `datasets`,
+Folders and parquet are read with pyarrow (a saved DatasetDict: its `train` split) (imported only for them): it ships with `datasets`,
 which autofit does not require; `datasets.save_to_disk` writes Arrow stream files that pyarrow
 reads directly. Bad rows (not JSON, not an object, missing or empty field, a malformed message)
 are counted by reason with their first line numbers; a source with no usable row, an empty file
@@ -255,6 +255,8 @@ def _arrow_rows(p: Path, kind: SourceKind, flag: str) -> tuple[str, Iterable[tup
     except ImportError:
         raise UsageError(f"{flag}: reading {p} needs pyarrow (`pip install pyarrow`); or give a .jsonl "
                          "file.") from None
+    if p.is_dir() and (p / "dataset_dict.json").is_file() and (p / "train").is_dir():
+        p = p / "train"  # a DatasetDict saved with save_to_disk: train on its train split only
     files = sorted(p.rglob("*.arrow" if kind is SourceKind.ARROW else "*.parquet")) if p.is_dir() else [p]
     if not files:
         raise UsageError(f"{flag}: folder {p} has no .arrow or .parquet files; give a folder saved with "
