@@ -1,0 +1,43 @@
+"""Data-aware probing: a user's dataset decides lengths, batching and the objective.
+
+Importing this package never imports torch (the search process must not); `collate` and
+`correctness` import it inside their functions and are for the probe child.
+"""
+
+from __future__ import annotations
+
+from .batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
+from .lengths import LengthTable, length_table
+from .loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
+from .reference import DatasetRef, RefState
+from .stats import Cut, LengthStats, format_stats, histogram_png, length_stats
+from .summary import DataSummary, summarize
+from .tokenizer import TextTokenizer, tokenizer_for
+
+__all__ = [
+    "BadRows",
+    "BatchPlan",
+    "Batching",
+    "Cut",
+    "DataSummary",
+    "DatasetRef",
+    "LengthStats",
+    "LengthTable",
+    "Message",
+    "MicroBatch",
+    "RefState",
+    "Sample",
+    "SampleSet",
+    "SourceKind",
+    "TextMode",
+    "TextTokenizer",
+    "best_fit_decreasing",
+    "format_stats",
+    "histogram_png",
+    "length_stats",
+    "length_table",
+    "load_samples",
+    "plan",
+    "summarize",
+    "tokenizer_for",
+]

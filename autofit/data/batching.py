@@ -1,0 +1,205 @@
+"""Batching strategies as plans over the length table: which samples go in which micro-batch,
+how each is laid out, and what it costs in padding. Pure Python; the collators are in collate.py.
+
+Every plan is seeded (the same batches for every config of a search) and is something the
+exporters can reproduce:
+- PAD_MAX: rows padded to max_length (what a fixed-length probe measures; the worst case);
+- PAD_LONGEST: a shuffled order, rows padded to the longest sample of the micro-batch;
+- GROUP_BY_LENGTH: transformers' length-grouped order (`train_sampling_strategy=
+  "group_by_length"`, `trainer_pt_utils.get_length_grouped_indices`: mega-batches of up to 50
+  micro-batches sorted by length, the longest micro-batch first), padded to the longest; the
+  permutation comes from Python's `random` with the seed, not torch's, so the batches are
+  Trainer's algorithm but not its exact draw;
+- PADDING_FREE: samples in a shuffled order flattened into one row, position_ids restarting per
+  sample (DataCollatorWithFlattening), a token budget of micro_batch_size x max_length per
+  micro-batch instead of a sample count;
+- PACKED: best-fit-decreasing bins of max_length (TRL `packing_strategy="bfd"`, same algorithm:
+  longest first, each into the fullest bin it fits, ties first-opened first), micro_batch_size
+  rows per micro-batch, boundaries kept by position_ids.
+Samples are truncated to max_length first (what every strategy and exporter does).
+A trained token is a token with a label after the model's shift: `length - 1` per sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import random
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MEGA_BATCH_MULT = 50
+"""transformers' get_length_grouped_indices default (capped so that there are 4 mega-batches)."""
+
+
+class Batching(enum.Enum):
+    PAD_MAX = "pad_max"
+    PAD_LONGEST = "pad_longest"
+    GROUP_BY_LENGTH = "group_by_length"
+    PADDING_FREE = "padding_free"
+    PACKED = "packed"
+
+    @property
+    def pads(self) -> bool:
+        """Rows are padded with an attention mask (no boundaries inside a row)."""
+        return self in (Batching.PAD_MAX, Batching.PAD_LONGEST, Batching.GROUP_BY_LENGTH)
+
+    @property
+    def needs_boundaries(self) -> bool:
+        """Several samples share a row: attention must stop at their boundaries."""
+        return not self.pads
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    rows: tuple[tuple[int, ...], ...]
+    """Sample indices of each row (one per row when padding; several when flattened or packed)."""
+    row_length: int
+    """Length of every row in the tensor (padded rows) or of the single flattened row."""
+    real_tokens: int
+    trained_tokens: int
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return tuple(i for row in self.rows for i in row)
+
+    @property
+    def tensor_tokens(self) -> int:
+        return len(self.rows) * self.row_length
+
+    @property
+    def pad_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.tensor_tokens
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    strategy: Batching
+    max_length: int
+    micro_batch_size: int
+    seed: int
+    batches: tuple[MicroBatch, ...]
+    heaviest: MicroBatch
+    """The largest micro-batch this strategy can produce from this data (worst-case memory)."""
+
+    @property
+    def pad_fraction(self) -> float:
+        tensor = sum(b.tensor_tokens for b in self.batches)
+        return 1.0 - sum(b.real_tokens for b in self.batches) / tensor
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(b.trained_tokens for b in self.batches)
+
+
+def plan(strategy: Batching, lengths: Sequence[int], max_length: int, micro_batch_size: int,
+         seed: int = 0) -> BatchPlan:
+    """One epoch of micro-batches for `strategy`, and the heaviest one it can produce."""
+    cut = [min(n, max_length) for n in lengths]
+    order = list(range(len(cut)))
+    random.Random(seed).shuffle(order)
+    if strategy is Batching.PACKED:
+        bins = best_fit_decreasing(cut, max_length)
+        groups = [tuple(bins[i:i + micro_batch_size]) for i in range(0, len(bins), micro_batch_size)]
+        batches = [_rows(g, cut, max_length) for g in groups]
+    elif strategy is Batching.PADDING_FREE:
+        batches = [_flat(g, cut) for g in _by_budget(order, cut, micro_batch_size * max_length)]
+    else:
+        if strategy is Batching.GROUP_BY_LENGTH:
+            order = length_grouped(order, cut, micro_batch_size)
+        fixed = max_length if strategy is Batching.PAD_MAX else None
+        batches = [_padded(order[i:i + micro_batch_size], cut, fixed)
+                   for i in range(0, len(order), micro_batch_size)]
+    return BatchPlan(strategy, max_length, micro_batch_size, seed, tuple(batches),
+                     heaviest(strategy, cut, max_length, micro_batch_size))
+
+
+def heaviest(strategy: Batching, cut: Sequence[int], max_length: int, micro_batch_size: int) -> MicroBatch:
+    """The longest samples together: padded strategies pad them (to max_length for PAD_MAX),
+    PADDING_FREE fills its token budget longest-first, PACKED fills micro_batch_size full rows."""
+    longest = sorted(range(len(cut)), key=lambda i: -cut[i])
+    if strategy is Batching.PADDING_FREE:
+        return _flat(_fill(longest, cut, micro_batch_size * max_length), cut)
+    if strategy is Batching.PACKED:
+        bins = best_fit_decreasing(cut, max_length)[:micro_batch_size]
+        return _rows(tuple(bins), cut, max_length)
+    fixed = max_length if strategy is Batching.PAD_MAX else None
+    return _padded(longest[:micro_batch_size], cut, fixed)
+
+
+def _padded(idx: Sequence[int], cut: Sequence[int], fixed: int | None) -> MicroBatch:
+    real = sum(cut[i] for i in idx)
+    width = fixed or max(cut[i] for i in idx)
+    return MicroBatch(tuple((i,) for i in idx), width, real, real - len(idx))
+
+
+def _flat(idx: Sequence[int], cut: Sequence[int]) -> MicroBatch:
+    real = sum(cut[i] for i in idx)
+    return MicroBatch((tuple(idx),), real, real, real - len(idx))
+
+
+def _rows(bins: Sequence[tuple[int, ...]], cut: Sequence[int], max_length: int) -> MicroBatch:
+    real = sum(cut[i] for b in bins for i in b)
+    n = sum(len(b) for b in bins)
+    return MicroBatch(tuple(bins), max_length, real, real - n)
+
+
+def _by_budget(order: Sequence[int], cut: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive samples while they fit the token budget (a sample alone always fits: <= max_length)."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i in order:
+        if used + cut[i] > budget and groups[-1]:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += cut[i]
+    return groups
+
+
+def _fill(longest: Sequence[int], cut: Sequence[int], budget: int) -> list[int]:
+    """Longest first, every sample that still fits the budget."""
+    out, used = [], 0
+    for i in longest:
+        if used + cut[i] <= budget:
+            out.append(i)
+            used += cut[i]
+    return out
+
+
+def length_grouped(order: Sequence[int], cut: Sequence[int], batch_size: int) -> list[int]:
+    """transformers' get_length_grouped_indices on a given permutation."""
+    mult = min(len(order) // (batch_size * 4), MEGA_BATCH_MULT) or 1
+    size = mult * batch_size
+    megas = [sorted(order[i:i + size], key=lambda j: cut[j], reverse=True) for i in range(0, len(order), size)]
+    top = max(range(len(megas)), key=lambda m: cut[megas[m][0]])
+    megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
+    return [i for m in megas for i in m]
+
+
+def best_fit_decreasing(cut: Sequence[int], capacity: int) -> list[tuple[int, ...]]:
+    """TRL's `_pack_bfd` binning: samples longest first (stable), each into the bin with the least
+    room that still fits it (first-opened among equals), else a new bin."""
+    order = sorted((i for i in range(len(cut)) if cut[i] > 0), key=lambda i: -cut[i])
+    spaces: list[int] = []  # sorted distinct free spaces < capacity that some bin has
+    by_space: dict[int, deque[list[int]]] = defaultdict(deque)
+    bins: list[list[int]] = []
+    for i in order:
+        n = cut[i]
+        k = bisect.bisect_left(spaces, n)
+        if k < len(spaces):
+            space = spaces[k]
+            b = by_space[space].popleft()
+            if not by_space[space]:
+                spaces.pop(k)
+        else:
+            space, b = capacity, []
+            bins.append(b)
+        b.append(i)
+        left = space - n
+        if left > 0:
+            if not by_space[left]:
+                bisect.insort(spaces, left)
+            by_space[left].append(b)
+    return [tuple(b) for b in bins]

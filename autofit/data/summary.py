@@ -1,0 +1,61 @@
+"""`autofit data PATH --model M` in one call: load, tokenize (cached), stats, histogram PNG, and
+a JSON-ready summary. The CLI only parses flags and prints `text`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..models import ModelSource
+from .lengths import LengthTable, length_table
+from .loading import SampleSet, TextMode, load_samples
+from .reference import DatasetRef
+from .stats import LengthStats, format_stats, histogram_png, length_stats
+from .tokenizer import tokenizer_for
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    data: SampleSet
+    table: LengthTable
+    stats: LengthStats
+    histogram: Path | None
+    ref: DatasetRef
+
+    @property
+    def text(self) -> str:
+        head = f"{self.data.path}: {len(self.data)} samples ({self.data.bad.summary()})"
+        pic = f"\nhistogram: {self.histogram}" if self.histogram else ""
+        return f"{head}\n{format_stats(self.stats)}{pic}"
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.stats
+        return {"dataset": self.ref.to_dict(), "bad_rows": {"count": self.data.bad.count,
+                "by_reason": {k: list(v) for k, v in self.data.bad.by_reason.items()},
+                "counts": self.data.bad.counts},
+                "tokenizer": self.table.tokenizer, "approximate": s.approximate, "notes": list(s.notes),
+                "samples": s.count, "tokens": s.total_tokens, "mean": s.mean,
+                "percentiles": {f"p{q:g}": v for q, v in s.percentiles.items()},
+                "candidates": list(s.candidates),
+                "cuts": [{"max_length": c.max_length, "samples_truncated": c.samples_truncated,
+                          "tokens_lost": c.tokens_lost} for c in s.cuts],
+                "histogram": str(self.histogram) if self.histogram else None}
+
+
+def summarize(path: str | Path, model: ModelSource, out_dir: str | Path | None = None,
+              text_field: str = "text", messages_field: str = "messages",
+              text_mode: TextMode = TextMode.AUTO, max_lengths: Sequence[int] = ()) -> DataSummary:
+    """Everything `autofit data` shows; caches and the PNG go to `out_dir` when given."""
+    data = load_samples(path, text_field, messages_field, text_mode)
+    tok = tokenizer_for(model, data, out_dir)
+    table = length_table(data, tok, out_dir)
+    positions = model.config.get("max_position_embeddings")
+    stats = length_stats(table, int(positions) if positions else None, max_lengths)
+    png = histogram_png(table, Path(out_dir) / "lengths.png", stats.candidates) if out_dir else None
+    summary = DataSummary(data, table, stats, png, DatasetRef.of(data, text_field, messages_field))
+    if out_dir:
+        (Path(out_dir) / "data.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
+    return summary

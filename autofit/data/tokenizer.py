@@ -1,0 +1,121 @@
+"""The tokenizer that turns samples into token ids: the model's own, or a stand-in for a preset.
+
+A model folder or a hub id in the local cache has its own tokenizer (transformers AutoTokenizer,
+offline). A shape preset (random weights) has none: the stand-in is a byte-level BPE trained with
+the `tokenizers` package on the dataset itself, to the preset's vocabulary size (fewer tokens if
+the data has fewer merges), deterministic for the same data. Every length it gives is
+approximate, and every output says so (`TextTokenizer.approximate`).
+
+Chat samples use the tokenizer's chat template where it has one; otherwise (and always with the
+stand-in) the plain rendering `PLAIN_CHAT`: each message as "<|role|>\\n" + content + "\\n".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..models import ModelSource
+from .loading import Sample, SampleSet
+
+PLAIN_CHAT = "<|{role}|>\n{content}\n"
+_STANDIN_SPECIALS = ["<pad>", "<eos>"]
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """Encodes rendered samples to ids. `identity` names it in caches and reports."""
+
+    identity: str
+    approximate: bool
+    pad_id: int
+    encode_batch: Callable[[list[str]], list[list[int]]]
+    chat_template: Callable[[Sample], str] | None = None
+    note: str = ""
+
+    def render(self, sample: Sample) -> str:
+        if not sample.is_chat:
+            return sample.text or ""
+        if self.chat_template is not None:
+            return self.chat_template(sample)
+        return render_plain_chat(sample)
+
+    def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
+        return self.encode_batch([self.render(s) for s in samples])
+
+
+def render_plain_chat(sample: Sample) -> str:
+    return "".join(PLAIN_CHAT.format(role=m.role, content=m.content) for m in sample.messages or ())
+
+
+def tokenizer_for(model: ModelSource, data: SampleSet, cache_dir: str | Path | None = None) -> TextTokenizer:
+    """The model's tokenizer, or for a preset/config the stand-in BPE trained on `data`."""
+    if model.random_weights:
+        vocab = int(model.config.get("vocab_size", 32000))
+        return standin_tokenizer(data, vocab, cache_dir)
+    return model_tokenizer(model.ref)
+
+
+def model_tokenizer(ref: str) -> TextTokenizer:
+    from transformers import AutoTokenizer  # deferred: transformers is heavy and only needed here
+
+    try:
+        tok = AutoTokenizer.from_pretrained(ref, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model: cannot load the tokenizer of {ref} offline ({str(e).splitlines()[0]}). "
+                         "Give a folder with tokenizer files, or download the model once.") from None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    template = None
+    if getattr(tok, "chat_template", None):
+        def template(sample: Sample) -> str:
+            msgs = [{"role": m.role, "content": m.content} for m in sample.messages or ()]
+            return str(tok.apply_chat_template(msgs, tokenize=False))
+    ident = f"{ref}@{getattr(tok, 'name_or_path', ref)}:{len(tok)}"
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [list(x) for x in tok(texts, add_special_tokens=True)["input_ids"]]
+    return TextTokenizer(ident, False, int(pad), encode_batch, template, "the model's own tokenizer")
+
+
+def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | None = None) -> TextTokenizer:
+    """Byte-level BPE trained on the dataset itself (cached as tokenizer.json under cache_dir)."""
+    from tokenizers import Tokenizer  # deferred: a Rust extension, only needed for presets
+
+    key = hashlib.sha256(f"{data.content_hash}|{vocab_size}".encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"standin-bpe-{key}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        tok = Tokenizer.from_file(str(path))
+    else:
+        tok = _train_bpe([render_plain_chat(s) if s.is_chat else s.text or "" for s in data.samples],
+                         vocab_size)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tok.save(str(path))
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts)]
+    note = (f"lengths are approximate: the model is a shape preset without a tokenizer; a byte-level BPE "
+            f"trained on the dataset to {tok.get_vocab_size()} tokens (asked {vocab_size}) stands in")
+    return TextTokenizer(f"standin-bpe-{key}", True, tok.token_to_id("<pad>"), encode_batch, None, note)
+
+
+def _train_bpe(texts: list[str], vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, 300), special_tokens=_STANDIN_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() > vocab_size:  # a preset smaller than the byte alphabet: cannot honour it
+        raise UsageError(f"--model: vocabulary {vocab_size} is smaller than a byte-level stand-in needs (300).")
+    return tok
+
+
+def describe(tok: TextTokenizer) -> dict[str, Any]:
+    return {"tokenizer": tok.identity, "approximate": tok.approximate, "note": tok.note}

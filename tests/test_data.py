@@ -1,0 +1,375 @@
+"""autofit.data: loading, lengths, stats, batching plans, collators, and the boundary check.
+
+Real throughout: the committed corpus slice (tests/data, built by bench/data/make_corpus.py), the
+stand-in BPE trained with `tokenizers`, real training steps of tiny-llama through each collator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autofit.data import (
+    Batching,
+    SourceKind,
+    TextMode,
+    best_fit_decreasing,
+    length_stats,
+    length_table,
+    load_samples,
+    plan,
+)
+from autofit.data.stats import format_stats, histogram_png
+from autofit.data.tokenizer import PLAIN_CHAT, standin_tokenizer, tokenizer_for
+from autofit.errors import UsageError
+from autofit.models import PRESETS, resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+D1 = DATA / "d1-slice.jsonl"
+CHAT = DATA / "d1-chat-slice.jsonl"
+D2 = DATA / "d2-slice.jsonl"
+TINY = resolve_model("tiny-llama")
+
+
+def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return p
+
+
+def _table(path: Path, cache: Path | None = None):
+    data = load_samples(path)
+    return data, length_table(data, tokenizer_for(TINY, data, cache), cache)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_bad_rows_are_counted_with_their_first_line_numbers(tmp_path: Path) -> None:
+    lines = ['{"text": "good one"}', "{not json", '{"other": 1}', '{"text": "  "}', "[1, 2]",
+             '{"text": 5}', '{"messages": [{"role": "user"}]}', '{"text": "good two"}']
+    data = load_samples(_write(tmp_path, "d.jsonl", "\n".join(lines)))
+    assert [s.text for s in data.samples] == ["good one", "good two"]
+    assert data.bad.count == 6
+    assert data.bad.by_reason == {"not JSON": (2,), "missing 'text'": (3,), "empty 'text'": (4,),
+                                  "not a JSON object": (5,), "'text' not a string": (6,),
+                                  "malformed 'messages'": (7,)}
+    assert "6 rows skipped" in data.bad.summary() and "not JSON (line 2)" in data.bad.summary()
+
+
+@pytest.mark.parametrize(("name", "content", "match"), [
+    ("empty.jsonl", "", r"empty\.jsonl is empty"),
+    ("blank.txt", "\n\n  \n", r"blank\.txt is empty"),
+    ("bin.jsonl", b"\x00\x01\x02binary\xff", r"bin\.jsonl looks binary"),
+    ("latin.txt", "caf\xe9".encode("latin-1"), r"latin\.txt is not UTF-8"),
+    ("bad.jsonl", "{nope\n[also not\n", r"bad\.jsonl has no usable row \(2 rows skipped: 2 not JSON"),
+    ("field.jsonl", '{"prompt": "x"}\n', r"no usable row .*missing 'text'.*--text-field"),
+])
+def test_unusable_files_are_usage_errors_naming_the_file(tmp_path: Path, name: str, content: str | bytes,
+                                                         match: str) -> None:
+    with pytest.raises(UsageError, match=match) as info:
+        load_samples(_write(tmp_path, name, content))
+    assert info.value.exit_code == 2
+    assert "--dataset" in str(info.value)
+
+
+def test_missing_path_says_what_to_give(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"--dataset: no such file or folder: .*nope\.jsonl"):
+        load_samples(tmp_path / "nope.jsonl")
+
+
+def test_field_renames_and_chat_rendering(tmp_path: Path) -> None:
+    rows = [{"body": "plain"}, {"conv": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    path = _write(tmp_path, "r.jsonl", "\n".join(json.dumps(r) for r in rows))
+    data = load_samples(path, text_field="body", messages_field="conv")
+    assert len(data) == 2 and data.samples[1].is_chat
+    tok = tokenizer_for(TINY, data)
+    assert tok.render(data.samples[1]) == PLAIN_CHAT.format(role="user", content="hi") + \
+        PLAIN_CHAT.format(role="assistant", content="yo")
+    only_text = load_samples(path, text_field="body")
+    assert len(only_text) == 1 and only_text.bad.by_reason == {"missing 'body'": (2,)}
+    assert only_text.content_hash != data.content_hash  # the options are part of the identity
+
+
+def test_text_modes(tmp_path: Path) -> None:
+    lines = _write(tmp_path, "l.txt", "one\ntwo\n\nthree\n")
+    assert [s.text for s in load_samples(lines).samples] == ["one", "two", "three"]
+    assert load_samples(lines).text_mode is TextMode.LINES
+    prose = _write(tmp_path, "p.txt", "a\nb\n\nc\nd\n\ne\nf\n")
+    assert [s.text for s in load_samples(prose).samples] == ["a\nb", "c\nd", "e\nf"]
+    whole = load_samples(prose, text_mode=TextMode.WHOLE)
+    assert len(whole) == 1 and whole.samples[0].text == "a\nb\n\nc\nd\n\ne\nf\n"
+
+
+def test_save_to_disk_and_parquet_folders(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")  # installed with trl; writes the formats users have
+    ds = datasets.Dataset.from_list([{"text": "alpha beta"}, {"text": ""}, {"text": "gamma"}])
+    ds.save_to_disk(str(tmp_path / "saved"))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    for path, kind in ((tmp_path / "saved", SourceKind.ARROW), (tmp_path / "d.parquet", SourceKind.PARQUET)):
+        data = load_samples(path)
+        assert data.kind is kind
+        assert [s.text for s in data.samples] == ["alpha beta", "gamma"]
+        assert data.bad.by_reason == {"empty 'text'": (2,)}
+    splits = datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list([{"text": "held out"}])})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    assert [s.text for s in load_samples(tmp_path / "dict").samples] == ["alpha beta", "gamma"]
+
+
+# ----------------------------------------------------------------------------- lengths and stats
+
+
+def test_percentiles_candidates_and_cuts_match_numpy() -> None:
+    _, table = _table(D1)
+    values = np.array(table.lengths)
+    stats = length_stats(table, max_positions=PRESETS["tiny-llama"]["max_position_embeddings"])
+    for q, got in stats.percentiles.items():
+        assert got == pytest.approx(np.percentile(values, q), abs=1e-9)
+    expected = []
+    for share in (1.0, 0.999, 0.99, 0.95):
+        length = next(m for m in range(64, 10**6, 64) if (values <= m).mean() >= share)
+        expected.append(length)
+    assert stats.candidates == tuple(sorted(set(expected), reverse=True))
+    for c in stats.cuts:
+        assert c.samples_truncated == pytest.approx((values > c.max_length).mean())
+        assert c.tokens_lost == pytest.approx(np.clip(values - c.max_length, 0, None).sum() / values.sum())
+    assert stats.approximate and "approximate" in format_stats(stats)
+
+
+def test_a_sample_longer_than_the_model_positions_is_named() -> None:
+    _, table = _table(D2)
+    stats = length_stats(table, max_positions=512)
+    assert max(stats.candidates) == 512
+    assert any("longer than the model's 512 positions" in n for n in stats.notes)
+    assert stats.cuts[0].samples_truncated > 0 and "truncat" in format_stats(stats)
+
+
+def test_length_table_is_cached_by_content_and_tokenizer(tmp_path: Path) -> None:
+    copy = _write(tmp_path, "d.jsonl", D1.read_bytes())
+    data, table = _table(copy, tmp_path / "run")
+    files = sorted((tmp_path / "run").glob("lengths-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["lengths"] == list(table.lengths)
+    assert length_table(data, tokenizer_for(TINY, data, tmp_path / "run"), tmp_path / "run") == table
+    copy.write_text(copy.read_text() + json.dumps({"text": "one more sample"}) + "\n")
+    _, changed = _table(copy, tmp_path / "run")
+    assert changed.dataset_hash != table.dataset_hash and len(changed) == len(table) + 1
+    assert len(list((tmp_path / "run").glob("lengths-*.json"))) == 2
+
+
+def test_standin_tokenizer_is_deterministic_and_within_the_vocabulary() -> None:
+    data = load_samples(D1)
+    a, b = standin_tokenizer(data, 1024), standin_tokenizer(data, 1024)
+    ids_a, ids_b = a.encode(data.samples[:20]), b.encode(data.samples[:20])
+    assert ids_a == ids_b and max(max(x) for x in ids_a) < 1024
+
+
+def test_histogram_png(tmp_path: Path) -> None:
+    _, table = _table(D1)
+    out = histogram_png(table, tmp_path / "h.png", cuts=(448, 1920))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("strategy", list(Batching))
+def test_plans_cover_every_sample_once_and_are_seeded(strategy: Batching) -> None:
+    _, table = _table(D2)
+    p = plan(strategy, table.lengths, 1024, 4, seed=3)
+    assert sorted(i for b in p.batches for i in b.samples) == list(range(len(table)))
+    assert p == plan(strategy, table.lengths, 1024, 4, seed=3)
+    cut = [min(n, 1024) for n in table.lengths]
+    assert sum(b.real_tokens for b in p.batches) == sum(cut)
+    assert p.trained_tokens == sum(cut) - len(cut)
+    assert p.heaviest.tensor_tokens >= max(b.tensor_tokens for b in p.batches)
+    assert p.heaviest.tensor_tokens <= 4 * 1024
+
+
+def test_pad_fractions_order_and_padding_free_budget() -> None:
+    _, table = _table(D2)
+    frac = {s: plan(s, table.lengths, 2048, 4).pad_fraction for s in Batching}
+    assert frac[Batching.PADDING_FREE] == 0.0
+    assert frac[Batching.PAD_MAX] > frac[Batching.PAD_LONGEST] > frac[Batching.GROUP_BY_LENGTH]
+    assert frac[Batching.PACKED] < frac[Batching.GROUP_BY_LENGTH]
+    mean = sum(min(n, 2048) for n in table.lengths) / len(table)
+    assert frac[Batching.PAD_MAX] == pytest.approx(1 - mean / 2048)
+    free = plan(Batching.PADDING_FREE, table.lengths, 2048, 4)
+    assert all(b.real_tokens <= 4 * 2048 for b in free.batches)
+
+
+def test_group_by_length_puts_the_longest_first_and_sorts_mega_batches() -> None:
+    _, table = _table(D1)
+    p = plan(Batching.GROUP_BY_LENGTH, table.lengths, 4096, 2, seed=0)
+    first = p.batches[0].samples[0]
+    assert table.lengths[first] == max(table.lengths)
+
+
+def test_best_fit_decreasing_matches_trl() -> None:
+    datasets = pytest.importorskip("datasets")
+    from trl.data_utils import pack_dataset
+
+    _, table = _table(D2)
+    cut = [min(n, 1024) for n in table.lengths]
+    ds = datasets.Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(cut)]})
+    packed = pack_dataset(ds, seq_length=1024, strategy="bfd")
+    trl_bins = [tuple(dict.fromkeys(row)) for row in packed["input_ids"]]
+    assert best_fit_decreasing(cut, 1024) == trl_bins
+
+
+def test_importing_the_planning_side_does_not_import_torch() -> None:
+    code = ("import sys; import autofit.data as d; from autofit.models import resolve_model;"
+            f"s = d.load_samples({str(D1)!r}); t = d.length_table(s, d.tokenizer_for(resolve_model('tiny-llama'), s));"
+            "d.length_stats(t); [d.plan(b, t.lengths, 512, 4) for b in d.Batching];"
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# ----------------------------------------------------------------------------- collators on tiny-llama
+
+
+def _tiny_model(attn: str = "sdpa"):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]),
+                                             attn_implementation=attn)
+    model.config.use_cache = False  # what Trainer 5.24 does (args.use_cache); packed masks need it
+    return model
+
+
+@pytest.fixture(scope="module")
+def d1_ids():
+    data = load_samples(D1)
+    tok = tokenizer_for(TINY, data)
+    return tok.encode(data.samples), tok.pad_id, length_table(data, tok)
+
+
+@pytest.mark.parametrize("strategy", list(Batching))
+def test_every_strategy_trains_tiny_llama_from_jsonl(strategy: Batching, d1_ids) -> None:
+    import torch
+
+    from autofit.data.collate import collate, model_inputs
+    from autofit.data.correctness import check_batch
+
+    ids, pad, table = d1_ids
+    p = plan(strategy, table.lengths, 256, 4, seed=0)
+    model = _tiny_model()
+    assert check_batch(model, strategy, p.batches[0], ids, pad, 256).ok
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [model_inputs(collate(strategy, b, ids, pad, 256)) for b in p.batches[:3]]
+    model.train()
+    losses = []
+    for step in range(6):
+        loss = model(**batches[step % 3]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses))
+    assert losses[3] < losses[0] and losses[5] < losses[2], losses  # the same batches, after a step
+
+
+def test_padding_free_and_packed_layouts(d1_ids) -> None:
+    from autofit.data.collate import collate
+
+    ids, pad, table = d1_ids
+    free = plan(Batching.PADDING_FREE, table.lengths, 256, 4).batches[0]
+    out = collate(Batching.PADDING_FREE, free, ids, pad, 256)
+    assert out["input_ids"].shape == (1, free.real_tokens) and "attention_mask" not in out
+    starts = (out["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert len(starts) == len(free.samples) and all(out["labels"][0, s] == -100 for s in starts)
+    packed = plan(Batching.PACKED, table.lengths, 256, 4).batches[0]
+    out = collate(Batching.PACKED, packed, ids, pad, 256)
+    assert out["input_ids"].shape == (len(packed.rows), 256) and "attention_mask" not in out
+    assert int((out["labels"] != -100).sum()) == packed.trained_tokens
+    flat = collate(Batching.PACKED, packed, ids, pad, 256, flatten_packed=True)
+    assert flat["input_ids"].shape == (1, packed.real_tokens)
+    assert int((flat["labels"] != -100).sum()) == packed.trained_tokens
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_loss_check_catches_a_leaking_collator(attn: str, d1_ids) -> None:
+    from autofit.data.collate import packed_rows
+    from autofit.data.correctness import check_batch
+
+    ids, pad, table = d1_ids
+    batch = next(b for b in plan(Batching.PACKED, table.lengths, 256, 4).batches if len(b.rows[0]) > 2)
+    model = _tiny_model(attn)
+    good = check_batch(model, Batching.PACKED, batch, ids, pad, 256)
+    leak = check_batch(model, Batching.PACKED, batch, ids, pad, 256,
+                       candidate=packed_rows(batch, ids, pad, 256, boundaries=False))
+    assert good.ok and good.max_loss_diff <= good.tolerance
+    assert not leak.ok and leak.max_loss_diff > 10 * leak.tolerance
+    assert "see each other" in leak.reason
+
+
+def test_leaving_the_cache_on_leaks_packed_samples(d1_ids) -> None:
+    import torch
+
+    from autofit.data.collate import collate, model_inputs
+
+    ids, pad, table = d1_ids
+    batch = collate(Batching.PADDING_FREE, plan(Batching.PADDING_FREE, table.lengths, 256, 4).batches[0],
+                    ids, pad, 256)
+    model = _tiny_model()
+    model.train()
+    with torch.no_grad():
+        cached = model(**model_inputs(batch), use_cache=True).logits
+        clean = model(**model_inputs(batch), use_cache=False).logits
+    assert float((cached - clean).abs().max()) > 0.05  # the finding the check guards against
+
+
+def test_boundary_support_is_measured_and_missing_kernels_have_reasons() -> None:
+    from autofit.data.support import boundary_support
+
+    rows = boundary_support(["sdpa", "eager", "flash_attention_2"])
+    assert {(r.attn_implementation, r.strategy) for r in rows if r.supported} == \
+        {(a, s) for a in ("sdpa", "eager") for s in Batching}
+    flash = [r for r in rows if r.attn_implementation == "flash_attention_2"]
+    assert len(flash) == len(Batching) and all("flash_attn" in r.reason or "CUDA" in r.reason for r in flash)
+
+
+# ----------------------------------------------------------------------------- summary, reference, feed
+
+
+def test_summary_writes_json_and_png_and_its_text_has_the_recomputable_percentiles(tmp_path: Path) -> None:
+    from autofit.data import summarize
+
+    s = summarize(D1, TINY, tmp_path)
+    saved = json.loads((tmp_path / "data.json").read_text())
+    values = np.array(s.table.lengths)
+    assert saved["percentiles"]["p50"] == pytest.approx(np.percentile(values, 50))
+    assert f"p99 {np.percentile(values, 99):.1f}" in s.text
+    assert saved["approximate"] is True and (tmp_path / "lengths.png").is_file()
+    assert saved["dataset"]["content_hash"] == s.data.content_hash
+
+
+def test_dataset_reference_reports_a_changed_or_missing_file(tmp_path: Path) -> None:
+    from autofit.data import DatasetRef, RefState
+
+    copy = _write(tmp_path, "d.jsonl", D1.read_bytes())
+    ref = DatasetRef.from_dict(json.loads(json.dumps(DatasetRef.of(load_samples(copy)).to_dict())))
+    assert ref.load()[0] is RefState.SAME
+    copy.write_text(copy.read_text().replace("a", "b", 1))
+    assert ref.load()[0] is RefState.CHANGED
+    copy.unlink()
+    assert ref.load()[0] is RefState.MISSING
+
+
+@pytest.mark.parametrize("strategy", list(Batching))
+def test_feed_heaviest_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -> None:
+    from autofit.data.feed import make_feed
+
+    ids, pad, _ = d1_ids
+    feed = make_feed(strategy, ids, pad, 512, 4, seed=0)
+    mb, heavy = feed.heaviest()
+    sizes = [b["input_ids"].numel() for _, b in feed.micro_batches(len(feed.plan.batches))]
+    assert heavy["input_ids"].numel() == mb.tensor_tokens >= max(sizes)
