@@ -64,7 +64,7 @@ def probe_summary(res: ProbeResult) -> str:
 # --------------------------------------------------------------------------- run reports
 
 COLOURS = {"fit": "tab:green", "oom": "tab:red", "host_oom": "tab:purple", "timeout": "tab:orange",
-           "unstable": "tab:brown", "unsupported": "tab:gray", "crash": "black"}
+           "unstable": "tab:brown", "unsupported": "tab:gray", "crash": "black", "mismatch": "tab:pink"}
 
 
 def learning_changes(cfg: dict[str, Any]) -> list[str]:

@@ -16,6 +16,9 @@ class Outcome(str, enum.Enum):
     UNSTABLE = "unstable"
     UNSUPPORTED = "unsupported"
     CRASH = "crash"
+    MISMATCH = "mismatch"
+    """Trains differently from the stock reference (a kernel or a batching strategy changed the loss or
+    the gradients beyond the stated tolerance): never a winner, whatever its speed."""
     CANCELLED = "cancelled"
     """Stopped by the search before an outcome (another worker took the config): no observation."""
 

@@ -2,7 +2,8 @@
 
 Layers, bottom to top (a module imports its own layer or lower ones, never a cycle):
   0 foundation   errors, protocol, units, result, envinfo, spec, models, signatures, objective
-  1 domain       space, memory, recipe, target, kills (evidence of the OOM killer)
+  1 domain       space, memory, recipe, target, kills (evidence of the OOM killer), data (datasets,
+                 lengths, batching), kernels (what kernels can run, the correctness gate)
   2 run & probes rundir (the run folder), runner (the parent side of the process boundary), report,
                  study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
   3 workflows    search (and its parts), regress, export
@@ -26,7 +27,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "autofit"
 LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
-    1: ("space", "memory", "recipe", "target", "kills"),
+    1: ("space", "memory", "recipe", "target", "kills", "data", "kernels"),
     2: ("rundir", "runner", "report", "study", "knowledge"),
     3: ("search", "regress", "export"),
     4: ("session",),
