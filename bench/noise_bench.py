@@ -1,8 +1,11 @@
 """Issue 10 item 9: one config measured 5 times in one run, standby processes importing beside it.
 
-"before": the runner lets standby processes import while a probe is timed (the old behaviour,
-`Runner(hold_while_timing=False)`, kept only for this benchmark); "after": their imports are
-stopped during every timed phase. Each probe takes a standby process and the runner starts
+Modes, each 5 runs in fresh processes:
+- "before": the runner lets standby processes import while a probe is timed (the old behaviour,
+  `Runner(hold_while_timing=False)`, kept only for this benchmark) and the probe runs without
+  its noise controls (`AUTOFIT_NOISE_CONTROLS=none`, autofit/probe/quiet.py);
+- "hold": standby imports stopped during every timed phase, no noise controls;
+- "after": both (what autofit does). Each probe takes a standby process and the runner starts
 the next one at once, so a fresh import runs beside every probe, as in a search.
 
 GPU (S1: llama2-7b shape, LoRA, 40 GiB limit, length 2048, micro-batch 1, checkpointing on,
@@ -13,6 +16,7 @@ CPU check that it works:   python bench/noise_bench.py --model tiny-llama --devi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -23,6 +27,7 @@ from common import GIB, save
 
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
+from autofit.probe.quiet import CONTROLS_ENV
 from autofit.protocol import HEADROOM
 from autofit.runner import HOLD, Runner
 from autofit.spec import TrialConfig
@@ -39,23 +44,29 @@ def parse() -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--standby", type=int, default=2)
-    p.add_argument("--modes", default="before,after")
+    p.add_argument("--modes", default="before,hold,after")
     p.add_argument("--name", default=None, help="result file name (default noise-<model>-<device>)")
     return p.parse_args()
 
 
-def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace, hold: bool) -> dict[str, Any]:
+MODES = {"before": (False, "none"), "hold": (True, "none"), "after": (True, "all")}
+
+
+def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace, mode: str) -> dict[str, Any]:
+    hold, controls = MODES[mode]
+    os.environ[CONTROLS_ENV] = controls  # read by the probe children this runner starts
     runs = []
     with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold) as runner:
         runner.warm_up()
         for i in range(a.runs):
             stops = HOLD.stops
-            res = runner.run(cfg, model, name=f"noise-{'after' if hold else 'before'}-{i}", timeout=900)
+            res = runner.run(cfg, model, name=f"noise-{mode}-{i}", timeout=900)
             runs.append({"outcome": res.outcome.value, "tokens_per_s": res.tokens_per_s, "spread": res.spread,
                          "noisy": res.noisy, "step_times": res.step_times, "reason": res.reason,
                          "peak_gib": round((res.peak_memory_bytes or 0) / GIB, 3),
-                         "standby_imports_stopped": HOLD.stops - stops})
-            print("after" if hold else "before", i, res.outcome.value, res.tokens_per_s, res.spread,
+                         "standby_imports_stopped": HOLD.stops - stops,
+                         "pinned_cpus": res.extra.get("pinned_cpus"), "noise_controls": res.extra.get("noise_controls")})
+            print(mode, i, res.outcome.value, res.tokens_per_s, res.spread,
                   res.step_times, flush=True)
     tps = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]
     return {"runs": runs, "tokens_per_s": tps,
@@ -74,14 +85,16 @@ def main() -> int:
     cfg = TrialConfig.from_mapping({"max_length": a.length, "global_batch": a.global_batch, "micro_batch_size": 1,
                                     "gradient_checkpointing": "on"})
     model = resolve_model(a.model)
-    modes = {m: measure(target, cfg, model, a, hold=m == "after") for m in a.modes.split(",")}
-    save(a.name or f"noise-{a.model}-{a.device}", {
-        "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
-                    f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby",
-        "target": target.describe(long=True),
-        "config": cfg.to_dict(),
-        "modes": modes,
-    })
+    modes: dict[str, Any] = {}
+    for m in a.modes.split(","):  # saved after each mode: a run cut short keeps what it measured
+        modes[m] = measure(target, cfg, model, a, m)
+        save(a.name or f"noise-{a.model}-{a.device}", {
+            "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
+                        f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby",
+            "target": target.describe(long=True),
+            "config": cfg.to_dict(),
+            "modes": modes,
+        })
     for m, r in modes.items():
         print(m, "max/min across runs:", r["max_over_min"], r["tokens_per_s"])
     return 0

@@ -23,6 +23,7 @@ from .build import RandomTokens, build_model, decoder_layers, expected_checkpoin
 from .child_io import write_json_atomic
 from .errors import Unsupported
 from .judge import judge_limit, noisy_reason
+from .quiet import CONTROLS, enabled, freeze_built_objects, pin_to_gpu
 from .sampler import Memory
 from .state import ProbeState
 from .timing import ProbeCallback, TimingPlan, make_callback, spread
@@ -79,6 +80,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
         return lambda: None
     if not torch.cuda.is_available():
         raise Unsupported("CUDA was asked for but torch sees no GPU")
+    state.pinned_cpus = pin_to_gpu(req.nvml_index)
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # create the context now, so it is measured as overhead
     if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -119,6 +121,7 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
         model = get_peft_model(model, LoraConfig(**lora))
     state.memory_after_load = mem.allocator_now()[1]
     mem.phase()
+    freeze_built_objects()
     return model
 
 
@@ -217,7 +220,8 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
-        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules},
+        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
+               "noise_controls": [c for c in CONTROLS if enabled(c)]},
     )
     notes = []
     if spread(window) > SPREAD_BOUND:

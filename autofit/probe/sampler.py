@@ -6,6 +6,8 @@ import os
 import threading
 from typing import Any
 
+from .quiet import gpu_sample_period
+
 
 class Memory:
     """Memory figures for one probe: device allocator, NVML (GPU) or RSS (CPU).
@@ -77,7 +79,7 @@ class Memory:
         self._thread.start()
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.01 if self.device == "cpu" else 0.02):
+        while not self._stop.wait(0.01 if self.device == "cpu" else gpu_sample_period()):
             now = self.added()
             self.sampled_peak = max(self.sampled_peak, now)
             self._phase_peak = max(self._phase_peak, now)

@@ -18,4 +18,6 @@ class ProbeState:
     outside_at_start: int = 0
     """GPU memory outside the allocator when the cap was set (the CUDA context)."""
     memory_after_load: int | None = None
+    pinned_cpus: list[int] | None = None
+    """The GPU-local CPU cores the probe runs on (None: the scheduler's choice)."""
     t_start: float = field(default_factory=time.perf_counter)
