@@ -45,6 +45,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--standby", type=int, default=2)
     p.add_argument("--modes", default="before,hold,after")
+    p.add_argument("--max-probe-accumulation", type=int, default=4,
+                   help="micro-steps timed per optimizer step, the rest extrapolated (0: all)")
     p.add_argument("--name", default=None, help="result file name (default noise-<model>-<device>)")
     return p.parse_args()
 
@@ -56,7 +58,8 @@ def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace,
     hold, controls = MODES[mode]
     os.environ[CONTROLS_ENV] = controls  # read by the probe children this runner starts
     runs = []
-    with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold) as runner:
+    with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold,
+                max_probe_accumulation=a.max_probe_accumulation or None) as runner:
         runner.warm_up()
         for i in range(a.runs):
             stops = HOLD.stops
@@ -90,7 +93,8 @@ def main() -> int:
         modes[m] = measure(target, cfg, model, a, m)
         save(a.name or f"noise-{a.model}-{a.device}", {
             "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
-                        f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby",
+                        f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby, "
+                        f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}",
             "target": target.describe(long=True),
             "config": cfg.to_dict(),
             "modes": modes,
