@@ -13,6 +13,15 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, fake_env
+from faults import Fault
+
+FAULTS = [
+    Fault("search-killed", "kill -9 of the process running probes (a search, while a probe and two standby "
+          "processes run)", "kill -9 <autofit search>", None,
+          "every child ends within 5 s; logs/ holds no stray standby file", nothing_lost=True),
+    Fault("probe-killed-outside", "kill -9 of a probe child from outside autofit, with memory to spare",
+          "kill -9 <probe child>", 0, "killed by SIGKILL from outside autofit"),
+]
 
 PARENT = textwrap.dedent("""
     import sys, time
@@ -80,4 +89,4 @@ def test_an_outside_kill_9_of_a_probe_is_a_retryable_crash(tmp_path: Path) -> No
     assert cli.returncode == 0, err
     r = json.loads(out)
     assert r["outcome"] == "crash" and r["retryable"] is True
-    assert r["reason"].startswith("killed by SIGKILL from outside autofit")
+    assert r["reason"].startswith(FAULTS[1].message)
