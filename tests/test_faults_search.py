@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli
+from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, read_trials, run_cli
 from faults import Fault
 
 from autofit.rundir import read_spec
@@ -21,6 +22,9 @@ from autofit.study import open_study, stop_reason_of, study_rows
 FAULTS = [
     Fault("disk-full", "the disk fills up during a search (SQLite: database or disk is full)",
           "autofit search ... --out <a full filesystem>", 4, "cannot write the study", nothing_lost=True),
+    Fault("probe-killed-in-search", "kill -9 of a probe child from outside autofit during a search",
+          "kill -9 <probe child of autofit search>", None,
+          "probed once more (trial-NNNN-retry.log); the row keeps the first attempt's reason"),
     Fault("budget-left", "the sampler's next proposal would not finish in the budget left",
           "autofit search --model tiny-llama --device cpu --budget 2m", 0,
           "a cheaper config is probed; stops when none can finish"),
@@ -111,3 +115,41 @@ def test_a_budget_the_next_proposal_would_overrun_is_spent_on_a_cheaper_config(t
         if kind == "budget":
             assert "probe" in kinds[i + 1:], (kinds, reason)
     assert read_trials(run_dir), "the search probed"
+
+
+def _new_pid(pid_file: Path, old: int | None, seconds: float = 120) -> int:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pid_file.exists() and pid_file.read_text().strip() and int(pid_file.read_text()) != old:
+            return int(pid_file.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"no new probe child wrote {pid_file}")
+
+
+@pytest.mark.slow
+def test_a_probe_killed_from_outside_is_probed_once_more(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "probe-killed-in-search")
+    env = dict(os.environ, **fake_env("hang"), PYTHONPATH=str(ROOT))
+    search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--device", "cpu",
+                               "--space", SEARCH_SPACE, "--budget", "5m", "--out", str(tmp_path), "--json"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/logs")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        logs = next(tmp_path.glob("*/logs"))
+        first = _new_pid(logs / "fake-child.pid", None)
+        os.kill(first, signal.SIGKILL)  # not the OOM killer: memory to spare
+        second = _new_pid(logs / "fake-child.pid", first)  # the same config, probed once more
+        os.kill(second, signal.SIGKILL)
+        _new_pid(logs / "fake-child.pid", second)  # the search moved on to the next config
+    finally:
+        search.send_signal(signal.SIGINT)
+        search.communicate(timeout=120)
+    assert search.returncode == 130
+    rows = read_trials(logs.parent)
+    first_row = next(r for r in rows if r["trial"] == 0)
+    assert (logs / "trial-0000-retry.log").is_file(), sorted(p.name for p in logs.iterdir())
+    assert first_row["outcome"] == "crash"
+    assert first_row["extra"]["first_attempt"].startswith("killed by SIGKILL from outside autofit")
+    assert "retry" in fault.message
