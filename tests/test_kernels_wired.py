@@ -11,6 +11,7 @@ from conftest import probe_json
 
 from autofit import kernels, recipe
 from autofit.errors import UsageError
+from autofit.memory import Shape, group_key, prior
 from autofit.models import resolve_model
 from autofit.objective import best_of, speed
 from autofit.probe.errors import Unsupported
@@ -18,6 +19,7 @@ from autofit.probe.gate import TEST_LOSS_SCALE_ENV
 from autofit.probe.measure import run_probe
 from autofit.probe.state import ProbeState
 from autofit.protocol import ProbeRequest
+from autofit.report import prediction_errors
 from autofit.result import Outcome, ProbeResult
 from autofit.runner import Runner
 from autofit.spec import KEYS, TrialConfig
@@ -130,3 +132,35 @@ def test_a_compiled_probe_passes_the_gate_and_reports_compile_seconds(tmp_path) 
     assert r["extra"]["gate"]["ok"] is True
     assert r["compile_seconds"] > 0 and r["extra"]["first_step_s"] > r["compile_seconds"] / 2
     assert r["extra"]["dynamo"]["graphs"] >= 1
+
+
+S4 = Shape(hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28, kv_heads=4, tied=False)
+"""Qwen2.5-7B's shape: the large-vocabulary scenario."""
+
+
+def test_the_fused_loss_removes_the_logits_term_from_the_prior() -> None:
+    stock, liger = prior(TrialConfig(), S4), prior(TrialConfig(liger=True), S4)
+    assert stock.logits == 2048 * 152064 * 10  # logits, fp32 upcast, its gradient
+    assert liger.logits < stock.logits / 20  # chunks of the logits only
+    assert liger.activations < stock.activations  # SwiGLU keeps gate and up only
+    compiled = prior(TrialConfig(torch_compile=True), S4)
+    assert compiled.activations == int(stock.activations * 0.75) and compiled.logits == stock.logits
+    ckpt = TrialConfig(torch_compile=True, gradient_checkpointing="on")
+    assert prior(ckpt, S4).activations == prior(ckpt.replace(torch_compile=False), S4).activations
+
+
+def test_each_kernel_combination_is_its_own_memory_group() -> None:
+    keys = {group_key(TrialConfig(liger=a, torch_compile=b)) for a in (False, True) for b in (False, True)}
+    assert len(keys) == 4
+    assert group_key(TrialConfig(liger=True)) == group_key(TrialConfig(liger=True, micro_batch_size=4))
+
+
+def test_the_report_gives_the_prediction_error_per_kernel_combination() -> None:
+    def row(peak: int, predicted: int, **cfg: object) -> tuple[dict, ProbeResult]:
+        r = ProbeResult(Outcome.FIT, TrialConfig(**cfg).to_dict(), tokens_per_s=1.0, peak_memory_bytes=peak)
+        return {"predicted_peak": predicted}, r
+
+    pairs = [row(100, 110), row(100, 90), row(100, 150, liger=True)]
+    lines = prediction_errors([p[0] for p in pairs], [p[1] for p in pairs])
+    assert "| liger=off, torch_compile=off, attn=sdpa | 10% | 10% | 2 |" in lines
+    assert "| liger=on, torch_compile=off, attn=sdpa | 50% | 50% | 1 |" in lines
