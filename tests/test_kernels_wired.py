@@ -6,11 +6,17 @@ with a deliberately wrong kernel injected at the process boundary (`TEST_LOSS_SC
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from conftest import probe_json
+import yaml
+from conftest import ROOT, probe_json
+from test_regress import write_run
 
 from autofit import kernels, recipe
 from autofit.errors import UsageError
+from autofit.export import export_run
 from autofit.memory import Shape, group_key, prior
 from autofit.models import resolve_model
 from autofit.objective import best_of, speed
@@ -26,6 +32,7 @@ from autofit.spec import KEYS, TrialConfig
 from autofit.target import Target
 
 SHORT = {"max_length": 128, "global_batch": 4}
+DATA = ROOT / "tests" / "data" / "tiny.jsonl"
 
 # TrialConfig().key() before the kernel keys existed: stored studies look configs up by it.
 OLD_DEFAULT_KEY = ("method=lora;max_length=2048;micro_batch_size=1;global_batch=16;precision=bf16;"
@@ -164,3 +171,39 @@ def test_the_report_gives_the_prediction_error_per_kernel_combination() -> None:
     lines = prediction_errors([p[0] for p in pairs], [p[1] for p in pairs])
     assert "| liger=off, torch_compile=off, attn=sdpa | 10% | 10% | 2 |" in lines
     assert "| liger=on, torch_compile=off, attn=sdpa | 50% | 50% | 1 |" in lines
+
+
+# ----------------------------------------------------------------------------- export
+
+KERNELS = TrialConfig(liger=True, torch_compile=True, **SHORT)
+
+
+def test_every_format_carries_the_kernels_validated_against_the_installed_libraries(tmp_path) -> None:
+    run = write_run(tmp_path / "run", config=KERNELS.to_dict())
+    for fmt in ("hf-trainer", "trl"):
+        text = export_run(run, fmt).text
+        for field in ("'use_liger_kernel': True", "'torch_compile': True", "'torch_compile_backend': 'inductor'",
+                      "'tf32': False"):
+            assert field in text, (fmt, field)
+    assert any("fused LM head" in n for n in export_run(run, "trl").unexpressed)
+    axolotl = yaml.safe_load(export_run(run, "axolotl").text)
+    assert axolotl["plugins"] == ["axolotl.integrations.liger.LigerPlugin"]
+    assert axolotl["liger_fused_linear_cross_entropy"] is True and axolotl["liger_cross_entropy"] is False
+    assert axolotl["liger_rms_norm"] and axolotl["liger_rope"] and axolotl["liger_glu_activation"]
+    assert axolotl["torch_compile"] is True and axolotl["torch_compile_backend"] == "inductor"
+    factory = yaml.safe_load(export_run(run, "llama-factory").text)
+    assert factory["enable_liger_kernel"] is True and factory["torch_compile"] is True
+    stock = yaml.safe_load(export_run(write_run(tmp_path / "stock"), "axolotl").text)
+    assert "plugins" not in stock and "torch_compile" not in stock
+
+
+@pytest.mark.slow
+def test_a_liger_script_fails_clearly_where_liger_cannot_run(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(export_run(write_run(tmp_path / "run", config=KERNELS.to_dict()), "hf-trainer").text)
+    proc = subprocess.run([sys.executable, str(script), "--dataset", str(DATA), "--max-steps", "3",
+                           "--output-dir", str(tmp_path / "out")],
+                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "use_liger_kernel=True" in proc.stderr
+    assert "pip install 'liger-kernel>=0.8.5'" in proc.stderr or "this machine has no" in proc.stderr

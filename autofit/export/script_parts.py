@@ -224,11 +224,29 @@ def arguments():
 def prepare():
     """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
     a = arguments()
+    check_kernels()
     texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
     emulate(a.emulate_memory_gib)
     tokenizer = load_tokenizer(a.model)
     blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
     return a, tokenizer, blocks, adapt(build_model(a.model))
+
+
+def check_kernels():
+    """Liger's kernels (use_liger_kernel) need liger-kernel, triton and a CUDA GPU: say so before loading."""
+    if not TRAINING_ARGS.get("use_liger_kernel"):
+        return
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        fail("this recipe uses Liger's kernels (use_liger_kernel=True) and liger-kernel is not installed; "
+             "pip install 'liger-kernel>=0.8.5' (it needs triton: a CUDA machine)")
+    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+        fail("this recipe uses Liger's kernels (use_liger_kernel=True): Triton GPU kernels, and this machine "
+             "has no " + ("triton" if importlib.util.find_spec("triton") is None else "CUDA GPU")
+             + "; run it on the GPU it was measured for, or export a configuration with liger=off")
+    print(f"liger-kernel {importlib.metadata.version('liger-kernel')}, torch {torch.__version__}", file=sys.stderr)
 
 
 def emulate(limit_gib):
