@@ -180,6 +180,7 @@ def throughput_callback(tokens_per_step):
         def __init__(self):
             self.times = []
             self.t0 = None
+            self.losses = []  # (step, mean loss since the last log): the loss curve, in the summary
 
         def on_step_begin(self, args, state, control, **kw):
             if torch.cuda.is_available():
@@ -191,9 +192,14 @@ def throughput_callback(tokens_per_step):
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append((state.global_step, logs["loss"]))
+
         def on_train_end(self, args, state, control, **kw):
             steady = self.times[2:] or self.times
-            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady)}
+            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady),
+                       "losses": self.losses}
             if torch.cuda.is_available():
                 summary["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
