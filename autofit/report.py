@@ -41,6 +41,13 @@ def probe_summary(res: ProbeResult) -> str:
     if res.tokens_per_s is not None:
         lines.append(f"tokens/s     {res.tokens_per_s:,.0f}  (min {res.tokens_per_s_min:,.0f}, "
                      f"max {res.tokens_per_s_max:,.0f} over {len(res.step_times)} timed steps)")
+    if res.compile_seconds:
+        lines.append(f"compile      {res.compile_seconds:.1f} s once, apart from the steps' time")
+    gate = res.extra.get("gate")
+    if gate:
+        lines.append(f"kernel gate  {'passed' if gate['ok'] else 'failed'}: loss {gate['loss_rel_err']:.2g}, "
+                     f"gradient {gate['grad_rel_err']:.2g} relative to stock kernels "
+                     f"(tolerance {gate['tolerance']['loss_rel']:g} / {gate['tolerance']['grad_rel']:g})")
     if res.peak_memory_bytes is not None:
         limit = f" of {format_size(res.memory_limit_bytes)} limit" if res.memory_limit_bytes else ""
         lines.append(f"peak memory  {format_size(res.peak_memory_bytes)}{limit}  "

@@ -15,6 +15,7 @@ from conftest import ROOT, probe_json
 from test_regress import write_run
 
 from autofit import kernels, recipe
+from autofit.cli import main
 from autofit.errors import UsageError
 from autofit.export import export_run
 from autofit.memory import Shape, group_key, prior
@@ -27,6 +28,7 @@ from autofit.probe.state import ProbeState
 from autofit.protocol import ProbeRequest
 from autofit.report import prediction_errors
 from autofit.result import Outcome, ProbeResult
+from autofit.rundir import ProbeSettings
 from autofit.runner import Runner
 from autofit.spec import KEYS, TrialConfig
 from autofit.target import Target
@@ -207,3 +209,13 @@ def test_a_liger_script_fails_clearly_where_liger_cannot_run(tmp_path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "use_liger_kernel=True" in proc.stderr
     assert "pip install 'liger-kernel>=0.8.5'" in proc.stderr or "this machine has no" in proc.stderr
+
+
+def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path) -> None:
+    assert main(["search", "--model", "tiny-llama", "--device", "cpu", "--train-tokens", "0",
+                 "--out", str(tmp_path)]) == 2
+    assert "--train-tokens: a positive number of tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    assert "default 50,000,000" in " ".join(capsys.readouterr().out.split())
+    assert ProbeSettings().train_tokens == 50_000_000
