@@ -219,3 +219,18 @@ def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path)
         main(["search", "--help"])
     assert "default 50,000,000" in " ".join(capsys.readouterr().out.split())
     assert ProbeSettings().train_tokens == 50_000_000
+
+
+def test_the_gate_reference_runs_stock_attention_on_the_same_weights() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autofit.models import PRESETS
+    from autofit.probe.gate import with_attention
+
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]), attn_implementation="eager")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    weights = next(model.parameters()).data_ptr()
+    assert with_attention(model, "sdpa") is model and base.config._attn_implementation == "sdpa"
+    with_attention(model, "eager")
+    assert base.config._attn_implementation == "eager" and next(model.parameters()).data_ptr() == weights

@@ -48,6 +48,15 @@ def _test_loss_scale(model: Any) -> Any:
     return model
 
 
+def with_attention(model: Any, impl: str) -> Any:
+    """The same model (same weights) switched to attention `impl` (transformers' set_attn_implementation):
+    the reference runs stock sdpa even where the config asks for flex or flash attention."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base.config._attn_implementation != impl:
+        base.set_attn_implementation(impl)
+    return model
+
+
 def run_gate(req: ProbeRequest, state: ProbeState, model: Any) -> kernels.GateResult | None:
     """Stock kernels vs the config's kernels on one fixed batch, on this model's weights (None: not
     gated: stock kernels, or the run already has a passing verdict for this gate_key)."""
@@ -59,7 +68,9 @@ def run_gate(req: ProbeRequest, state: ProbeState, model: Any) -> kernels.GateRe
     checkpointing = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=1).get(
         "activation_checkpointing_kwargs")
     gate = kernels.correctness_gate(
-        lambda: model, lambda m: _test_loss_scale(kernels.apply_kernels(m, cfg, checkpointing)),
+        lambda: with_attention(model, kernels.STOCK_ATTENTION[0]),
+        lambda m: _test_loss_scale(kernels.apply_kernels(with_attention(m, cfg.attn_implementation), cfg,
+                                                         checkpointing)),
         batch, precision=cfg.precision, device=req.device)
     forget_gate_peaks(req, state)
     return gate
