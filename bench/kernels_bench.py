@@ -18,6 +18,7 @@ Two modes, both through the real CLI (subprocesses, as a user runs it):
   proves the plumbing, no GPU figures (Liger is `unsupported` there; torch_compile runs).
 
     python bench/kernels_bench.py --budget 20m                 # S1, S2, S4 searches, exports, curves
+    python bench/kernels_bench.py --gpus 0,1,2,3,4,5 --budget 6m   # the same, every search on its own GPU
     python bench/kernels_bench.py --small --budget 150s        # the plumbing, on the CPU
     python bench/kernels_bench.py --mode probes --scenarios S1,S4
     python bench/kernels_bench.py --profile-point '{"micro_batch_size": 2, "liger": true}' \\
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,14 @@ class Setup:
     small: bool = False
     train_tokens: int = TRAIN_TOKENS
     export_steps: int = 50
+    gpus: tuple[int, ...] = ()
+    """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
+
+    def gpu_pair(self, index: int) -> tuple[int | None, int | None]:
+        """The GPUs of the `index`-th scenario's two searches (None: the default device, one at a time)."""
+        if len(self.gpus) < 2 * (index + 1):
+            return None, None
+        return self.gpus[2 * index], self.gpus[2 * index + 1]
 
     @property
     def common(self) -> dict[str, Any]:
@@ -172,9 +182,22 @@ def write_space(space: dict[str, Any], folder: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------- the CLI
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          timeout=timeout, check=False, env=on_gpu(None))
+
+
+def on_gpu(gpu: int | None) -> dict[str, str]:
+    """Environment of a subprocess: this checkout's autofit whatever the working directory, and only
+    `gpu` visible (None: as this process)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    if gpu is not None:
+        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(gpu))
+    return env
 
 
 def require_kernel_keys() -> None:
@@ -195,11 +218,13 @@ def probe(setup: Setup, model: str, limit: str, point: dict[str, Any]) -> dict[s
     return json.loads(proc.stdout)
 
 
-def search(setup: Setup, model: str, limit: str, space: Path, budget: str) -> tuple[list[ProbeResult], float, Path]:
+def search(setup: Setup, model: str, limit: str, space: Path, budget: str,
+           gpu: int | None = None) -> tuple[list[ProbeResult], float, Path]:
     out = Path(tempfile.mkdtemp(prefix="kernels-bench-"))
     t0 = time.monotonic()
+    where = ["--gpu", str(gpu)] if gpu is not None else setup.device_args
     proc = cli("search", "--model", model, "--space", str(space), "--memory-limit", limit, "--budget", budget,
-               "--out", str(out), "--json", "--train-tokens", str(setup.train_tokens), *setup.device_args,
+               "--out", str(out), "--json", "--train-tokens", str(setup.train_tokens), *where,
                timeout=3 * 3600)
     wall = time.monotonic() - t0
     print(proc.stderr[-3000:], file=sys.stderr)
@@ -221,6 +246,14 @@ def flops_per_token(model: str, cfg: dict[str, Any]) -> float:
     base = (4 if cfg.get("method", "lora") == "lora" else 6) + 2 * recompute
     attention = (12 + 4 * recompute) * shape.layers * shape.hidden * int(cfg.get("max_length", 2048))
     return base * n + attention
+
+
+def matmul_tflops_apart() -> float | None:
+    """matmul_tflops in a short-lived process: this one must hold no CUDA context while probes measure."""
+    proc = subprocess.run([sys.executable, __file__, "--matmul"], capture_output=True, text=True, timeout=600,
+                          check=False)
+    lines = proc.stdout.strip().splitlines()
+    return float(lines[-1]) if proc.returncode == 0 and lines and lines[-1] != "None" else None
 
 
 def matmul_tflops() -> float | None:
@@ -253,11 +286,12 @@ def mfu(model: str, cfg: dict[str, Any], tokens_per_s: float | None, measured: f
 # ----------------------------------------------------------------------------- profile
 
 
-def profile_point(setup: Setup, model: str, limit: str, point: dict[str, Any]) -> dict[str, Any]:
+def profile_point(setup: Setup, model: str, limit: str, point: dict[str, Any],
+                  gpu: int | None = None) -> dict[str, Any]:
     """Profile the point in a fresh process (its own CUDA context and memory cap)."""
     proc = subprocess.run([sys.executable, __file__, "--profile-point", json.dumps(point), "--model", model,
                            "--limit", limit, "--json", *(["--small"] if setup.small else [])],
-                          capture_output=True, text=True, timeout=1800, check=False)
+                          capture_output=True, text=True, timeout=1800, check=False, env=on_gpu(gpu))
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -351,7 +385,7 @@ def bench_dataset(folder: Path) -> Path:
     return path
 
 
-def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None) -> dict[str, Any]:
+def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None) -> dict[str, Any]:
     """Export `run_dir`'s winner (hf-trainer), run it `steps` steps; its summary (tokens/s, peak, losses)."""
     script = work / "train.py"
     proc = cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
@@ -362,8 +396,7 @@ def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None) -> dict
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
     t0 = time.monotonic()
-    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=on_gpu(gpu))
     lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     if "max_memory_reserved" in summary:  # the probe's definition: reserved peak + memory outside the allocator
@@ -385,7 +418,8 @@ def stock_copy(run_dir: Path, folder: Path) -> Path:
     return copy
 
 
-def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None) -> dict[str, Any]:
+def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
+                    gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
     """The exported winner against its probe (5% tokens/s, 3% peak) and its loss curve against stock kernels."""
     if best is None or not (run_dir / "best.json").is_file():
         return {"skipped": "no winner"}
@@ -394,9 +428,10 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None) -> di
     limit = best.memory_limit_bytes if not setup.small else None
     for sub in ("kernels", "stock"):
         (work / sub).mkdir()
-    mine = run_recipe(run_dir, work / "kernels", setup.export_steps, limit)
     # the stock reference runs uncapped: with stock kernels the same micro-batch may not fit the cap
-    stock = run_recipe(stock_copy(run_dir, work), work / "stock", setup.export_steps, None)
+    jobs = [(run_dir, work / "kernels", limit, gpus[0]), (stock_copy(run_dir, work), work / "stock", None, gpus[1])]
+    with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
+        mine, stock = pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs)
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
     peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
     tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
@@ -428,25 +463,28 @@ def figure(model: str, res: ProbeResult | None, matmul: float | None) -> dict[st
 
 
 def verdict(setup: Setup, sc: Scenario, today: ProbeResult | None, best: ProbeResult | None,
-            matmul: float | None) -> dict:
+            matmul: float | None, gpu: int | None = None) -> dict:
     """Ratio by the objective's speed (compile seconds amortised over the planned training length)."""
     ratio = speed(best) / speed(today) if today and best and speed(today) else None
     out = {"today": figure(sc.model, today, matmul), "with_kernels": figure(sc.model, best, matmul),
            "ratio": round(ratio, 3) if ratio else None, "target": sc.target,
            "met": None if sc.target is None or ratio is None else ratio >= sc.target}
     if out["met"] is False and best is not None:
-        out["profile_of_winner"] = profile_point(setup, sc.model, sc.limit, {**config_of(best)})
+        out["profile_of_winner"] = profile_point(setup, sc.model, sc.limit, {**config_of(best)}, gpu)
     return out
 
 
-def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: float | None) -> dict[str, Any]:
+def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: float | None,
+                 gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """Today's space and the extended one, one after the other, or at once on two GPUs."""
     attention = runnable_attention("cpu" if setup.small else "cuda")
-    today_rows, today_wall, today_dir = search(setup, sc.model, sc.limit, write_space(today_space(setup), folder,
-                                               f"{sc.name}-today"), budget)
-    k_rows, k_wall, k_dir = search(setup, sc.model, sc.limit, write_space(kernel_space(setup, attention), folder,
-                                   f"{sc.name}-kernels"), budget)
+    spaces = [write_space(today_space(setup), folder, f"{sc.name}-today"),
+              write_space(kernel_space(setup, attention), folder, f"{sc.name}-kernels")]
+    with ThreadPoolExecutor(2 if gpus[0] is not None else 1) as pool:
+        (today_rows, today_wall, today_dir), (k_rows, k_wall, k_dir) = pool.map(
+            lambda i: search(setup, sc.model, sc.limit, spaces[i], budget, gpus[i]), (0, 1))
     best = best_of(k_rows)
-    out = verdict(setup, sc, best_of(today_rows), best, matmul)
+    out = verdict(setup, sc, best_of(today_rows), best, matmul, gpus[1])
     mism = [config_of(r) for r in k_rows if r.outcome.value == "mismatch"]
     out.update({"attention_searched": attention, "search_wall_seconds": {"today": today_wall, "kernels": k_wall},
                 "probes": {"today": len(today_rows), "kernels": len(k_rows)}, "mismatches": mism,
@@ -454,7 +492,8 @@ def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: 
                                            "tokens_per_s": r.tokens_per_s, "compile_seconds": r.compile_seconds}
                                           for r in k_rows],
                 "run_dirs": {"today": str(today_dir), "kernels": str(k_dir)},
-                "export": export_fidelity(setup, k_dir, best) if setup.export_steps else {"skipped": "--export-steps 0"}})
+                "export": export_fidelity(setup, k_dir, best, gpus) if setup.export_steps
+                else {"skipped": "--export-steps 0"}})
     return out
 
 
@@ -483,26 +522,41 @@ def main() -> None:
     ap.add_argument("--train-tokens", type=int, default=TRAIN_TOKENS,
                     help=f"planned training length compile time is amortised over (default {TRAIN_TOKENS:,})")
     ap.add_argument("--export-steps", type=int, default=50, help="steps of the exported winner (0: skip the export)")
+    ap.add_argument("--gpus", default="", help="comma-separated GPU indices, two a scenario: its two searches (and "
+                    "the exported recipes) run at once, every scenario at once")
     ap.add_argument("--profile-point", help="JSON of one point: profile it and print the table")
+    ap.add_argument("--matmul", action="store_true", help="print this GPU's bf16 matmul TFLOP/s and exit")
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--limit", default="40GiB")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps)
+    setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
+                  gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
+    if a.matmul:
+        print(matmul_tflops())
+        return
     if a.profile_point:
         res = run_profile(setup, a.model, a.limit, json.loads(a.profile_point))
         print(json.dumps(res) if a.json else json.dumps(res, indent=1))
         return
     require_kernel_keys()
-    matmul = None if a.small else matmul_tflops()
+    matmul = None if a.small else matmul_tflops_apart()
     folder = Path(tempfile.mkdtemp(prefix="kernels-spaces-"))
-    scenarios = {}
-    for sc in [SMALL] if a.small else [SCENARIOS[n.strip()] for n in a.scenarios.split(",")]:
-        scenarios[sc.name] = run_searches(setup, sc, a.budget, folder, matmul) if a.mode == "search" \
+    chosen = [SMALL] if a.small else [SCENARIOS[n.strip()] for n in a.scenarios.split(",")]
+
+    def one(i: int) -> dict[str, Any]:
+        sc = chosen[i]
+        out = run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i)) if a.mode == "search" \
             else run_probes(setup, sc, matmul)
-        print(sc.name, json.dumps({k: scenarios[sc.name][k] for k in ("ratio", "target", "met")}), flush=True)
+        print(sc.name, json.dumps({k: out[k] for k in ("ratio", "target", "met")}), flush=True)
+        return out
+
+    parallel = a.mode == "search" and setup.gpu_pair(len(chosen) - 1)[0] is not None
+    with ThreadPoolExecutor(len(chosen) if parallel else 1) as pool:
+        scenarios = dict(zip([sc.name for sc in chosen], pool.map(one, range(len(chosen))), strict=True))
     save(f"kernels-{a.mode}" + ("-small-cpu" if a.small else ""),
          {"mode": a.mode, "small": a.small, "budget_per_search": a.budget if a.mode == "search" else None,
+          "gpus": list(setup.gpus),
           "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
           "train_tokens_for_amortisation": a.train_tokens,
           "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(), "scenarios": scenarios})

@@ -234,3 +234,11 @@ def test_the_gate_reference_runs_stock_attention_on_the_same_weights() -> None:
     assert with_attention(model, "sdpa") is model and base.config._attn_implementation == "sdpa"
     with_attention(model, "eager")
     assert base.config._attn_implementation == "eager" and next(model.parameters()).data_ptr() == weights
+
+
+def test_liger_is_an_optional_extra_at_the_version_autofit_measured() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"liger-kernel>={kernels.LIGER_MIN_VERSION}" in project["optional-dependencies"]["kernels"]
+    assert not any(d.startswith("liger") for d in project["dependencies"])  # it requires triton: not for CPU installs
