@@ -8,6 +8,7 @@ peak is close to affine in tokens per micro-batch, so two fits in a group pin it
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,19 +112,38 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
         moments = state if state <= 2 else 2 * weight_b
         trainable = (lin + emb) * (weight_b + moments)
     tokens = cfg.tokens_per_micro_batch
-    per_layer = tokens * b * (8 * shape.hidden + 4 * shape.intermediate)  # kept for backward
+    # Kept for backward; Liger's SwiGLU keeps gate and up only (silu(gate) * up recomputed): 2 x I
+    # fewer per token (S1 on the H200: stock 33.4 vs Liger 26.6 GiB at mb2, 5.6 GiB of it this term).
+    per_layer = tokens * b * (8 * shape.hidden + (2 if cfg.liger else 4) * shape.intermediate)
     boundary = tokens * b * shape.hidden  # a checkpointed layer keeps only its input
     every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
     ck = len(range(0, shape.layers, every)) if every else 0
     activations = (shape.layers - ck) * per_layer + ck * (0 if offload else boundary) + (per_layer if ck else 0)
-    logits = tokens * shape.vocab * (b + 4 + 4)  # logits, their fp32 upcast for the loss, its grad
+    if cfg.torch_compile and not every:
+        # inductor's partitioner recomputes cheap pointwise ops instead of saving them (S1, H200:
+        # about a quarter of the activations). None assumed with checkpointing (pytorch#193193:
+        # a compiled backward with checkpointed blocks can hold more, not less).
+        activations = int(activations * 0.75)
+    logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
     allocated = weights + trainable + activations + logits
     return Breakdown(weights, trainable, activations, logits, int(allocated * ALLOCATOR_SLACK),
                      CUDA_CONTEXT if on_gpu else 0)
 
 
+def fused_loss_bytes(tokens: int, shape: Shape, b: int) -> int:
+    """Liger's fused linear cross-entropy: the logits only in chunks of about tokens x hidden / vocab
+    rows (liger ops/fused_linear_cross_entropy.py), the input's gradient (tokens x hidden) kept from
+    the forward, one fp32 loss per token. Stock: logits, their fp32 upcast and its gradient."""
+    if not (tokens and shape.vocab and shape.hidden):
+        return 0
+    rows = math.ceil(tokens / math.ceil(shape.vocab / shape.hidden))
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(rows))))
+    return chunk * shape.vocab * (b + 4) + tokens * shape.hidden * b + tokens * 4
+
+
 def group_key(cfg: TrialConfig) -> str:
-    """Settings that change the peak other than through tokens per micro-batch."""
+    """Settings that change the peak other than through tokens per micro-batch (every key not popped
+    here: the kernel keys liger and torch_compile too, each combination its own fit)."""
     d = cfg.to_dict()
     # expandable_segments changes fragmentation, not the peak (the H200 grid measured the same
     # peaks with and without it), so it shares its group's points.

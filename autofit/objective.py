@@ -18,16 +18,25 @@ def once_and_noisy(res: ProbeResult) -> bool:
     return res.noisy and len(res.measurements) < 2
 
 
+def speed(res: ProbeResult) -> float:
+    """tokens/s the objective ranks by: a compiled config's compile seconds paid once over the
+    planned training length (`train_tokens`), so a 90 s compile does not win a 10-minute job."""
+    tps = res.tokens_per_s or 0.0
+    if tps and res.compile_seconds and res.train_tokens:
+        return res.train_tokens / (res.train_tokens / tps + res.compile_seconds)  # kernels.amortised_tokens_per_s
+    return tps
+
+
 def rank_key(res: ProbeResult) -> tuple[int, bool, float]:
     """Sort key of a fit: length first, then a steady (or repeated) measurement before a noisy
-    one measured once, then tokens/s."""
-    return res.config["max_length"], not once_and_noisy(res), res.tokens_per_s or 0.0
+    one measured once, then tokens/s (compile time amortised: `speed`)."""
+    return res.config["max_length"], not once_and_noisy(res), speed(res)
 
 
 def study_value(res: ProbeResult, lengths: list[int]) -> float:
     """The number the Optuna study maximises for a fit, given the space's allowed lengths."""
     rank = sorted(lengths).index(res.config["max_length"])
-    return rank * LENGTH_WEIGHT + float(res.tokens_per_s or 0)
+    return rank * LENGTH_WEIGHT + float(speed(res))
 
 
 def ranked_fits(results: list[ProbeResult]) -> list[ProbeResult]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import kernels
 from .spec import TrialConfig
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -49,7 +50,11 @@ def training_arguments(
         "remove_unused_columns": False,
         "use_cpu": on_cpu,
         "seed": 0,
+        # Pinned: with torch_compile and bf16, TrainingArguments turns TF32 matmuls on by itself
+        # (tf32=None), so compiled configs would run in another precision than stock ones.
+        "tf32": False,
     }
+    args.update(kernels.training_arguments(cfg))  # use_liger_kernel, torch_compile (+ backend)
     if every > 0:
         args["activation_checkpointing_kwargs"] = {
             "use_reentrant": False,  # needed for every_n_layers and with frozen inputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ def config_brief(cfg: dict[str, Any]) -> str:
     parts.append(str(cfg.get("optimizer")))
     if cfg.get("attn_implementation", "sdpa") != "sdpa":
         parts.append(str(cfg["attn_implementation"]))
+    parts += [name for name in ("liger", "torch_compile") if cfg.get(name)]
     if cfg.get("expandable_segments"):
         parts.append("expandable")
     if cfg.get("method") == "full":
@@ -39,6 +41,13 @@ def probe_summary(res: ProbeResult) -> str:
     if res.tokens_per_s is not None:
         lines.append(f"tokens/s     {res.tokens_per_s:,.0f}  (min {res.tokens_per_s_min:,.0f}, "
                      f"max {res.tokens_per_s_max:,.0f} over {len(res.step_times)} timed steps)")
+    if res.compile_seconds:
+        lines.append(f"compile      {res.compile_seconds:.1f} s once, apart from the steps' time")
+    gate = res.extra.get("gate")
+    if gate:
+        lines.append(f"kernel gate  {'passed' if gate['ok'] else 'failed'}: loss {gate['loss_rel_err']:.2g}, "
+                     f"gradient {gate['grad_rel_err']:.2g} relative to stock kernels "
+                     f"(tolerance {gate['tolerance']['loss_rel']:g} / {gate['tolerance']['grad_rel']:g})")
     if res.peak_memory_bytes is not None:
         limit = f" of {format_size(res.memory_limit_bytes)} limit" if res.memory_limit_bytes else ""
         lines.append(f"peak memory  {format_size(res.peak_memory_bytes)}{limit}  "
@@ -204,6 +213,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     lines += _memory_section(spec, results, best)
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", ""]
+    lines += prediction_errors(rows, results)
     lines += _all_probes(rows, results)
     return "\n".join(lines) + "\n"
 
@@ -233,7 +243,7 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
              "| setting | value |", "|---|---|"]
     for k in KEYS:
         mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
-        lines.append(f"| {k} | `{cfg[k]}`{mark} |")
+        lines.append(f"| {k} | `{cfg.get(k, KEYS[k].default)}`{mark} |")  # older runs lack later keys
     lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
               f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
               "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
@@ -274,6 +284,28 @@ def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: Prob
     lines.append("| **measured peak** | " + " | ".join(
         _size(r.peak_memory_bytes) + (f" (short {_size(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
                                      else "") for _, r in explained) + " |")
+    return [*lines, ""]
+
+
+def kernel_label(cfg: dict[str, Any]) -> str:
+    """The kernel combination of a config, as the memory model's prediction error is reported by."""
+    return (f"liger={'on' if cfg.get('liger') else 'off'}, torch_compile={'on' if cfg.get('torch_compile') else 'off'}"
+            f", attn={cfg.get('attn_implementation', 'sdpa')}")
+
+
+def prediction_errors(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
+    """The memory model's error on the probes that ran to the end, one row per kernel combination
+    (the fused loss and compile change the peak in ways the prior only estimates)."""
+    by: dict[str, list[float]] = {}
+    for row, r in zip(rows, results, strict=True):
+        if r.tokens_per_s and r.peak_memory_bytes and row.get("predicted_peak"):
+            err = abs(row["predicted_peak"] - r.peak_memory_bytes) / r.peak_memory_bytes
+            by.setdefault(kernel_label(r.config), []).append(err)
+    if not by:
+        return []
+    lines = ["## Memory prediction error by kernels", "", "| kernels | median | max | probes |", "|---|---|---|---|"]
+    for label, errs in sorted(by.items()):
+        lines.append(f"| {label} | {statistics.median(errs):.0%} | {max(errs):.0%} | {len(errs)} |")
     return [*lines, ""]
 
 

@@ -53,6 +53,10 @@ class ProbeResult:
     memory_limit_bytes: int | None = None
     headroom_bytes: int | None = None
     oom_shortfall_bytes: int | None = None
+    compile_seconds: float | None = None
+    """torch.compile's one-off cost: the warm-up steps' time above the steady step (compiled configs)."""
+    train_tokens: int | None = None
+    """The planned training length the compile seconds are amortised over (objective.speed)."""
     reason: str = ""
     error_tail: str = ""
     step_times: list[float] = field(default_factory=list)

@@ -18,7 +18,7 @@ import yaml
 
 from .errors import CannotWrite, UsageError
 from .models import ModelSource
-from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, TRAIN_TOKENS, WARMUP_STEPS
 from .space import Space, validate
 from .target import Target
 
@@ -86,6 +86,8 @@ class ProbeSettings:
     max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION
     timeout_s: float = PROBE_TIMEOUT_S
     confirm: int = CONFIRM
+    train_tokens: int = TRAIN_TOKENS
+    """The planned training length: a compiled config's compile seconds are amortised over it."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProbeSettings:

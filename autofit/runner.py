@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from . import kernels
 from .kills import SAMPLE_EVERY_S, KillWatch
 from .models import ModelSource
 from .protocol import (
@@ -254,7 +255,7 @@ class Runner:
     def __init__(self, target: Target, log_dir: Path, *, standby: int = 1,
                  warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
                  max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
-                 hold_while_timing: bool = True) -> None:
+                 hold_while_timing: bool = True, train_tokens: int | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +267,10 @@ class Runner:
         self.max_probe_accumulation = max_probe_accumulation
         self.hold_while_timing = hold_while_timing
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
+        self.train_tokens = train_tokens
+        """The planned training length, stamped on each result (compile time is amortised over it)."""
+        self.gate_verdicts: dict[str, str] = {}
+        """Correctness-gate verdicts of this runner's probes: gate_key -> "" (passed) or the failed probe."""
         self._pool: list[Standby] = []
         self._seq = 0
         self._ours_killed: set[int] = set()
@@ -354,7 +359,20 @@ class Runner:
             memory_limit_bytes=t.memory_limit_bytes, headroom=t.headroom,
             warmup_steps=self.warmup_steps, timed_steps=self.timed_steps,
             max_probe_accumulation=self.max_probe_accumulation,
+            gate=kernels.needs_gate(cfg) and kernels.gate_key(cfg) not in self.gate_verdicts,
         )
+
+    def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:
+        """An outcome known without a child: kernels this machine cannot run (`unsupported`), or
+        kernels whose correctness gate already failed in this run (`mismatch`)."""
+        why = kernels.kernel_support(cfg, self.target.device)
+        if why:
+            return ProbeResult(Outcome.UNSUPPORTED, cfg.to_dict(), reason=f"autofit: unsupported: {why}")
+        failed = self.gate_verdicts.get(kernels.gate_key(cfg))
+        if failed:
+            return ProbeResult(Outcome.MISMATCH, cfg.to_dict(),
+                               reason=f"mismatch: these kernels failed the correctness gate on probe {failed}")
+        return None
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
             cancel: Callable[[], bool] | None = None) -> ProbeResult:
@@ -364,6 +382,9 @@ class Runner:
         result_path = result_file(self.log_dir, name)
         log_path = self.log_dir / f"{name}.log"
         result_path.unlink(missing_ok=True)
+        known = self.judged_before(cfg)
+        if known is not None:
+            return self._finish(known, asked, log_path, "")
         req = self.request(cfg, model, result_path)
         child = self._take(deadline)
         if child is None:
@@ -436,6 +457,9 @@ class Runner:
 
     def _finish(self, res: ProbeResult, asked: float, log_path: Path, worker: str) -> ProbeResult:
         res.wall_seconds = time.monotonic() - asked
+        res.train_tokens = self.train_tokens
+        if "gate_key" in res.extra and "gate" in res.extra:
+            self.gate_verdicts[res.extra["gate_key"]] = "" if res.extra["gate"]["ok"] else log_path.stem
         res.log_path = str(log_path)
         res.worker = worker
         if not res.device:

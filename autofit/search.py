@@ -73,6 +73,8 @@ class SearchSettings:
     """The study lives in the run folder: RUNNING trials found at start are stale."""
     guided: bool = True
     """Alternate the sampler's proposals with the most promising untried config."""
+    train_tokens: int | None = None
+    """The planned training length, stamped on each result (compile time amortised over it)."""
     confirm: int = 1
     """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
 
@@ -179,7 +181,7 @@ class Search:
     def _start_worker(self, target: Target) -> threading.Thread:
         runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
                         warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
-                        max_probe_accumulation=self.s.max_probe_accumulation)
+                        max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens)
         runner.warm_up()
         self.runners.append(runner)
         th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)

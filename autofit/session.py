@@ -230,7 +230,7 @@ def search_settings(session: Session, standby: int | None = None) -> SearchSetti
         probe_timeout_s=probe.timeout_s, warmup_steps=probe.warmup_steps, timed_steps=probe.timed_steps,
         max_probe_accumulation=probe.max_probe_accumulation,
         standby=standby if standby is not None else (2 if on_gpu else 1),
-        local_storage=session.local_storage, confirm=probe.confirm)
+        local_storage=session.local_storage, confirm=probe.confirm, train_tokens=probe.train_tokens)
 
 
 def run(session: Session, on_event: Callable[[Event], None], standby: int | None = None) -> tuple[str, bool]:

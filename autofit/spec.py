@@ -120,6 +120,8 @@ class TrialConfig:
     quantization: str = "none"
     optimizer: str = "adamw_torch_fused"
     attn_implementation: str = "sdpa"
+    liger: bool = False
+    torch_compile: bool = False
     expandable_segments: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -197,8 +199,12 @@ class TrialConfig:
         return cls(**{k: v for k, v in d.items() if k in KEYS})
 
     def key(self) -> str:
-        """A stable identity: two configs with the same key are the same measurement."""
-        return ";".join(f"{k}={getattr(self, k)}" for k in KEYS)
+        """A stable identity: two configs with the same key are the same measurement.
+
+        Keys added after runs were stored (`LATE_KEYS`) are left out at their default, so a
+        config of an older study keeps its key and a resumed study still finds it."""
+        return ";".join(f"{k}={getattr(self, k)}" for k in KEYS
+                        if not (k in LATE_KEYS and getattr(self, k) == KEYS[k].default))
 
     def replace(self, **changes: Any) -> TrialConfig:
         return dataclasses.replace(self, **changes)
@@ -227,7 +233,15 @@ KEYS: dict[str, Key] = {
             QUANTIZATIONS, changes_learning=True),
         Key("optimizer", str, "TrainingArguments `optim` name", OPTIMIZERS,
             changes_learning=True),
-        Key("attn_implementation", str, "attention kernel", ATTENTION),
+        Key("attn_implementation", str,
+            "attention kernel: sdpa, eager, flex_attention (compiled; GPU only for training), "
+            "flash_attention_2/3 (where flash-attn is installed); others are `unsupported` here", ATTENTION),
+        Key("liger", bool,
+            "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits "
+            "are never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels"),
+        Key("torch_compile", bool,
+            "torch.compile (inductor) of the model; compile time is measured apart and amortised over "
+            "--train-tokens; checked against stock kernels"),
         Key("expandable_segments", bool,
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
         Key("lora_r", int, "LoRA rank (higher: more capacity, more memory)", check=_positive,
@@ -243,7 +257,8 @@ KEYS: dict[str, Key] = {
     ]
 }
 
-
+LATE_KEYS = frozenset({"liger", "torch_compile"})
+"""Keys added after studies were stored: `TrialConfig.key()` omits them at their default."""
 
 
 def parse_sets(pairs: list[str]) -> dict[str, str]:

@@ -8,11 +8,18 @@ winner's step says where the time goes.
 Two modes, both through the real CLI (subprocesses, as a user runs it):
 - `--mode search` (default): `autofit search` over today's space and over the same space
   extended with `liger`, `torch_compile` and `attn_implementation`, one after the other, with
-  the same budget; the ratio is best(kernels) / best(today).
+  the same budget; the ratio is best(kernels) / best(today), by the objective's speed (compile
+  seconds amortised over --train-tokens). Then the kernel search's winner is exported
+  (hf-trainer) and run for --export-steps steps under the same memory cap: tokens/s within 5% and
+  peak within 3% of its probe; and its loss curve against the same recipe with stock kernels.
 - `--mode probes`: `autofit probe` on a short list of points chosen from the hand measurements
   (SCENARIOS.md, 2026-12-03): cheap, and a check on what the search found.
+- `--small`: the same pipeline on the CPU with tiny-llama (length 128, tiny spaces, a short budget):
+  proves the plumbing, no GPU figures (Liger is `unsupported` there; torch_compile runs).
 
-    python bench/kernels_bench.py --budget 20m                 # S1, S2, S4 searches
+    python bench/kernels_bench.py --budget 20m                 # S1, S2, S4 searches, exports, curves
+    python bench/kernels_bench.py --gpus 0,1,2,3,4,5 --budget 6m   # the same, every search on its own GPU
+    python bench/kernels_bench.py --small --budget 150s        # the plumbing, on the CPU
     python bench/kernels_bench.py --mode probes --scenarios S1,S4
     python bench/kernels_bench.py --profile-point '{"micro_batch_size": 2, "liger": true}' \\
         --model llama2-7b --limit 40GiB                        # one profile, printed
@@ -34,19 +41,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import GIB, read_trials, save
 
+from autofit.kernels import TOLERANCES
 from autofit.memory import Shape
 from autofit.models import PRESETS
-from autofit.objective import best_of
+from autofit.objective import best_of, speed
 from autofit.result import ProbeResult
 
 H200_BF16_DENSE_TFLOPS = 989.4
@@ -70,6 +80,33 @@ class Scenario:
 COMMON = {"method": "lora", "max_length": 2048, "global_batch": 16, "lora_r": 16, "lora_alpha": 32,
           "lora_targets": "q_proj,v_proj", "precision": "bf16", "optimizer": "adamw_torch_fused",
           "attn_implementation": "sdpa"}
+SMALL_COMMON = {**COMMON, "max_length": 128, "global_batch": 4}
+"""--small: tiny-llama on the CPU, short sequences."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how this bench runs (the GPU scenarios, or --small on the CPU)."""
+
+    small: bool = False
+    train_tokens: int = TRAIN_TOKENS
+    export_steps: int = 50
+    gpus: tuple[int, ...] = ()
+    """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
+
+    def gpu_pair(self, index: int) -> tuple[int | None, int | None]:
+        """The GPUs of the `index`-th scenario's two searches (None: the default device, one at a time)."""
+        if len(self.gpus) < 2 * (index + 1):
+            return None, None
+        return self.gpus[2 * index], self.gpus[2 * index + 1]
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return SMALL_COMMON if self.small else COMMON
+
+    @property
+    def device_args(self) -> list[str]:
+        return ["--device", "cpu"] if self.small else []
 
 SCENARIOS = {
     "S1": Scenario("S1", "llama2-7b", "40GiB", 1.10, [
@@ -95,36 +132,43 @@ SCENARIOS = {
         {"micro_batch_size": 8, "gradient_checkpointing": "on", "liger": True, "torch_compile": True},
     ]),
 }
+SMALL = Scenario("CPU", "tiny-llama", "2GiB", None, [
+    {"micro_batch_size": 2, "gradient_checkpointing": "off"},
+    {"micro_batch_size": 2, "gradient_checkpointing": "off", "liger": True},
+    {"micro_batch_size": 2, "gradient_checkpointing": "off", "torch_compile": True},
+])
 
 
 # ----------------------------------------------------------------------------- spaces
 
 
-def today_space(sc: Scenario) -> dict[str, Any]:
+def today_space(setup: Setup) -> dict[str, Any]:
     """The space of today's keys: micro-batch, checkpointing, allocator; stock kernels."""
-    return {"method": "lora", "fixed": {k: v for k, v in COMMON.items() if k != "method"},
-            "dimensions": {"micro_batch_size": [1, 2, 3, 4, 6, 8, 12, 16],
-                           "gradient_checkpointing": ["off", "every_4", "every_2", "on"],
-                           "expandable_segments": [False, True]}}
+    if setup.small:
+        dims: dict[str, list[Any]] = {"micro_batch_size": [1, 2], "gradient_checkpointing": ["off", "on"]}
+    else:
+        dims = {"micro_batch_size": [1, 2, 3, 4, 6, 8, 12, 16],
+                "gradient_checkpointing": ["off", "every_4", "every_2", "on"], "expandable_segments": [False, True]}
+    return {"method": "lora", "fixed": {k: v for k, v in setup.common.items() if k != "method"}, "dimensions": dims}
 
 
-def kernel_space(sc: Scenario, attention: list[str]) -> dict[str, Any]:
+def kernel_space(setup: Setup, attention: list[str]) -> dict[str, Any]:
     """Today's space plus the kernel dimensions (attention only over what can run here)."""
-    space = today_space(sc)
+    space = today_space(setup)
     space["fixed"].pop("attn_implementation")
     space["dimensions"].update({"liger": [False, True], "torch_compile": [False, True],
                                 "attn_implementation": attention})
     return space
 
 
-def runnable_attention() -> list[str]:
+def runnable_attention(device: str) -> list[str]:
     """sdpa always; flex_attention and flash_attention_2/3 where kernel_support says they run."""
     from types import SimpleNamespace
 
     from autofit.kernels import kernel_support
 
     wanted = ["sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
-    return [a for a in wanted if kernel_support(SimpleNamespace(attn_implementation=a), "cuda") is None]
+    return [a for a in wanted if a == "sdpa" or kernel_support(SimpleNamespace(attn_implementation=a), device) is None]
 
 
 def write_space(space: dict[str, Any], folder: Path, name: str) -> Path:
@@ -138,9 +182,22 @@ def write_space(space: dict[str, Any], folder: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------- the CLI
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          timeout=timeout, check=False, env=on_gpu(None))
+
+
+def on_gpu(gpu: int | None) -> dict[str, str]:
+    """Environment of a subprocess: this checkout's autofit whatever the working directory, and only
+    `gpu` visible (None: as this process)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    if gpu is not None:
+        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(gpu))
+    return env
 
 
 def require_kernel_keys() -> None:
@@ -152,20 +209,23 @@ def require_kernel_keys() -> None:
                  "keys into spec.py first (the kernels wiring plan), then run this again.")
 
 
-def probe(model: str, limit: str, point: dict[str, Any]) -> dict[str, Any]:
-    sets = [f"{k}={'on' if v is True else 'off' if v is False else v}" for k, v in {**COMMON, **point}.items()]
-    args = ["probe", "--model", model, "--memory-limit", limit, "--json", "--timeout", "900"]
+def probe(setup: Setup, model: str, limit: str, point: dict[str, Any]) -> dict[str, Any]:
+    sets = [f"{k}={'on' if v is True else 'off' if v is False else v}" for k, v in {**setup.common, **point}.items()]
+    args = ["probe", "--model", model, "--memory-limit", limit, "--json", "--timeout", "900", *setup.device_args]
     proc = cli(*args, *[x for s in sets for x in ("--set", s)], timeout=1200)
     if proc.returncode != 0 or not proc.stdout.strip():
         return {"outcome": "bench_error", "reason": proc.stderr[-2000:], "config": point}
     return json.loads(proc.stdout)
 
 
-def search(model: str, limit: str, space: Path, budget: str) -> tuple[list[ProbeResult], float, Path]:
+def search(setup: Setup, model: str, limit: str, space: Path, budget: str,
+           gpu: int | None = None) -> tuple[list[ProbeResult], float, Path]:
     out = Path(tempfile.mkdtemp(prefix="kernels-bench-"))
     t0 = time.monotonic()
+    where = ["--gpu", str(gpu)] if gpu is not None else setup.device_args
     proc = cli("search", "--model", model, "--space", str(space), "--memory-limit", limit, "--budget", budget,
-               "--out", str(out), "--json", timeout=3 * 3600)
+               "--out", str(out), "--json", "--train-tokens", str(setup.train_tokens), *where,
+               timeout=3 * 3600)
     wall = time.monotonic() - t0
     print(proc.stderr[-3000:], file=sys.stderr)
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
@@ -186,6 +246,14 @@ def flops_per_token(model: str, cfg: dict[str, Any]) -> float:
     base = (4 if cfg.get("method", "lora") == "lora" else 6) + 2 * recompute
     attention = (12 + 4 * recompute) * shape.layers * shape.hidden * int(cfg.get("max_length", 2048))
     return base * n + attention
+
+
+def matmul_tflops_apart() -> float | None:
+    """matmul_tflops in a short-lived process: this one must hold no CUDA context while probes measure."""
+    proc = subprocess.run([sys.executable, __file__, "--matmul"], capture_output=True, text=True, timeout=600,
+                          check=False)
+    lines = proc.stdout.strip().splitlines()
+    return float(lines[-1]) if proc.returncode == 0 and lines and lines[-1] != "None" else None
 
 
 def matmul_tflops() -> float | None:
@@ -218,10 +286,12 @@ def mfu(model: str, cfg: dict[str, Any], tokens_per_s: float | None, measured: f
 # ----------------------------------------------------------------------------- profile
 
 
-def profile_point(model: str, limit: str, point: dict[str, Any]) -> dict[str, Any]:
+def profile_point(setup: Setup, model: str, limit: str, point: dict[str, Any],
+                  gpu: int | None = None) -> dict[str, Any]:
     """Profile the point in a fresh process (its own CUDA context and memory cap)."""
     proc = subprocess.run([sys.executable, __file__, "--profile-point", json.dumps(point), "--model", model,
-                           "--limit", limit, "--json"], capture_output=True, text=True, timeout=1800, check=False)
+                           "--limit", limit, "--json", *(["--small"] if setup.small else [])],
+                          capture_output=True, text=True, timeout=1800, check=False, env=on_gpu(gpu))
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -242,63 +312,136 @@ def categorise(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def run_profile(model: str, limit: str, point: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+def run_profile(setup: Setup, model: str, limit: str, point: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     """Inside the profiling process: build as the probe does, train warm-up steps, profile `steps` steps."""
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from autofit import kernels, recipe
+    from autofit import recipe
     from autofit.spec import KEYS, TrialConfig
     from autofit.units import parse_size
 
-    settings = {**COMMON, **point}
+    settings = {**setup.common, **point}
     cfg = TrialConfig.from_mapping({k: v for k, v in settings.items() if k in KEYS})
-    flags = argparse.Namespace(**{k: bool(settings.get(k, False)) for k in KERNEL_KEYS})
-    torch.cuda.set_per_process_memory_fraction(parse_size(limit) / torch.cuda.get_device_properties(0).total_memory)
+    cuda = torch.cuda.is_available() and not setup.small
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(parse_size(limit) / torch.cuda.get_device_properties(0).total_memory)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if cuda else "cpu"):
         net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS[model]), dtype=torch.bfloat16,
                                                attn_implementation=cfg.attn_implementation)
     net.config.use_cache = False
-    from peft import LoraConfig, get_peft_model
-
     net = get_peft_model(net, LoraConfig(**recipe.lora_arguments(cfg)))
     warmup = 3
     ids = torch.randint(0, PRESETS[model]["vocab_size"], ((warmup + steps) * cfg.effective_batch, cfg.max_length))
     data = [{"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)} for x in ids]
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA])
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=activities)
 
     class Window(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step == warmup:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize() if cuda else None
                 prof.start()
 
     with tempfile.TemporaryDirectory() as out:
-        targs = {**recipe.training_arguments(cfg, on_cpu=False, max_steps=warmup + steps),
-                 **kernels.training_arguments(flags)}
+        # the recipe's own arguments, kernels included (use_liger_kernel, torch_compile): what the probe ran
+        targs = recipe.training_arguments(cfg, on_cpu=not cuda, max_steps=warmup + steps)
         trainer = Trainer(model=net, args=TrainingArguments(output_dir=out, disable_tqdm=True, **targs),
                           train_dataset=data, callbacks=[Window()])
         trainer.train()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize() if cuda else None
         prof.stop()
-    return summarise(prof, steps)
+    return summarise(prof, steps, "device" if cuda else "cpu")
 
 
-def summarise(prof: Any, steps: int) -> dict[str, Any]:
-    """Top CUDA ops by device time per step, and the share of each category."""
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events) or 1
+def summarise(prof: Any, steps: int, clock: str = "device") -> dict[str, Any]:
+    """Top ops by device (or, on the CPU, CPU) time per step, and the share of each category."""
+    self_time = f"self_{clock}_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, self_time, 0) > 0]
+    events.sort(key=lambda e: getattr(e, self_time), reverse=True)
+    total = sum(getattr(e, self_time) for e in events) or 1
     shares: dict[str, float] = {}
     for e in events:
         cat = categorise(e.key)
-        shares[cat] = shares.get(cat, 0.0) + e.self_device_time_total / total
-    top = [{"op": e.key[:120], "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 2),
-            "share": round(e.self_device_time_total / total, 4), "calls": e.count // steps} for e in events[:25]]
-    return {"device_ms_per_step": round(total / 1e3 / steps, 1), "top_ops": top,
+        shares[cat] = shares.get(cat, 0.0) + getattr(e, self_time) / total
+    top = [{"op": e.key[:120], "ms_per_step": round(getattr(e, self_time) / 1e3 / steps, 2),
+            "share": round(getattr(e, self_time) / total, 4), "calls": e.count // steps} for e in events[:25]]
+    return {f"{clock}_ms_per_step": round(total / 1e3 / steps, 1), "top_ops": top,
             "shares": {k: round(v, 4) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}}
+
+
+# ----------------------------------------------------------------------------- the exported winner
+
+
+def bench_dataset(folder: Path) -> Path:
+    """~400k bytes of random words (export_bench.py's): the byte tokenizer makes ~200 blocks of 2048."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(2000)]
+    path = folder / "data.jsonl"
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": " ".join(rng.choice(words) for _ in range(180))}) + "\n" for _ in range(400))
+    return path
+
+
+def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None) -> dict[str, Any]:
+    """Export `run_dir`'s winner (hf-trainer), run it `steps` steps; its summary (tokens/s, peak, losses)."""
+    script = work / "train.py"
+    proc = cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    cmd = [sys.executable, str(script), "--dataset", str(bench_dataset(work)), "--output-dir", str(work / "out"),
+           "--max-steps", str(steps)]
+    if limit:
+        cmd += ["--emulate-memory-gib", str(limit / GIB)]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=on_gpu(gpu))
+    lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
+    summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+    if "max_memory_reserved" in summary:  # the probe's definition: reserved peak + memory outside the allocator
+        summary["peak_bytes"] = summary["max_memory_reserved"] + max(summary["device_used"]
+                                                                     - summary["memory_reserved_now"], 0)
+    return {"rc": run.returncode, "wall_seconds": round(time.monotonic() - t0, 1), **summary,
+            **({"stderr_tail": run.stderr[-1500:]} if run.returncode else {})}
+
+
+def stock_copy(run_dir: Path, folder: Path) -> Path:
+    """A copy of the run folder whose winner has stock kernels (liger, compile off; sdpa): the reference."""
+    import shutil
+
+    copy = folder / "stock-run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("logs", "*.db", "*.png", "*.log"))
+    best = json.loads((copy / "best.json").read_text())
+    best["config"].update(liger=False, torch_compile=False, attn_implementation="sdpa")
+    (copy / "best.json").write_text(json.dumps(best))
+    return copy
+
+
+def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
+                    gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """The exported winner against its probe (5% tokens/s, 3% peak) and its loss curve against stock kernels."""
+    if best is None or not (run_dir / "best.json").is_file():
+        return {"skipped": "no winner"}
+    best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))  # what export reads (repeats merged)
+    work = Path(tempfile.mkdtemp(prefix="kernels-export-"))
+    limit = best.memory_limit_bytes if not setup.small else None
+    for sub in ("kernels", "stock"):
+        (work / sub).mkdir()
+    # the stock reference runs uncapped: with stock kernels the same micro-batch may not fit the cap
+    jobs = [(run_dir, work / "kernels", limit, gpus[0]), (stock_copy(run_dir, work), work / "stock", None, gpus[1])]
+    with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
+        mine, stock = pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs)
+    tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
+    peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
+    tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
+    pairs = list(zip(mine.get("losses", []), stock.get("losses", []), strict=False))
+    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in pairs if a[0] == b[0] and b[1]]
+    return {"steps": setup.export_steps, "probe_tokens_per_s": best.tokens_per_s, "probe_peak_bytes": best.peak_memory_bytes,
+            "recipe": mine, "tokens_per_s_ratio": tps, "peak_ratio": peak,
+            "meets_speed_and_peak": bool(tps and abs(tps - 1) <= 0.05 and peak and abs(peak - 1) <= 0.03),
+            "stock_recipe": stock, "loss_curve_max_rel_diff": max(rel) if rel else None,
+            "loss_tolerance": tol, "loss_curve_within_tolerance": bool(rel) and max(rel) <= tol}
 
 
 # ----------------------------------------------------------------------------- the scenarios
@@ -313,56 +456,60 @@ def config_of(res: ProbeResult | dict[str, Any]) -> dict[str, Any]:
 def figure(model: str, res: ProbeResult | None, matmul: float | None) -> dict[str, Any] | None:
     if res is None:
         return None
-    extra = res.extra or {}
-    compile_s = extra.get("compile_seconds") or getattr(res, "compile_seconds", None)
-    out = {"config": config_of(res), "tokens_per_s": res.tokens_per_s,
-           "peak_gib": round(res.peak_memory_bytes / GIB, 2) if res.peak_memory_bytes else None,
-           "compile_seconds": compile_s, **mfu(model, res.config, res.tokens_per_s, matmul)}
-    if compile_s and res.tokens_per_s:
-        from autofit.kernels import amortised_tokens_per_s
-
-        out["tokens_per_s_amortised"] = round(amortised_tokens_per_s(res.tokens_per_s, compile_s, TRAIN_TOKENS))
-    return out
+    return {"config": config_of(res), "tokens_per_s": res.tokens_per_s, "tokens_per_s_ranked": round(speed(res)),
+            "peak_gib": round(res.peak_memory_bytes / GIB, 2) if res.peak_memory_bytes else None,
+            "compile_seconds": res.compile_seconds, "train_tokens": res.train_tokens,
+            "gate": (res.extra or {}).get("gate"), **mfu(model, res.config, res.tokens_per_s, matmul)}
 
 
-def verdict(sc: Scenario, today: ProbeResult | None, best: ProbeResult | None, matmul: float | None) -> dict:
-    ratio = (best.tokens_per_s / today.tokens_per_s) if today and best and today.tokens_per_s else None
+def verdict(setup: Setup, sc: Scenario, today: ProbeResult | None, best: ProbeResult | None,
+            matmul: float | None, gpu: int | None = None) -> dict:
+    """Ratio by the objective's speed (compile seconds amortised over the planned training length)."""
+    ratio = speed(best) / speed(today) if today and best and speed(today) else None
     out = {"today": figure(sc.model, today, matmul), "with_kernels": figure(sc.model, best, matmul),
            "ratio": round(ratio, 3) if ratio else None, "target": sc.target,
            "met": None if sc.target is None or ratio is None else ratio >= sc.target}
     if out["met"] is False and best is not None:
-        out["profile_of_winner"] = profile_point(sc.model, sc.limit, {**config_of(best)})
+        out["profile_of_winner"] = profile_point(setup, sc.model, sc.limit, {**config_of(best)}, gpu)
     return out
 
 
-def run_searches(sc: Scenario, budget: str, folder: Path, matmul: float | None) -> dict[str, Any]:
-    attention = runnable_attention()
-    today_rows, today_wall, today_dir = search(sc.model, sc.limit, write_space(today_space(sc), folder,
-                                               f"{sc.name}-today"), budget)
-    k_rows, k_wall, k_dir = search(sc.model, sc.limit, write_space(kernel_space(sc, attention), folder,
-                                   f"{sc.name}-kernels"), budget)
-    out = verdict(sc, best_of(today_rows), best_of(k_rows), matmul)
+def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: float | None,
+                 gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """Today's space and the extended one, one after the other, or at once on two GPUs."""
+    attention = runnable_attention("cpu" if setup.small else "cuda")
+    spaces = [write_space(today_space(setup), folder, f"{sc.name}-today"),
+              write_space(kernel_space(setup, attention), folder, f"{sc.name}-kernels")]
+    with ThreadPoolExecutor(2 if gpus[0] is not None else 1) as pool:
+        (today_rows, today_wall, today_dir), (k_rows, k_wall, k_dir) = pool.map(
+            lambda i: search(setup, sc.model, sc.limit, spaces[i], budget, gpus[i]), (0, 1))
+    best = best_of(k_rows)
+    out = verdict(setup, sc, best_of(today_rows), best, matmul, gpus[1])
     mism = [config_of(r) for r in k_rows if r.outcome.value == "mismatch"]
     out.update({"attention_searched": attention, "search_wall_seconds": {"today": today_wall, "kernels": k_wall},
                 "probes": {"today": len(today_rows), "kernels": len(k_rows)}, "mismatches": mism,
                 "outcomes_with_kernels": [{"config": config_of(r), "outcome": r.outcome.value, "reason": r.reason,
-                                           "tokens_per_s": r.tokens_per_s} for r in k_rows],
-                "run_dirs": {"today": str(today_dir), "kernels": str(k_dir)}})
+                                           "tokens_per_s": r.tokens_per_s, "compile_seconds": r.compile_seconds}
+                                          for r in k_rows],
+                "run_dirs": {"today": str(today_dir), "kernels": str(k_dir)},
+                "export": export_fidelity(setup, k_dir, best, gpus) if setup.export_steps
+                else {"skipped": "--export-steps 0"}})
     return out
 
 
-def run_probes(sc: Scenario, matmul: float | None) -> dict[str, Any]:
+def run_probes(setup: Setup, sc: Scenario, matmul: float | None) -> dict[str, Any]:
     rows = []
     for point in sc.points:
-        d = probe(sc.model, sc.limit, point)
+        d = probe(setup, sc.model, sc.limit, point)
         rows.append(d)
         print(sc.name, point, d.get("outcome"), d.get("tokens_per_s"), d.get("reason", "")[:200], flush=True)
     results = [ProbeResult.from_dict(d) for d in rows if d.get("outcome") != "bench_error"]
     today = best_of([r for r in results if not any(r.config.get(k) for k in KERNEL_KEYS)])
-    out = verdict(sc, today, best_of(results), matmul)
+    out = verdict(setup, sc, today, best_of(results), matmul)
     out["points"] = [{"config": p, "outcome": d.get("outcome"), "reason": d.get("reason", "")[:500],
-                      "tokens_per_s": d.get("tokens_per_s"), "peak_gib": round(d["peak_memory_bytes"] / GIB, 2)
-                      if d.get("peak_memory_bytes") else None} for p, d in zip(sc.points, rows)]
+                      "tokens_per_s": d.get("tokens_per_s"), "compile_seconds": d.get("compile_seconds"),
+                      "peak_gib": round(d["peak_memory_bytes"] / GIB, 2) if d.get("peak_memory_bytes") else None}
+                     for p, d in zip(sc.points, rows, strict=True)]
     return out
 
 
@@ -371,29 +518,48 @@ def main() -> None:
     ap.add_argument("--mode", choices=("search", "probes"), default="search")
     ap.add_argument("--scenarios", default="S1,S2,S4")
     ap.add_argument("--budget", default="20m", help="per search (two searches per scenario)")
+    ap.add_argument("--small", action="store_true", help="tiny-llama on the CPU: the plumbing, no GPU figures")
+    ap.add_argument("--train-tokens", type=int, default=TRAIN_TOKENS,
+                    help=f"planned training length compile time is amortised over (default {TRAIN_TOKENS:,})")
+    ap.add_argument("--export-steps", type=int, default=50, help="steps of the exported winner (0: skip the export)")
+    ap.add_argument("--gpus", default="", help="comma-separated GPU indices, two a scenario: its two searches (and "
+                    "the exported recipes) run at once, every scenario at once")
     ap.add_argument("--profile-point", help="JSON of one point: profile it and print the table")
+    ap.add_argument("--matmul", action="store_true", help="print this GPU's bf16 matmul TFLOP/s and exit")
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--limit", default="40GiB")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
+                  gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
+    if a.matmul:
+        print(matmul_tflops())
+        return
     if a.profile_point:
-        res = run_profile(a.model, a.limit, json.loads(a.profile_point))
+        res = run_profile(setup, a.model, a.limit, json.loads(a.profile_point))
         print(json.dumps(res) if a.json else json.dumps(res, indent=1))
         return
     require_kernel_keys()
-    matmul = matmul_tflops()
+    matmul = None if a.small else matmul_tflops_apart()
     folder = Path(tempfile.mkdtemp(prefix="kernels-spaces-"))
-    scenarios = {}
-    for name in a.scenarios.split(","):
-        sc = SCENARIOS[name.strip()]
-        scenarios[sc.name] = run_searches(sc, a.budget, folder, matmul) if a.mode == "search" \
-            else run_probes(sc, matmul)
-        print(sc.name, json.dumps({k: scenarios[sc.name][k] for k in ("ratio", "target", "met")}), flush=True)
-    save(f"kernels-{a.mode}", {"mode": a.mode, "budget_per_search": a.budget if a.mode == "search" else None,
-                               "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
-                               "train_tokens_for_amortisation": TRAIN_TOKENS,
-                               "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(),
-                               "scenarios": scenarios})
+    chosen = [SMALL] if a.small else [SCENARIOS[n.strip()] for n in a.scenarios.split(",")]
+
+    def one(i: int) -> dict[str, Any]:
+        sc = chosen[i]
+        out = run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i)) if a.mode == "search" \
+            else run_probes(setup, sc, matmul)
+        print(sc.name, json.dumps({k: out[k] for k in ("ratio", "target", "met")}), flush=True)
+        return out
+
+    parallel = a.mode == "search" and setup.gpu_pair(len(chosen) - 1)[0] is not None
+    with ThreadPoolExecutor(len(chosen) if parallel else 1) as pool:
+        scenarios = dict(zip([sc.name for sc in chosen], pool.map(one, range(len(chosen))), strict=True))
+    save(f"kernels-{a.mode}" + ("-small-cpu" if a.small else ""),
+         {"mode": a.mode, "small": a.small, "budget_per_search": a.budget if a.mode == "search" else None,
+          "gpus": list(setup.gpus),
+          "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
+          "train_tokens_for_amortisation": a.train_tokens,
+          "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(), "scenarios": scenarios})
 
 
 if __name__ == "__main__":

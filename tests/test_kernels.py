@@ -262,10 +262,10 @@ def test_which_configs_are_gated_and_by_what():
     assert not kernels.needs_gate(TrialConfig(attn_implementation="eager"))
     assert kernels.needs_gate(TrialConfig(attn_implementation="flex_attention"))
     assert kernels.needs_gate(SimpleNamespace(liger=True, attn_implementation="sdpa"))
-    liger = SimpleNamespace(**TrialConfig().to_dict(), liger=True)
-    other_batch = SimpleNamespace(**{**TrialConfig().to_dict(), "micro_batch_size": 4}, liger=True)
+    liger = TrialConfig(liger=True)
+    other_batch = TrialConfig(micro_batch_size=4, liger=True)
     assert kernels.gate_key(liger) == kernels.gate_key(other_batch)  # one verdict covers every micro-batch
-    other_ckpt = SimpleNamespace(**{**TrialConfig().to_dict(), "gradient_checkpointing": "every_2"}, liger=True)
+    other_ckpt = TrialConfig(gradient_checkpointing="every_2", liger=True)
     assert kernels.gate_key(liger) != kernels.gate_key(other_ckpt)
 
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from ..protocol import TRAIN_TOKENS
 from ..report import config_brief
 from ..rundir import CONFIRM
 from ..search import Event
@@ -180,4 +181,8 @@ def add_parser(sub: Any, fmt: Any) -> None:
                          "called the winner (its tokens/s: the median of the runs); time for one is kept "
                          "in the budget; a best that a repeat leaves unmeasured-again is measured too "
                          f"(default {CONFIRM}; 0: none)")
+    se.add_argument("--train-tokens", type=int, metavar="N", default=TRAIN_TOKENS,
+                    help="tokens the real training run will process: a compiled config's compile time is "
+                         "amortised over them when configs are ranked, so a 90 s compile does not win a "
+                         f"short job (default {TRAIN_TOKENS:,}: about 8k samples x 2048 tokens x 3 epochs)")
     se.set_defaults(func=cmd_search)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..recipe import learning_rate
+from ..spec import TrialConfig
 from .common import ExportRun, Rendered, yaml_recipe
-from .yaml_targets import AXOLOTL
+from .yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 
 
 def render(r: ExportRun) -> Rendered:
@@ -47,7 +50,9 @@ def render(r: ExportRun) -> Rendered:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: axolotl {AXOLOTL['version']} "
                     "checkpoints every layer or none; written as every layer (more memory headroom, slower "
                     "than measured)")
-    attn = {"sdpa": "sdp_attention", "flash_attention_2": "flash_attention", "eager": "eager_attention"}
+    attn = {"sdpa": "sdp_attention", "flash_attention_2": "flash_attention", "eager": "eager_attention",
+            "flex_attention": "flex_attention"}
+    out.update(kernel_keys(cfg))
     if cfg.attn_implementation in attn:
         out[attn[cfg.attn_implementation]] = True
     else:
@@ -55,7 +60,23 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not an axolotl key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
+    if cfg.liger and cfg.torch_compile:
+        lost.append("liger=on with torch_compile=on: axolotl runs Liger's fused cross-entropy outside "
+                    "torch.compile (torch.compiler.disable); the probe compiled it with the model")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
     out["output_dir"] = "./autofit-out"
     intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: axolotl train this.yaml"]
     return yaml_recipe(r, out, AXOLOTL["keys"], intro, lost)
+
+
+def kernel_keys(cfg: TrialConfig) -> dict[str, Any]:
+    """Liger through axolotl's plugin, the kernels Trainer's `use_liger_kernel` applies by default
+    (rope, rms_norm, glu, fused linear cross-entropy; the plain cross-entropy off); torch.compile."""
+    out: dict[str, Any] = {}
+    if cfg.liger:
+        out.update({"plugins": [AXOLOTL_LIGER_PLUGIN], "liger_rope": True, "liger_rms_norm": True,
+                    "liger_glu_activation": True, "liger_fused_linear_cross_entropy": True,
+                    "liger_cross_entropy": False})
+    if cfg.torch_compile:
+        out.update({"torch_compile": True, "torch_compile_backend": "inductor"})
+    return out

@@ -44,6 +44,10 @@ def render(r: ExportRun) -> Rendered:
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
                     f"{LLAMA_FACTORY['version']} checkpoints every layer or none; written as every layer")
+    if cfg.liger:
+        out["enable_liger_kernel"] = True  # apply_liger_kernel_to_<model_type>() before the model loads
+    if cfg.torch_compile:
+        out["torch_compile"] = True  # a TrainingArguments field, passed through
     if cfg.method == "full" and cfg.precision == "bf16":
         out["pure_bf16"] = True  # autofit trained bf16 weights directly
     flash = LLAMA_FACTORY["flash_attn"].get(cfg.attn_implementation)

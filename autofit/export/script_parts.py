@@ -185,6 +185,7 @@ def throughput_callback(tokens_per_step):
         def __init__(self):
             self.times = []
             self.t0 = None
+            self.losses = []  # (step, mean loss since the last log): the loss curve, in the summary
 
         def on_step_begin(self, args, state, control, **kw):
             if torch.cuda.is_available():
@@ -196,9 +197,14 @@ def throughput_callback(tokens_per_step):
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append((state.global_step, logs["loss"]))
+
         def on_train_end(self, args, state, control, **kw):
             steady = self.times[2:] or self.times
-            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady)}
+            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady),
+                       "losses": self.losses}
             if torch.cuda.is_available():
                 summary["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -229,11 +235,29 @@ def arguments():
 def prepare():
     """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
     a = arguments()
+    check_kernels()
     texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
     emulate(a.emulate_memory_gib)
     tokenizer = load_tokenizer(a.model)
     blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
     return a, tokenizer, blocks, adapt(build_model(a.model))
+
+
+def check_kernels():
+    """Liger's kernels (use_liger_kernel) need liger-kernel, triton and a CUDA GPU: say so before loading."""
+    if not TRAINING_ARGS.get("use_liger_kernel"):
+        return
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        fail("this recipe uses Liger's kernels (use_liger_kernel=True) and liger-kernel is not installed; "
+             "pip install 'liger-kernel>=0.8.5' (it needs triton: a CUDA machine)")
+    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+        fail("this recipe uses Liger's kernels (use_liger_kernel=True): Triton GPU kernels, and this machine "
+             "has no " + ("triton" if importlib.util.find_spec("triton") is None else "CUDA GPU")
+             + "; run it on the GPU it was measured for, or export a configuration with liger=off")
+    print(f"liger-kernel {importlib.metadata.version('liger-kernel')}, torch {torch.__version__}", file=sys.stderr)
 
 
 def emulate(limit_gib):

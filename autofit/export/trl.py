@@ -46,4 +46,9 @@ def render(r: ExportRun) -> Rendered:
                          "trl`) and export again.") from None
     names = checked_names(r)
     check_fields(trl.SFTConfig, set(names["training"]) | TRL_ARGS, f"trl {trl.__version__} SFTConfig")
-    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN + TAIL)
+    notes = []
+    if r.config.liger:
+        notes.append(f"liger=on: trl {trl.__version__} SFTTrainer applies Liger's layer kernels only "
+                     "(use_liger_kernel is deprecated there) and its own fused LM head instead of Liger's "
+                     "fused cross-entropy: speed and peak differ from the probe's Trainer run")
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN + TAIL, notes)

@@ -6,6 +6,8 @@ versions named, checked by the tests against what the exporters write.
 
 from __future__ import annotations
 
+AXOLOTL_LIGER_PLUGIN = "axolotl.integrations.liger.LigerPlugin"
+
 AXOLOTL = {
     "version": "0.12",
     "keys": {
@@ -15,6 +17,9 @@ AXOLOTL = {
         "num_epochs", "optimizer", "learning_rate", "lr_scheduler", "bf16", "fp16", "tf32",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "sdp_attention", "flash_attention",
         "eager_attention", "datasets", "output_dir", "logging_steps", "seed", "bnb_config_kwargs",
+        # integrations/liger/args.py (LigerArgs) with the plugin; schemas/config.py (torch_compile*, flex_attention)
+        "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
+        "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
     },
     "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
                    "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
@@ -29,6 +34,8 @@ LLAMA_FACTORY = {
         "gradient_accumulation_steps", "learning_rate", "max_steps", "bf16", "fp16", "pure_bf16", "optim",
         "output_dir", "flash_attn", "disable_gradient_checkpointing", "logging_steps", "seed",
         "lr_scheduler_type", "report_to", "overwrite_output_dir",
+        # hparams/model_args.py (enable_liger_kernel); torch_compile is a Seq2SeqTrainingArguments field
+        "enable_liger_kernel", "torch_compile",
     },
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }

@@ -22,6 +22,7 @@ from ..result import Outcome, ProbeResult
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
 from .child_io import write_json_atomic
 from .errors import Unsupported
+from .gate import check_architecture, check_support, kernel_figures, mismatch_result, run_gate
 from .judge import judge_limit, noisy_reason
 from .quiet import CONTROLS, enabled, freeze_built_objects, pin_to_gpu
 from .sampler import Memory
@@ -47,13 +48,18 @@ class Trained:
 def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
     """Run the probe `req` describes; `state` collects figures as they come, for failures."""
     os.environ.update(recipe.allocator_env(req.config))
+    check_support(req)  # kernels that cannot run here: unsupported before the device is touched
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, now)
     sync = prepare_device(req, state)
+    check_architecture(req)
     model = load_model(req, state)
+    gate = run_gate(req, state, model)
+    if gate is not None and not gate.ok:
+        return mismatch_result(req, gate)
     trained = train(req, state, model, sync, announce)
     verify_checkpointing(req, state.callback, trained.n_layers)
-    return figures(req, state, trained)
+    return kernel_figures(figures(req, state, trained), req, state, gate)
 
 
 def _stop_runaway(req: ProbeRequest, now: int) -> None:

@@ -107,6 +107,11 @@ class Memory:
         self.sampled_peak = max(self.sampled_peak, peak)
         return peak, peak
 
+    def reset_peaks(self) -> None:
+        """Peaks count from now (after the correctness gate, whose reference holds the full logits)."""
+        now = self.added()
+        self.sampled_peak = self._phase_peak = now
+
     def allocator_now(self) -> tuple[int, int]:
         if self.device == "cuda":
             import torch

@@ -1,0 +1,244 @@
+"""The kernel keys wired through autofit (issue 12): keys, recipe, probe, runner, objective.
+
+The gate's power on its own is tested in test_kernels.py; here it runs inside a real probe child,
+with a deliberately wrong kernel injected at the process boundary (`TEST_LOSS_SCALE_ENV`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, probe_json
+from test_regress import write_run
+
+from autofit import kernels, recipe
+from autofit.cli import main
+from autofit.errors import UsageError
+from autofit.export import export_run
+from autofit.memory import Shape, group_key, prior
+from autofit.models import resolve_model
+from autofit.objective import best_of, speed
+from autofit.probe.errors import Unsupported
+from autofit.probe.gate import TEST_LOSS_SCALE_ENV
+from autofit.probe.measure import run_probe
+from autofit.probe.state import ProbeState
+from autofit.protocol import ProbeRequest
+from autofit.report import prediction_errors
+from autofit.result import Outcome, ProbeResult
+from autofit.rundir import ProbeSettings
+from autofit.runner import Runner
+from autofit.spec import KEYS, TrialConfig
+from autofit.target import Target
+
+SHORT = {"max_length": 128, "global_batch": 4}
+DATA = ROOT / "tests" / "data" / "tiny.jsonl"
+
+# TrialConfig().key() before the kernel keys existed: stored studies look configs up by it.
+OLD_DEFAULT_KEY = ("method=lora;max_length=2048;micro_batch_size=1;global_batch=16;precision=bf16;"
+                   "gradient_checkpointing=off;quantization=none;optimizer=adamw_torch_fused;"
+                   "attn_implementation=sdpa;expandable_segments=False;lora_r=16;lora_alpha=32;"
+                   "lora_targets=q_proj,v_proj;lora_dropout=0.0")
+
+
+def test_kernel_keys_parse_and_bad_values_name_the_key() -> None:
+    cfg = TrialConfig.from_mapping({"liger": "on", "torch_compile": "off"})
+    assert cfg.liger is True and cfg.torch_compile is False
+    assert KEYS["liger"].default is False and KEYS["torch_compile"].default is False
+    assert "Liger" in KEYS["liger"].help and "--train-tokens" in KEYS["torch_compile"].help
+    with pytest.raises(UsageError) as e:
+        TrialConfig.from_mapping({"liger": "maybe"})
+    assert "liger='maybe'" in str(e.value.problems)
+
+
+def test_older_studies_keep_their_config_keys() -> None:
+    assert TrialConfig().key() == OLD_DEFAULT_KEY
+    assert TrialConfig.from_dict({k: v for k, v in TrialConfig().to_dict().items()
+                                  if k not in ("liger", "torch_compile")}) == TrialConfig()
+    on = TrialConfig(liger=True, torch_compile=True)
+    assert "liger=True" in on.key() and "torch_compile=True" in on.key() and on.key() != OLD_DEFAULT_KEY
+
+
+def test_recipe_carries_the_kernels_and_pins_tf32() -> None:
+    stock = recipe.training_arguments(TrialConfig(), on_cpu=False, max_steps=5)
+    assert stock["tf32"] is False and "use_liger_kernel" not in stock and "torch_compile" not in stock
+    both = recipe.training_arguments(TrialConfig(liger=True, torch_compile=True), on_cpu=False, max_steps=5)
+    assert both["use_liger_kernel"] is True and both["torch_compile"] is True
+    assert both["torch_compile_backend"] == "inductor" and both["tf32"] is False
+
+
+def test_the_probe_child_refuses_liger_here_before_building_anything(tmp_path) -> None:
+    req = ProbeRequest(TrialConfig(liger=True, **SHORT), resolve_model("tiny-llama"), str(tmp_path / "r.json"))
+    state = ProbeState()
+    with pytest.raises(Unsupported, match="Triton GPU kernels"):
+        run_probe(req, state, lambda _event: None)
+    assert state.mem is None  # nothing was measured
+
+
+def test_the_runner_records_unsupported_kernels_without_a_child(tmp_path) -> None:
+    cfg = TrialConfig(liger=True, attn_implementation="flex_attention", **SHORT)
+    with Runner(Target(), tmp_path, standby=0) as runner:
+        res = runner.run(cfg, resolve_model("tiny-llama"), name="p1")
+    assert res.outcome is Outcome.UNSUPPORTED
+    assert "liger=on" in res.reason and "flex_attention" in res.reason
+    assert not list(tmp_path.glob("*.log"))  # no process was started
+
+
+def test_stock_configs_ask_for_no_gate(tmp_path) -> None:
+    runner = Runner(Target(), tmp_path, standby=0)
+    model = resolve_model("tiny-llama")
+    assert runner.request(TrialConfig(**SHORT), model, tmp_path / "a.json").gate is False
+    compiled = TrialConfig(torch_compile=True, **SHORT)
+    assert runner.request(compiled, model, tmp_path / "b.json").gate is True
+    runner.gate_verdicts[kernels.gate_key(compiled)] = ""  # passed earlier in this run
+    assert runner.request(compiled.replace(micro_batch_size=2), model, tmp_path / "c.json").gate is False
+
+
+def fit(tps: float, compile_s: float | None = None, train_tokens: int | None = None, **cfg: object) -> ProbeResult:
+    return ProbeResult(Outcome.FIT, TrialConfig(**SHORT, **cfg).to_dict(), tokens_per_s=tps,
+                       compile_seconds=compile_s, train_tokens=train_tokens)
+
+
+def test_compile_time_is_amortised_over_the_planned_training() -> None:
+    stock, compiled = fit(1000.0), fit(1100.0, compile_s=90.0, train_tokens=50_000_000, torch_compile=True)
+    assert speed(compiled) == pytest.approx(50e6 / (50e6 / 1100 + 90))
+    assert best_of([stock, compiled]) is compiled  # 10% faster pays a 90 s compile over 50M tokens
+    short = fit(1100.0, compile_s=90.0, train_tokens=500_000, torch_compile=True)
+    assert best_of([stock, short]) is stock  # ... but not over a 500k-token job
+    assert speed(fit(1100.0, compile_s=90.0)) == 1100.0  # no planned length: raw speed
+
+
+@pytest.mark.slow
+def test_liger_probe_is_unsupported_with_the_reason_on_the_cpu(tmp_path) -> None:
+    r = probe_json("--set", "liger=on", "--set", "max_length=128", "--set", "global_batch=4", cwd=tmp_path)
+    assert r["outcome"] == "unsupported"
+    assert "Liger's kernels are Triton GPU kernels" in r["reason"]
+
+
+@pytest.mark.slow
+def test_the_gate_in_a_real_probe_catches_a_wrong_kernel(tmp_path, monkeypatch) -> None:
+    """torch_compile runs on the CPU; the test-only factor makes its loss 1.5x: a mismatch, and the
+    run's next config with the same kernels is judged from that verdict without a child."""
+    monkeypatch.setenv(TEST_LOSS_SCALE_ENV, "1.5")
+    cfg = TrialConfig(torch_compile=True, precision="fp32", **SHORT)
+    with Runner(Target(), tmp_path, standby=0) as runner:
+        res = runner.run(cfg, resolve_model("tiny-llama"), name="wrong", timeout=600)
+        assert res.outcome is Outcome.MISMATCH, res.reason + res.error_tail
+        assert res.extra["gate"]["ok"] is False
+        assert res.extra["gate"]["loss_rel_err"] == pytest.approx(0.5, rel=1e-3)
+        again = runner.run(cfg.replace(micro_batch_size=2), resolve_model("tiny-llama"), name="again")
+    assert again.outcome is Outcome.MISMATCH and "probe wrong" in again.reason
+    assert best_of([res, again]) is None  # never a winner
+
+
+@pytest.mark.slow
+def test_a_compiled_probe_passes_the_gate_and_reports_compile_seconds(tmp_path) -> None:
+    r = probe_json("--set", "torch_compile=on", "--set", "max_length=128", "--set", "global_batch=4",
+                   cwd=tmp_path)
+    assert r["outcome"] == "fit", r["reason"]
+    assert r["extra"]["gate"]["ok"] is True
+    assert r["compile_seconds"] > 0 and r["extra"]["first_step_s"] > r["compile_seconds"] / 2
+    assert r["extra"]["dynamo"]["graphs"] >= 1
+
+
+S4 = Shape(hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28, kv_heads=4, tied=False)
+"""Qwen2.5-7B's shape: the large-vocabulary scenario."""
+
+
+def test_the_fused_loss_removes_the_logits_term_from_the_prior() -> None:
+    stock, liger = prior(TrialConfig(), S4), prior(TrialConfig(liger=True), S4)
+    assert stock.logits == 2048 * 152064 * 10  # logits, fp32 upcast, its gradient
+    assert liger.logits < stock.logits / 20  # chunks of the logits only
+    assert liger.activations < stock.activations  # SwiGLU keeps gate and up only
+    compiled = prior(TrialConfig(torch_compile=True), S4)
+    assert compiled.activations == int(stock.activations * 0.75) and compiled.logits == stock.logits
+    ckpt = TrialConfig(torch_compile=True, gradient_checkpointing="on")
+    assert prior(ckpt, S4).activations == prior(ckpt.replace(torch_compile=False), S4).activations
+
+
+def test_each_kernel_combination_is_its_own_memory_group() -> None:
+    keys = {group_key(TrialConfig(liger=a, torch_compile=b)) for a in (False, True) for b in (False, True)}
+    assert len(keys) == 4
+    assert group_key(TrialConfig(liger=True)) == group_key(TrialConfig(liger=True, micro_batch_size=4))
+
+
+def test_the_report_gives_the_prediction_error_per_kernel_combination() -> None:
+    def row(peak: int, predicted: int, **cfg: object) -> tuple[dict, ProbeResult]:
+        r = ProbeResult(Outcome.FIT, TrialConfig(**cfg).to_dict(), tokens_per_s=1.0, peak_memory_bytes=peak)
+        return {"predicted_peak": predicted}, r
+
+    pairs = [row(100, 110), row(100, 90), row(100, 150, liger=True)]
+    lines = prediction_errors([p[0] for p in pairs], [p[1] for p in pairs])
+    assert "| liger=off, torch_compile=off, attn=sdpa | 10% | 10% | 2 |" in lines
+    assert "| liger=on, torch_compile=off, attn=sdpa | 50% | 50% | 1 |" in lines
+
+
+# ----------------------------------------------------------------------------- export
+
+KERNELS = TrialConfig(liger=True, torch_compile=True, **SHORT)
+
+
+def test_every_format_carries_the_kernels_validated_against_the_installed_libraries(tmp_path) -> None:
+    run = write_run(tmp_path / "run", config=KERNELS.to_dict())
+    for fmt in ("hf-trainer", "trl"):
+        text = export_run(run, fmt).text
+        for field in ("'use_liger_kernel': True", "'torch_compile': True", "'torch_compile_backend': 'inductor'",
+                      "'tf32': False"):
+            assert field in text, (fmt, field)
+    assert any("fused LM head" in n for n in export_run(run, "trl").unexpressed)
+    axolotl = yaml.safe_load(export_run(run, "axolotl").text)
+    assert axolotl["plugins"] == ["axolotl.integrations.liger.LigerPlugin"]
+    assert axolotl["liger_fused_linear_cross_entropy"] is True and axolotl["liger_cross_entropy"] is False
+    assert axolotl["liger_rms_norm"] and axolotl["liger_rope"] and axolotl["liger_glu_activation"]
+    assert axolotl["torch_compile"] is True and axolotl["torch_compile_backend"] == "inductor"
+    factory = yaml.safe_load(export_run(run, "llama-factory").text)
+    assert factory["enable_liger_kernel"] is True and factory["torch_compile"] is True
+    stock = yaml.safe_load(export_run(write_run(tmp_path / "stock"), "axolotl").text)
+    assert "plugins" not in stock and "torch_compile" not in stock
+
+
+@pytest.mark.slow
+def test_a_liger_script_fails_clearly_where_liger_cannot_run(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(export_run(write_run(tmp_path / "run", config=KERNELS.to_dict()), "hf-trainer").text)
+    proc = subprocess.run([sys.executable, str(script), "--dataset", str(DATA), "--max-steps", "3",
+                           "--output-dir", str(tmp_path / "out")],
+                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "use_liger_kernel=True" in proc.stderr
+    assert "pip install 'liger-kernel>=0.8.5'" in proc.stderr or "this machine has no" in proc.stderr
+
+
+def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path) -> None:
+    assert main(["search", "--model", "tiny-llama", "--device", "cpu", "--train-tokens", "0",
+                 "--out", str(tmp_path)]) == 2
+    assert "--train-tokens: a positive number of tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    assert "default 50,000,000" in " ".join(capsys.readouterr().out.split())
+    assert ProbeSettings().train_tokens == 50_000_000
+
+
+def test_the_gate_reference_runs_stock_attention_on_the_same_weights() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autofit.models import PRESETS
+    from autofit.probe.gate import with_attention
+
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]), attn_implementation="eager")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    weights = next(model.parameters()).data_ptr()
+    assert with_attention(model, "sdpa") is model and base.config._attn_implementation == "sdpa"
+    with_attention(model, "eager")
+    assert base.config._attn_implementation == "eager" and next(model.parameters()).data_ptr() == weights
+
+
+def test_liger_is_an_optional_extra_at_the_version_autofit_measured() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"liger-kernel>={kernels.LIGER_MIN_VERSION}" in project["optional-dependencies"]["kernels"]
+    assert not any(d.startswith("liger") for d in project["dependencies"])  # it requires triton: not for CPU installs
