@@ -12,6 +12,8 @@ from enum import StrEnum
 from typing import Any
 
 import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from .objective import combined_tokens_per_s, study_value
@@ -23,9 +25,6 @@ def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store: Any = storage
     if storage.endswith(".journal"):
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
         store = JournalStorage(JournalFileBackend(storage))
     elif storage.startswith("sqlite"):
         store = optuna.storages.RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})

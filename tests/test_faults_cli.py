@@ -46,7 +46,7 @@ FAULTS = [
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
           "--out: cannot write the run folder"),
     Fault("disk-full-during-search", "the disk fills up during a search (a small tmpfs)",
-          "autofit search --out FULL", 4, "cannot write to", nothing_lost=True),
+          "autofit search --out FULL", 4, "cannot write", nothing_lost=True),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
           "Continue with: autofit search --resume", nothing_lost=True),
 ]
