@@ -254,7 +254,8 @@ class Runner:
     def __init__(self, target: Target, log_dir: Path, *, standby: int = 1,
                  warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
                  max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
-                 hold_while_timing: bool = True) -> None:
+                 hold_while_timing: bool = True, dataset: dict[str, Any] | None = None,
+                 data_cache: Path | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -265,6 +266,9 @@ class Runner:
         self.timed_steps = timed_steps
         self.max_probe_accumulation = max_probe_accumulation
         self.hold_while_timing = hold_while_timing
+        self.dataset = dataset
+        """`DatasetRef.to_dict()` with --dataset: every probe trains on its micro-batches."""
+        self.data_cache = str(Path(data_cache).resolve()) if data_cache is not None else None
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self._pool: list[Standby] = []
         self._seq = 0
@@ -354,6 +358,7 @@ class Runner:
             memory_limit_bytes=t.memory_limit_bytes, headroom=t.headroom,
             warmup_steps=self.warmup_steps, timed_steps=self.timed_steps,
             max_probe_accumulation=self.max_probe_accumulation,
+            dataset=self.dataset, data_cache=self.data_cache,
         )
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,

@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autofit.cli import main
+from autofit.spec import BATCHINGS
 
 D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
 CHAT = ROOT / "tests" / "data" / "d1-chat-slice.jsonl"
@@ -74,3 +75,74 @@ def test_data_command_in_a_process_reports_bad_rows_and_never_a_traceback(tmp_pa
     assert "1 rows skipped: 1 not JSON (line 2)" in ok.stderr and "2 samples" in ok.stdout
     missing = run_cli("data", str(tmp_path / "none.jsonl"), "--model", "tiny-llama")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and "no such file" in missing.stderr
+
+
+# ----------------------------------------------------------------------------- the probe on real batches
+
+
+def _probe(tmp_path: Path, strategy: str, **sets: object):
+    from autofit.data import DatasetRef, load_samples
+    from autofit.models import resolve_model
+    from autofit.runner import Runner
+    from autofit.spec import TrialConfig
+    from autofit.target import resolve_targets
+
+    cfg = TrialConfig.from_mapping({"max_length": 96, "micro_batch_size": 2, "global_batch": 4,
+                                    "precision": "fp32", "batching": strategy, **sets})
+    ref = DatasetRef.of(load_samples(D1))
+    (target,) = resolve_targets(None, "cpu", None, 0.05)
+    with Runner(target, tmp_path / "logs", standby=0, dataset=ref.to_dict(), data_cache=tmp_path / "data") as r:
+        return cfg, r.run(cfg, resolve_model("tiny-llama"), name=f"probe-{strategy}", timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_every_strategy_trains_tiny_llama_from_jsonl_through_the_real_probe(tmp_path: Path, strategy: str) -> None:
+    from autofit.data import Batching, load_samples, plan, tokenizer_for
+    from autofit.models import resolve_model
+    from autofit.result import Outcome
+
+    _, res = _probe(tmp_path, strategy)
+    assert res.outcome is Outcome.FIT, res.reason + res.error_tail
+    extra = res.extra
+    assert extra["batching"] == strategy and res.tokens_per_s and res.tokens_per_s > 0
+    # the heaviest micro-batch ran first: recompute it from the data, independently of the probe
+    data = load_samples(D1)
+    ids = tokenizer_for(resolve_model("tiny-llama"), data, tmp_path / "data").encode(data.samples)
+    p = plan(Batching(strategy), [len(t) for t in ids], 96, 2, 0)
+    assert extra["heaviest_tensor_tokens"] == p.heaviest.tensor_tokens
+    if strategy == "pad_max":
+        assert extra["heaviest_tensor_tokens"] == 2 * 96 and extra["pad_fraction"] > 0.2
+    if strategy in ("padding_free",):
+        assert extra["pad_fraction"] == 0
+    assert 0 < extra["tokens_lost"] < 1 and res.step_times
+
+
+@pytest.mark.slow
+def test_the_loss_check_catches_the_leaking_strategy_inside_a_real_probe(tmp_path: Path, monkeypatch) -> None:
+    from autofit.probe.batches import LEAKY_ENV
+    from autofit.result import Outcome
+
+    monkeypatch.setenv(LEAKY_ENV, "1")
+    _, res = _probe(tmp_path, "packed")
+    assert res.outcome is Outcome.MISMATCH and not res.outcome.is_fit()
+    assert "samples sharing a row see each other" in res.reason
+    assert res.extra["max_loss_diff"] > 10 * res.extra["tolerance"]
+
+
+def test_probe_batching_without_a_dataset_is_a_usage_error(capsys) -> None:
+    assert main(["probe", "--model", "tiny-llama", "--device", "cpu", "--set", "batching=packed"]) == 2
+    assert "batching=packed needs --dataset" in capsys.readouterr().err
+
+
+def test_probe_with_a_bad_dataset_names_the_flag(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\x00\x01\x02\xff")
+    assert main(["probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(bad)]) == 2
+    assert "--dataset" in (err := capsys.readouterr().err) and "binary" in err
+
+
+def test_the_batching_key_matches_the_data_package() -> None:
+    from autofit.data import Batching
+
+    assert tuple(b.value for b in Batching) == BATCHINGS

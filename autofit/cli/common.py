@@ -8,12 +8,23 @@ from typing import Any
 
 from rich.console import Console
 
+from ..data import DatasetRef, TextMode, load_samples
 from ..errors import UsageError, gather
 from ..protocol import HEADROOM, MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from ..rundir import PROBE_TIMEOUT_S, ProbeSettings
 
-__all__ = ["EXIT_CODES", "add_data_flags", "add_probe_flags", "add_target_flags", "check_shared_flags", "err", "fraction",
-           "gather", "probe_settings"]
+__all__ = [
+    "EXIT_CODES",
+    "add_data_flags",
+    "add_probe_flags",
+    "add_target_flags",
+    "check_shared_flags",
+    "dataset_ref",
+    "err",
+    "fraction",
+    "gather",
+    "probe_settings",
+]
 
 EXIT_CODES = """\
 exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexpected error,
@@ -74,6 +85,17 @@ def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True) -> Non
                    help="the chat field: a list of {role, content} (default messages)")
     g.add_argument("--text-mode", default="auto", choices=("auto", "lines", "paragraphs", "whole"),
                    help="plain text files: one sample per line, per blank-line block, or the whole file")
+
+
+def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
+    """--dataset read (bad input: a UsageError naming the flag and file) as the reference a run keeps;
+    bad rows are reported on stderr with their first line numbers."""
+    if not getattr(args, "dataset", None):
+        return None
+    data = load_samples(args.dataset, args.text_field, args.messages_field, TextMode(args.text_mode))
+    if data.bad.count:
+        warn(f"--dataset {args.dataset}: {data.bad.summary()}")
+    return DatasetRef.of(data, args.text_field, args.messages_field)
 
 
 def probe_settings(args: argparse.Namespace) -> ProbeSettings:

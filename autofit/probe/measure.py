@@ -19,6 +19,7 @@ from typing import Any
 from .. import recipe
 from ..protocol import SPREAD_BOUND, ProbeRequest
 from ..result import Outcome, ProbeResult
+from .batches import RealBatches, check_boundaries, mismatch, real_batches
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
 from .child_io import write_json_atomic
 from .errors import Unsupported
@@ -50,9 +51,16 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     state.mem.runaway = lambda now: _stop_runaway(req, now)
     sync = prepare_device(req, state)
     model = load_model(req, state)
-    trained = train(req, state, model, sync, announce)
+    batches = real_batches(req, _micro_batches(req))  # None without --dataset: random tokens
+    if batches is not None and not (check := check_boundaries(model, batches, req.config.precision)).ok:
+        return mismatch(req, check)
+    trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
-    return figures(req, state, trained)
+    return figures(req, state, trained, batches)
+
+
+def _micro_batches(req: ProbeRequest) -> int:
+    return (req.warmup_steps + req.timed_steps + req.extra_timed_steps) * req.probe_accumulation
 
 
 def _stop_runaway(req: ProbeRequest, now: int) -> None:
@@ -123,8 +131,9 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
 
 
 def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
-          announce: Callable[[str], None]) -> Trained:
-    """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length."""
+          announce: Callable[[str], None], batches: RealBatches | None = None) -> Trained:
+    """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length (or on the
+    dataset's micro-batches, the heaviest first)."""
     from transformers import Trainer, TrainingArguments
 
     cfg, ga = req.config, req.probe_accumulation
@@ -132,16 +141,16 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
                       cfg.gradient_accumulation_steps - ga, announce)
     data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
-                        int(req.model.config.get("vocab_size", 32000)))
+                        int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
     hook = model.register_forward_hook(cb.forward_hook)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, logging_steps=1, disable_tqdm=True,
-            **recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
-                                        gradient_accumulation_steps=ga),
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+        kw = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
+                                       gradient_accumulation_steps=ga)
+        kw.update(batches.trainer_arguments() if batches is not None else {})
+        args = TrainingArguments(output_dir=out, logging_steps=1, disable_tqdm=True, **kw)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
+                          data_collator=batches.collator if batches is not None else None)
         cb.trainer = trainer
         trainer.train()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
@@ -191,7 +200,8 @@ def peak_memory(req: ProbeRequest, state: ProbeState) -> tuple[int, int, int | N
     return max(cb.max_reserved + outside, mem.sampled_peak), outside, retries
 
 
-def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResult:
+def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
+            batches: RealBatches | None = None) -> ProbeResult:
     """The result of a probe that trained: speed over the last timed steps, memory, stability."""
     cfg, cb = req.config, state.callback
     assert cb is not None
@@ -200,6 +210,9 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
     real = cb.real_seconds()
     window = real[-req.timed_steps:]
     tps = [cfg.effective_batch * cfg.max_length / t for t in window]
+    first = len(cb.steps) - len(window)
+    if batches is not None:  # trained (label-bearing, non-pad) tokens of the steps' own micro-batches
+        tps = batches.tokens_per_s(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
     timed = cb.timed_steps
     peak, outside, retries = peak_memory(req, state)
     growth = max(0, timed[-1]["reserved"] - timed[0]["reserved"]) if len(timed) >= 2 else 0
@@ -217,7 +230,8 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
-        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules},
+        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules,
+               **(batches.figures(first, len(window), req.probe_accumulation) if batches is not None else {})},
     )
     notes = []
     if spread(window) > SPREAD_BOUND:
