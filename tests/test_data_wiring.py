@@ -146,3 +146,77 @@ def test_the_batching_key_matches_the_data_package() -> None:
     from autofit.data import Batching
 
     assert tuple(b.value for b in Batching) == BATCHINGS
+
+
+# ----------------------------------------------------------------------------- search --dataset
+
+
+def test_search_with_a_dataset_takes_lengths_and_batching_from_the_data(tmp_path: Path) -> None:
+    from autofit.data import length_stats, length_table, load_samples, tokenizer_for
+    from autofit.models import resolve_model
+    from autofit.rundir import RunSpec
+    from autofit.session import SearchRequest, plan
+
+    session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), out=tmp_path))
+    space = session.spec.space
+    data = load_samples(D1)
+    table = length_table(data, tokenizer_for(resolve_model("tiny-llama"), data))
+    assert space.dimensions["batching"] == list(BATCHINGS)
+    assert sorted(space.values("max_length"), reverse=True) == list(length_stats(table, 2048).candidates)
+    assert session.spec.dataset is not None and session.spec.dataset.content_hash == data.content_hash
+    assert any("84 samples" in n for n in session.notes) and any("approximate" in n for n in session.notes)
+    again = RunSpec.from_dict(session.spec.to_dict())
+    assert again.dataset == session.spec.dataset and not list(tmp_path.iterdir())  # plan creates nothing
+
+
+def test_search_max_length_overrides_the_datas_lengths_and_no_dataset_fixes_pad_max(tmp_path: Path) -> None:
+    from autofit.session import SearchRequest, plan
+
+    s = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), max_length="256,128"))
+    assert s.spec.space.dimensions["max_length"] == [256, 128] and "256: " in s.notes[0]
+    space = tmp_path / "s.yaml"
+    space.write_text("fixed: {global_batch: 4}\ndimensions:\n  micro_batch_size: [1, 2]\n"
+                     "  batching: [pad_max, packed]\n")
+    plain = plan(SearchRequest(model="tiny-llama", space=str(space), device="cpu"))
+    assert plain.spec.space.values("batching") == ["pad_max"] and "fixed at pad_max" in plain.notes[0]
+    assert plain.spec.dataset is None and "dataset" not in plain.spec.to_dict()
+
+
+def test_search_bad_dataset_is_a_usage_error_before_anything_exists(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert main(["search", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(bad),
+                 "--out", str(tmp_path / "runs")]) == 2
+    assert "--dataset" in (err := capsys.readouterr().err) and "missing 'text'" in err
+    assert not (tmp_path / "runs").exists()
+
+
+SMALL_SPACE = """\
+fixed: {global_batch: 4, micro_batch_size: 2, precision: fp32, optimizer: adamw_torch, lora_r: 8, lora_alpha: 16}
+dimensions:
+  gradient_checkpointing: [off]
+"""
+
+
+@pytest.mark.slow
+def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_path: Path) -> None:
+    import yaml
+
+    space = tmp_path / "space.yaml"
+    space.write_text(SMALL_SPACE)
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", str(space), "--dataset", str(D1),
+                   "--max-length", "96", "--budget", "5m", "--confirm", "0", "--out", str(tmp_path / "runs"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    run = Path(json.loads(proc.stdout)["run_dir"])
+    rows = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]
+    assert {r["config"]["batching"] for r in rows} == set(BATCHINGS)
+    assert all(r["extra"]["batching"] == r["config"]["batching"] for r in rows if r["outcome"] == "fit")
+    best = json.loads((run / "best.json").read_text())
+    assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["outcome"] == "fit")
+    assert yaml.safe_load((run / "spec.yaml").read_text())["dataset"]["path"] == str(D1)
+    report = (run / "report.md").read_text()
+    values = np.array(json.loads(next((run / "data").glob("lengths-*.json")).read_text())["lengths"])
+    lost = np.clip(values - 96, 0, None).sum() / values.sum()
+    assert f"Winner's max_length 96: {lost:.2%} of tokens lost" in report
+    assert "![lengths](data/lengths.png)" in report and (run / "data" / "lengths.png").is_file()
+    assert "| pad_longest |" in report and "| padding_free |" in report
