@@ -220,3 +220,56 @@ def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_pa
     assert f"Winner's max_length 96: {lost:.2%} of tokens lost" in report
     assert "![lengths](data/lengths.png)" in report and (run / "data" / "lengths.png").is_file()
     assert "| pad_longest |" in report and "| padding_free |" in report
+
+
+# ----------------------------------------------------------------------------- export with the measured strategy
+
+
+def _data_run(tmp_path: Path, batching: str) -> Path:
+    """A run folder as a search with --dataset leaves it (written, not measured)."""
+    import yaml
+    from test_regress import write_run
+
+    from autofit.data import DatasetRef, load_samples
+
+    run = write_run(tmp_path / f"run-{batching}", None)
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(D1)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    best = json.loads((run / "best.json").read_text())
+    best["config"] = {**best["config"], "batching": batching, "max_length": 96, "micro_batch_size": 2,
+                      "global_batch": 4, "precision": "fp32"}
+    (run / "best.json").write_text(json.dumps(best))
+    return run
+
+
+def test_the_hf_trainer_recipe_of_a_data_run_batches_as_measured(tmp_path: Path) -> None:
+    from autofit.export import export_run
+
+    text = export_run(_data_run(tmp_path, "padding_free"), "hf-trainer").text
+    assert "BATCHING = 'padding_free'" in text and "MICRO_BATCH_SIZE = 2" in text
+    assert "DataCollatorWithFlattening" in text and "packed_blocks(texts" not in text.split("def main")[-1]
+    assert "trained tokens/s on " in text and str(D1) in text
+    compile(text, "train.py", "exec")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_the_exported_hf_trainer_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path,
+                                                                                      strategy: str) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    assert run_cli("export", str(_data_run(tmp_path, strategy)), "-o", str(script)).returncode == 0
+    out = tmp_path / "out"
+    code = ("import sys; sys.modules['autofit'] = None; "
+            f"sys.argv = {[str(script), '--dataset', str(D1), '--output-dir', str(out), '--max-steps', '3']!r}; "
+            f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
+    got = json.loads(summary[-1].split(" ", 1)[1])
+    assert got["steps"] == 3 and got["tokens_per_s"] > 0
+    assert (out / "adapter_config.json").is_file()
