@@ -273,3 +273,46 @@ def test_the_exported_hf_trainer_recipe_trains_three_steps_with_the_measured_str
     got = json.loads(summary[-1].split(" ", 1)[1])
     assert got["steps"] == 3 and got["tokens_per_s"] > 0
     assert (out / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize(("strategy", "axolotl", "llama_factory", "lost"), [
+    ("pad_max", {"sample_packing": False, "pad_to_sequence_len": True}, {"packing": False}, ["llama-factory"]),
+    ("pad_longest", {"sample_packing": False, "pad_to_sequence_len": False}, {"packing": False}, []),
+    ("group_by_length", {"group_by_length": True, "sample_packing": False}, {"group_by_length": True}, []),
+    ("padding_free", {"sample_packing": False}, {"packing": False}, ["axolotl", "llama-factory", "trl"]),
+    ("packed", {"sample_packing": True, "pad_to_sequence_len": True},
+     {"packing": True, "neat_packing": True, "cutoff_len": 97}, ["axolotl", "llama-factory", "trl"]),
+])
+def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: str, axolotl: dict,
+                                                    llama_factory: dict, lost: list[str]) -> None:
+    import yaml
+
+    from autofit.export import export_run
+
+    run = _data_run(tmp_path, strategy)
+    ax = export_run(run, "axolotl")
+    assert yaml.safe_load(ax.text).items() >= axolotl.items()
+    assert yaml.safe_load(ax.text)["datasets"][0]["path"] == str(D1)
+    lf = export_run(run, "llama-factory")
+    assert yaml.safe_load(lf.text).items() >= llama_factory.items()
+    trl = export_run(run, "trl")
+    assert f"BATCHING = {strategy!r}" in trl.text and "TRL_BATCHING = " in trl.text
+    for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
+        assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_the_exported_trl_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path, strategy: str) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_trl.py"
+    assert run_cli("export", str(_data_run(tmp_path, strategy)), "--format", "trl", "-o", str(script)).returncode == 0
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(script), "--dataset", str(D1), "--output-dir", str(out), "--max-steps",
+                          "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
+    got = json.loads(summary[-1].split(" ", 1)[1])
+    assert got["steps"] == 3 and got["tokens_per_s"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..recipe import learning_rate
 from .common import ExportRun, Rendered, yaml_recipe
+from .data_yaml import axolotl_batching
 from .yaml_targets import AXOLOTL
 
 
@@ -56,6 +57,12 @@ def render(r: ExportRun) -> Rendered:
         lost.append("expandable_segments=True: not an axolotl key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
+    if r.dataset is not None:  # searched with --dataset: the measured batching on the measured file
+        batching, missing = axolotl_batching(cfg)
+        out.update(batching)
+        lost += missing
+        out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
+                            "field": r.dataset.get("text_field", "text")}]
     out["output_dir"] = "./autofit-out"
     intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: axolotl train this.yaml"]
     return yaml_recipe(r, out, AXOLOTL["keys"], intro, lost)

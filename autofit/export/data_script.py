@@ -61,7 +61,8 @@ def plain_chat(messages):
 
 
 def encoder(model_ref, samples):
-    """(encode(list of samples) -> ids, pad id): the model's tokenizer, or the preset's stand-in BPE."""
+    """(encode(list of samples) -> ids, pad id, the tokenizer as transformers wraps it): the model's own, or
+    the preset's stand-in BPE."""
     if model_ref is None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -75,8 +76,11 @@ def encoder(model_ref, samples):
         tok.train_from_iterator(texts, trainer=trainer)
         print("note: stand-in tokenizer (a BPE trained on the dataset, as autofit measured a shape preset); "
               "use --model with real weights", file=sys.stderr)
+        from transformers import PreTrainedTokenizerFast
+
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
         return (lambda ss: [e.ids for e in tok.encode_batch([s.get("text") or plain_chat(s["messages"])
-                                                             for s in ss])]), tok.token_to_id("<pad>")
+                                                             for s in ss])]), tok.token_to_id("<pad>"), wrapped
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_ref)
@@ -86,7 +90,7 @@ def encoder(model_ref, samples):
         if "text" in s:
             return s["text"]
         return tok.apply_chat_template(s["messages"], tokenize=False) if tok.chat_template else plain_chat(s["messages"])
-    return (lambda ss: [list(x) for x in tok([render(s) for s in ss])["input_ids"]]), pad
+    return (lambda ss: [list(x) for x in tok([render(s) for s in ss])["input_ids"]]), pad, tok
 
 
 def best_fit_decreasing(lengths, capacity):
@@ -174,9 +178,9 @@ def prepare_data():
     a = arguments()
     samples = read_samples(a.dataset)  # a bad file fails here, before anything is loaded
     emulate(a.emulate_memory_gib)
-    encode, pad = encoder(a.model, samples)
+    encode, pad, tokenizer = encoder(a.model, samples)
     ids = [x[:MAX_LENGTH] for x in encode(samples)]
-    return a, ids, pad, adapt(build_model(a.model))
+    return a, ids, pad, tokenizer, adapt(build_model(a.model))
 '''
 
 HF_DATA_MAIN = '''
@@ -184,7 +188,7 @@ HF_DATA_MAIN = '''
 def main():
     from transformers import Trainer, TrainingArguments
 
-    a, ids, pad, model = prepare_data()
+    a, ids, pad, _, model = prepare_data()
     data, collator, changes = batches(ids, pad)
     args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, **changes, "max_steps": a.max_steps})
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
@@ -206,6 +210,40 @@ def data_header(header: str, batching: str) -> str:
     """The script's docstring says how this recipe batches (the packed-blocks paragraph replaced)."""
     assert PACKED_DOC in header  # script_parts.HEADER and this module move together
     return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching))
+
+
+TRL_DATA_MAIN = '''
+
+def main():
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    # Tokenized and truncated as the search measured; TRL then batches as TRL_BATCHING says.
+    a, ids, pad, tokenizer, model = prepare_data()
+    data = Dataset.from_dict({"input_ids": ids})
+    config = SFTConfig(output_dir=a.output_dir, **{**TRAINING_ARGS, **TRL_BATCHING, "max_steps": a.max_steps},
+                       dataset_text_field="text")
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[throughput_callback(trained_tokens(model))])
+'''
+
+
+def trl_batching(batching: str, micro_batch_size: int, max_length: int) -> tuple[dict[str, object], list[str]]:
+    """SFTConfig (TRL 1.16) settings for a strategy, and how they differ from what was measured."""
+    if batching == "pad_max":
+        return {"max_length": max_length, "packing": False, "padding_free": False,
+                "pad_to_multiple_of": max_length}, []
+    if batching in ("pad_longest", "group_by_length"):
+        sampling = {"train_sampling_strategy": "group_by_length"} if batching == "group_by_length" else {}
+        return {"max_length": max_length, "packing": False, "padding_free": False, **sampling}, []
+    if batching == "padding_free":  # TRL's padding_free batches by sample count; a token budget is bfd packing
+        return ({"max_length": micro_batch_size * max_length, "packing": True, "packing_strategy": "bfd",
+                 "per_device_train_batch_size": 1},
+                [("padding_free's token budget as TRL bfd packing into one row of micro_batch_size x max_length "
+                 "(best-fit-decreasing order, not the measured seeded shuffle)")])
+    return ({"max_length": max_length, "packing": True, "packing_strategy": "bfd"},
+            [("packed as TRL lays bfd bins out: flattened into one row per micro-batch (the probe measured "
+             "max_length rows)")])
 
 
 def data_settings(batching: str, micro_batch_size: int, dataset: dict[str, object]) -> str:

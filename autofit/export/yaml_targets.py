@@ -15,6 +15,7 @@ AXOLOTL = {
         "num_epochs", "optimizer", "learning_rate", "lr_scheduler", "bf16", "fp16", "tf32",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "sdp_attention", "flash_attention",
         "eager_attention", "datasets", "output_dir", "logging_steps", "seed", "bnb_config_kwargs",
+        "group_by_length", "batch_flattening", "flex_attention",
     },
     "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
                    "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
@@ -28,7 +29,7 @@ LLAMA_FACTORY = {
         "quantization_type", "dataset", "template", "cutoff_len", "packing", "per_device_train_batch_size",
         "gradient_accumulation_steps", "learning_rate", "max_steps", "bf16", "fp16", "pure_bf16", "optim",
         "output_dir", "flash_attn", "disable_gradient_checkpointing", "logging_steps", "seed",
-        "lr_scheduler_type", "report_to", "overwrite_output_dir",
+        "lr_scheduler_type", "report_to", "overwrite_output_dir", "neat_packing", "group_by_length",
     },
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }
