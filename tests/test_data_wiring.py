@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autofit.cli import main
+from autofit.errors import UsageError
 from autofit.spec import BATCHINGS
 
 D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
@@ -316,3 +317,55 @@ def test_the_exported_trl_recipe_trains_three_steps_with_the_measured_strategy(t
     summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     got = json.loads(summary[-1].split(" ", 1)[1])
     assert got["steps"] == 3 and got["tokens_per_s"] > 0
+
+
+# ----------------------------------------------------------------------------- regress with the stored dataset
+
+
+def _moved_run(tmp_path: Path, strategy: str = "padding_free") -> tuple[Path, Path]:
+    """A data run whose dataset is a copy we may change."""
+    import yaml
+
+    from autofit.data import DatasetRef, load_samples
+
+    copy = tmp_path / "d.jsonl"
+    copy.write_bytes(D1.read_bytes())
+    run = _data_run(tmp_path, strategy)
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(copy)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return run, copy
+
+
+def test_regress_reads_the_stored_dataset_and_follows_a_moved_file(tmp_path: Path) -> None:
+    from autofit import regress
+
+    run, copy = _moved_run(tmp_path)
+    p = regress.plan(run, 1)
+    assert p.dataset is not None and p.dataset.path == str(copy.resolve())
+    moved = tmp_path / "elsewhere.jsonl"
+    copy.rename(moved)
+    with pytest.raises(UsageError, match=r"is missing; give its new place with --dataset PATH"):
+        regress.plan(run, 1)
+    p = regress.plan(run, 1, dataset=str(moved))
+    assert p.dataset is not None and p.dataset.path == str(moved.resolve())
+
+
+def test_regress_on_a_changed_dataset_exits_2_and_says_so_not_a_regression(tmp_path: Path, capsys) -> None:
+    run, copy = _moved_run(tmp_path)
+    copy.write_text(copy.read_text().replace("the", "a"))
+    junit = tmp_path / "r.xml"
+    assert main(["regress", str(run), "--junit", str(junit)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset changed since the run" in err and "not a regression" in err
+    assert "<error" in junit.read_text() and "<failure" not in junit.read_text()
+
+
+@pytest.mark.slow
+def test_regress_re_measures_on_the_stored_dataset(tmp_path: Path) -> None:
+    run, _ = _moved_run(tmp_path)
+    proc = run_cli("regress", str(run), "--json", str(tmp_path / "r.json"))
+    assert proc.returncode in (0, 1), proc.stderr  # measured: against a written baseline, either verdict
+    (check,) = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert check["outcome"] == "fit" and check["tokens_per_s"] > 0
+    assert list((run / "data").glob("standin-bpe-*.json"))  # the probe tokenized the run's dataset
