@@ -369,3 +369,14 @@ def test_regress_re_measures_on_the_stored_dataset(tmp_path: Path) -> None:
     (check,) = json.loads((tmp_path / "r.json").read_text())["checks"]
     assert check["outcome"] == "fit" and check["tokens_per_s"] > 0
     assert list((run / "data").glob("standin-bpe-*.json"))  # the probe tokenized the run's dataset
+
+
+def test_the_spread_rule_compares_seconds_per_trained_token_when_steps_differ_in_size() -> None:
+    from autofit.probe.timing import ProbeCallback, TimingPlan, spread
+
+    cb = ProbeCallback(None, lambda: None, TimingPlan(2, 5, 5, 0, lambda event: None))  # type: ignore[arg-type]
+    tokens = [100, 100, 400, 100, 800, 200, 100]
+    cb.steps = [{"seconds": n / 1000, "micro": 0.0, "optimizer": 0.0, "reserved": 0} for n in tokens]
+    assert spread(cb.spread_basis()) == pytest.approx(8.0)  # random tokens: the times themselves
+    cb.step_tokens = lambda step: tokens[step]
+    assert spread(cb.spread_basis()) == pytest.approx(1.0)  # the same speed on every step

@@ -143,6 +143,8 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
                         int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
+    if batches is not None:
+        cb.step_tokens = lambda step: sum(b.trained_tokens for b in batches.step_batches(step, ga))
     hook = model.register_forward_hook(cb.forward_hook)
     with tempfile.TemporaryDirectory() as out:
         kw = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
@@ -234,9 +236,9 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
                **(batches.figures(first, len(window), req.probe_accumulation) if batches is not None else {})},
     )
     notes = []
-    if spread(window) > SPREAD_BOUND:
+    if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
         res.noisy = True
-        notes.append(noisy_reason(spread(window), len(real)))
+        notes.append(noisy_reason(spread(tps), len(real)))
     if growth > max(64 * 2**20, 0.01 * peak):
         notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
     res.reason = "; ".join(notes)
