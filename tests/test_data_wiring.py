@@ -380,3 +380,21 @@ def test_the_spread_rule_compares_seconds_per_trained_token_when_steps_differ_in
     assert spread(cb.spread_basis()) == pytest.approx(8.0)  # random tokens: the times themselves
     cb.step_tokens = lambda step: tokens[step]
     assert spread(cb.spread_basis()) == pytest.approx(1.0)  # the same speed on every step
+
+
+def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_path: Path) -> None:
+    from autofit.rundir import RunDir
+    from autofit.session import SearchRequest, plan, start
+
+    copy = tmp_path / "d.jsonl"
+    copy.write_bytes(D1.read_bytes())
+    session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(copy),
+                                 max_length="256", out=tmp_path / "runs"))
+    start(session)
+    data = RunDir(session.run_dir).data
+    assert (data / "lengths.png").is_file() and list(data.glob("standin-bpe-*.json"))
+    assert json.loads((data / "data.json").read_text())["cuts"][0]["max_length"] == 256
+    assert plan(SearchRequest(resume=session.run_dir)).spec.dataset == session.spec.dataset
+    copy.write_text(copy.read_text() + '{"text": "one more sample"}\n')
+    with pytest.raises(UsageError, match=r"--resume: the run's dataset .* is changed since the search measured"):
+        plan(SearchRequest(resume=session.run_dir))
