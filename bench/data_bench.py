@@ -66,11 +66,19 @@ def corpora(small: bool, work: Path) -> dict[str, Path]:
     return {"D1": work / "d1.jsonl", "D2": work / "d2.jsonl"}
 
 
+def seconds(budget: str) -> float:
+    return float(budget.rstrip("s")) * (60 if budget.endswith("m") else 1)
+
+
 def search(s: dict[str, Any], space: Path, data: Path, limit: str | None, runs: Path) -> tuple[Path | None, str]:
     cmd = [sys.executable, "-m", "autofit", "search", "--model", s["model"], "--space", str(space), "--dataset",
            str(data), "--max-length", str(s["max_length"]), "--budget", s["budget"], "--confirm", "0", "--out",
            str(runs), "--json", *s["device"], *(["--memory-limit", limit] if limit else [])]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), cwd=ROOT)
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), cwd=ROOT,
+                              timeout=seconds(s["budget"]) + 120)
+    except subprocess.TimeoutExpired:
+        return None, "the search overran its budget by 120 s"
     try:
         return Path(json.loads(proc.stdout)["run_dir"]), proc.stderr[-1500:]
     except (json.JSONDecodeError, KeyError):
@@ -100,6 +108,32 @@ def compare(run: Path) -> dict[str, Any]:
             "probes": len(read_trials(run))}
 
 
+def fill(s: dict[str, Any], run: Path, data: Path, limit: str | None) -> dict[str, Any]:
+    """The winner's config with pad_longest and pad_max, probed where the search measured neither (its
+    budget may end first): the same config, only the batching changed."""
+    win = json.loads((run / "best.json").read_text())["config"]
+    measured = {r["config"].get("batching") for r in read_trials(run) if r["outcome"] == "fit"}
+    out = {}
+    for batching in ("pad_longest", "pad_max"):
+        if batching in measured:
+            continue
+        sets = [x for k in ("method", "max_length", "micro_batch_size", "global_batch", "precision",
+                            "gradient_checkpointing", "optimizer", "attn_implementation", "lora_r", "lora_alpha",
+                            "lora_targets") for x in ("--set", f"{k}={win[k]}")]
+        cmd = [sys.executable, "-m", "autofit", "probe", "--model", s["model"], "--dataset", str(data), "--json",
+               *sets, "--set", f"batching={batching}", *s["device"], "--log-dir", str(run / "logs"),
+               *(["--memory-limit", limit] if limit else [])]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+        try:
+            res = json.loads(proc.stdout)
+            out[batching] = {"outcome": res["outcome"], "tokens_per_s": res["tokens_per_s"],
+                             "peak_memory_bytes": res["peak_memory_bytes"], "config": res["config"],
+                             "pad_fraction": (res.get("extra") or {}).get("pad_fraction"), "probed_after": True}
+        except (json.JSONDecodeError, KeyError):
+            out[batching] = {"error": proc.stderr[-1500:]}
+    return out
+
+
 def recipe(run: Path, data: Path, steps: int, work: Path, tag: str) -> dict[str, Any]:
     """The exported hf-trainer recipe on `data` for `steps` steps under the run's limit."""
     script = work / f"train-{tag}.py"
@@ -110,8 +144,11 @@ def recipe(run: Path, data: Path, steps: int, work: Path, tag: str) -> dict[str,
     cmd = [sys.executable, str(script), "--dataset", str(data), "--output-dir", str(work / f"out-{tag}"),
            "--max-steps", str(steps), *(["--emulate-memory-gib", str(limit / GIB)] if limit else [])]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=600)
+    except subprocess.TimeoutExpired as e:
+        return {"rc": None, "error": f"timed out after {e.timeout} s", "steps": steps}
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     peak = None
@@ -139,11 +176,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny-llama on the CPU with the committed slices")
     p.add_argument("--datasets", default="D1,D2")
+    p.add_argument("--limits", help="comma list of memory limits (default 40GiB,24GiB: S1, S2)")
+    p.add_argument("--skip-recipes", action="store_true", help="searches only (split the work over two calls)")
+    p.add_argument("--no-fill", action="store_true",
+                   help="do not probe the winner's config with pad_longest / pad_max when the search did not")
     p.add_argument("--steps", type=int, default=None, help="recipe steps (default 50; 3 with --small)")
     p.add_argument("--budget", help="per search (default 100s; 150s with --small)")
     p.add_argument("--name", default=None)
     a = p.parse_args()
-    s = dict(SMALL if a.small else FULL, **({"budget": a.budget} if a.budget else {}))
+    s = dict(SMALL if a.small else FULL, **({"budget": a.budget} if a.budget else {}),
+             **({"limits": a.limits.split(",")} if a.limits else {}))
     steps = a.steps or (3 if a.small else 50)
     work = Path(tempfile.mkdtemp(prefix="data-bench-"))
     space = work / "data-space.yaml"
@@ -157,11 +199,18 @@ def main() -> None:
             key = f"{limit or 'no-limit'}/{name}"
             run, tail = search(s, space, files[name], limit, work / "runs")
             figures["searches"][key] = compare(run) if run else {"error": tail}
+            if run and not a.no_fill:
+                filled = fill(s, run, files[name], limit)
+                figures["searches"][key]["same_config_other_batching"] = filled
+                win = figures["searches"][key]["winner"]["tokens_per_s"]
+                for b, r in filled.items():
+                    if r.get("tokens_per_s") and figures["searches"][key].get(f"ratio_vs_{b}") is None:
+                        figures["searches"][key][f"ratio_vs_{b}"] = win / r["tokens_per_s"]
             if run and name not in first:
                 first[name] = run
             print(key, {k: figures["searches"][key].get(k) for k in ("ratio_vs_pad_longest", "ratio_vs_pad_max")},
                   flush=True)
-    for name, run in first.items():
+    for name, run in ({} if a.skip_recipes else first).items():
         figures["recipes"][name] = {"same_data": recipe(run, files[name], steps, work, f"{name}"),
                                     "longest_samples": recipe(run, longest_only(files[name], work), max(3, steps // 5),
                                                               work, f"{name}-longest")}
