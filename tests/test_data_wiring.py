@@ -114,6 +114,10 @@ def test_every_strategy_trains_tiny_llama_from_jsonl_through_the_real_probe(tmp_
     assert extra["heaviest_tensor_tokens"] == p.heaviest.tensor_tokens
     if strategy == "pad_max":
         assert extra["heaviest_tensor_tokens"] == 2 * 96 and extra["pad_fraction"] > 0.2
+    if strategy in ("pad_max", "pad_longest", "group_by_length"):
+        assert extra["samples_per_step"] == 4  # micro-batch 2 x accumulation 2
+    else:
+        assert extra["samples_per_step"] > 0
     if strategy in ("padding_free",):
         assert extra["pad_fraction"] == 0
     assert 0 < extra["tokens_lost"] < 1 and res.step_times

@@ -81,13 +81,17 @@ class RealBatches:
         return [sum(b.trained_tokens for b in self.step_batches(first_step + k, accumulation)) * scale / t
                 for k, t in enumerate(seconds)]
 
-    def figures(self, first_step: int, steps: int, accumulation: int) -> dict[str, Any]:
+    def figures(self, first_step: int, steps: int, accumulation: int, config_accumulation: int) -> dict[str, Any]:
+        """The timed steps' pad fraction and trained tokens; samples per optimizer step (the effective batch of
+        padding_free and packed, whose micro-batches hold a varying number of samples)."""
         timed = [b for k in range(steps) for b in self.step_batches(first_step + k, accumulation)]
         tensor = sum(b.tensor_tokens for b in timed)
         heavy = self.order[0]
         return {"batching": self.strategy.value, "pad_fraction": 1 - sum(b.real_tokens for b in timed) / tensor,
                 "plan_pad_fraction": self.plan_pad_fraction, "tokens_lost": self.tokens_lost,
                 "trained_tokens_timed": sum(b.trained_tokens for b in timed),
+                "samples_per_step": sum(len(b.samples) for b in timed) / max(steps, 1)
+                * config_accumulation / accumulation,
                 "heaviest_tensor_tokens": heavy.tensor_tokens, "heaviest_samples": len(heavy.samples)}
 
 

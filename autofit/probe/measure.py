@@ -233,7 +233,8 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
         extra={**trained.optimizer, "bnb_modules": trained.bnb_modules,
-               **(batches.figures(first, len(window), req.probe_accumulation) if batches is not None else {})},
+               **(batches.figures(first, len(window), req.probe_accumulation, cfg.gradient_accumulation_steps)
+                  if batches is not None else {})},
     )
     notes = []
     if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
