@@ -402,3 +402,24 @@ def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_pa
     copy.write_text(copy.read_text() + '{"text": "one more sample"}\n')
     with pytest.raises(UsageError, match=r"--resume: the run's dataset .* is changed since the search measured"):
         plan(SearchRequest(resume=session.run_dir))
+
+
+@pytest.mark.parametrize("path", [D1, CHAT])
+def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path) -> None:
+    import sys
+
+    from autofit.data import load_samples, tokenizer_for
+    from autofit.export.data_script import DATA_HELPERS
+    from autofit.models import resolve_model
+
+    def fail(message: str) -> None:
+        raise AssertionError(message)
+
+    space = {"json": json, "sys": sys, "fail": fail, "MODEL_CONFIG": resolve_model("tiny-llama").config,
+             "TEXT_FIELD": "text", "MESSAGES_FIELD": "messages"}
+    exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
+    samples = space["read_samples"](str(path))
+    encode, pad, _ = space["encoder"](None, samples)
+    data = load_samples(path)
+    tok = tokenizer_for(resolve_model("tiny-llama"), data)
+    assert encode(samples) == tok.encode(data.samples) and pad == tok.pad_id

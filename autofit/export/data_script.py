@@ -45,12 +45,15 @@ def read_samples(path):
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and isinstance(row.get(TEXT_FIELD), str) and row[TEXT_FIELD].strip():
+        if not isinstance(row, dict):
+            continue
+        if row.get(MESSAGES_FIELD) is not None:  # a chat row, as the search read it (messages before text)
+            chat = row[MESSAGES_FIELD]
+            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in chat):
+                out.append({"messages": chat})
+        elif isinstance(row.get(TEXT_FIELD), str) and row[TEXT_FIELD].strip():
             out.append({"text": row[TEXT_FIELD]})
-        elif isinstance(row, dict) and isinstance(row.get(MESSAGES_FIELD), list) and row[MESSAGES_FIELD] and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in row[MESSAGES_FIELD]):
-            out.append({"messages": row[MESSAGES_FIELD]})
     if not out:
         fail(f"--dataset: {path} has no row with a {TEXT_FIELD!r} or {MESSAGES_FIELD!r} field")
     return out
