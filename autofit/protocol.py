@@ -15,6 +15,7 @@ import json
 import os
 import signal
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .models import ModelSource
 from .spec import TrialConfig
@@ -83,6 +84,13 @@ class ProbeRequest:
     gate: bool = True
     """Run the correctness gate where the config uses non-stock kernels (`kernels.needs_gate`); False
     where this run already has a passing verdict for the config's `kernels.gate_key`."""
+    dataset: dict[str, Any] | None = None
+    """`autofit.data.DatasetRef.to_dict()` with --dataset: the probe trains on its micro-batches
+    (`config.batching`); None: random tokens at max_length."""
+    data_cache: str | None = None
+    """Where the tokenizer stand-in and the length table are cached (the run folder's data/)."""
+    data_seed: int = 0
+    """Seeds the micro-batch plan: every config of a search sees the same samples in the same order."""
 
     @property
     def usable_bytes(self) -> int | None:

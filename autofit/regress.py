@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .data import DatasetRef, RefState
 from .envinfo import collect
 from .errors import CannotWrite, RegressionFound, UsageError
 from .export.common import Best, BestEntry, read_best, read_env
@@ -124,13 +125,15 @@ class Plan:
     configs: tuple[BestEntry, ...]
     target: Target
     env_before: dict[str, Any]
+    dataset: DatasetRef | None = None
+    """The data the search measured on (spec.yaml), checked unchanged; None: random tokens."""
 
 
 # --------------------------------------------------------------------------- what to check, where
 
 
 def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = None,
-         memory_limit: str | None = None, allow_gpu_change: bool = False) -> Plan:
+         memory_limit: str | None = None, allow_gpu_change: bool = False, dataset: str | None = None) -> Plan:
     """Read the run's baseline and choose the target; bad flags or files are one UsageError."""
     if top < 1:
         raise UsageError("--top: at least 1 (the winner).")
@@ -138,8 +141,28 @@ def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = N
     best = read_best(run_dir)
     target = choose_target(targets_of(spec)[0], gpu, device, memory_limit)
     check_gpu(best.target, target, allow_gpu_change)
+    ref = stored_dataset(spec, dataset)
     return Plan(run_dir, str(spec.get("run_id", run_dir.name)), model_of(spec), dict(spec.get("probe") or {}),
-                best, best.entries[:top], target, read_env(run_dir))
+                best, best.entries[:top], target, read_env(run_dir), ref)
+
+
+def stored_dataset(spec: dict[str, Any], path: str | None = None) -> DatasetRef | None:
+    """The run's dataset, read again (from `path` where it moved): a changed file is said as such, not
+    measured as a regression; a missing one names the stored path and --dataset."""
+    if not spec.get("dataset"):
+        if path:
+            raise UsageError("--dataset: this run was searched on random tokens; it has no dataset to replace.")
+        return None
+    ref = DatasetRef.from_dict(spec["dataset"])
+    state, data = ref.load(path)
+    if state is RefState.MISSING:
+        raise UsageError(f"--dataset: the run's dataset {path or ref.path} is missing; give its new place with "
+                         "--dataset PATH.")
+    if state is RefState.CHANGED or data is None:
+        raise UsageError(f"dataset changed since the run: {path or ref.path} no longer has the content the "
+                         f"baseline was measured on (hash {ref.content_hash[:12]}); this is not a regression. "
+                         "Restore the file, or search again on the new data.")
+    return DatasetRef.of(data, ref.text_field, ref.messages_field) if path else ref
 
 
 def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None) -> Target:
@@ -255,7 +278,8 @@ def run_checks(p: Plan, tol: Tolerance, on_check: Callable[[Check], None] | None
     checks = []
     with Runner(p.target, p.run_dir / "logs", standby=1 if len(p.configs) > 1 else 0,
                 warmup_steps=p.probe.get("warmup_steps", 2), timed_steps=p.probe.get("timed_steps", 5),
-                max_probe_accumulation=p.probe.get("max_probe_accumulation", 4)) as runner:
+                max_probe_accumulation=p.probe.get("max_probe_accumulation", 4),
+                dataset=p.dataset.to_dict() if p.dataset else None, data_cache=p.run_dir / "data") as runner:
         for i, base in enumerate(p.configs):
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
 

@@ -30,6 +30,8 @@ def config_brief(cfg: dict[str, Any]) -> str:
         parts.append("expandable")
     if cfg.get("method") == "full":
         parts.append("full")
+    if cfg.get("batching", "pad_max") != "pad_max":
+        parts.append(str(cfg["batching"]))
     return " ".join(parts)
 
 
@@ -192,7 +194,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
                  f"{spec['model']['ref']} on {where}")
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     (run_dir / "report.md").write_text(
-        report_markdown(spec, rows, results, best, limit, usable, stop_reason))
+        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir)))
     return best_doc
 
 
@@ -204,12 +206,15 @@ def _describe_target(t: dict[str, Any]) -> str:
 
 
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
-                    best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str) -> str:
+                    best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
+                    data: dict[str, Any] | None = None) -> str:
     lines = _header(spec, results, limit, stop_reason)
     if best is None:
         lines += ["## Nothing fits", "", nothing_fits_message(results, limit), ""]
     else:
         lines += _winner(spec, results, best, limit)
+    if data is not None:
+        lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", ""]
@@ -259,6 +264,51 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
         lines += ["", (f"Not measured: {', '.join(map(str, unmeasured))}. A longer length fits, so a shorter "
                        "one cannot win; to see what cutting the length would buy, search it alone "
                        f"(`--max-length {unmeasured[0]}`).")]
+    return [*lines, ""]
+
+
+def _data_summary(run_dir: Path) -> dict[str, Any] | None:
+    """data/data.json, written when a search with --dataset starts (None without one)."""
+    path = run_dir / "data" / "data.json"
+    try:
+        return dict(json.loads(path.read_text())) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _data_section(data: dict[str, Any], results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
+    """The dataset's lengths, what the winner's max_length cuts off, and the best of each batching."""
+    ds, pct = data["dataset"], data["percentiles"]
+    approx = " (approximate: a stand-in tokenizer)" if data.get("approximate") else ""
+    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['samples']} samples, {data['tokens']} tokens, "
+             f"mean {data['mean']:.1f}{approx}; content hash `{ds['content_hash'][:12]}`)"),
+             "- percentiles: " + ", ".join(f"{k} {v:.0f}" for k, v in pct.items()),
+             "- tokens/s here are **trained tokens/s**: label-bearing, non-pad tokens per second", ""]
+    cuts = {c["max_length"]: c for c in data.get("cuts", [])}
+    if best is not None and best.config.get("max_length") in cuts:
+        c = cuts[best.config["max_length"]]
+        lines += [(f"**Winner's max_length {best.config['max_length']}: {c['tokens_lost']:.2%} of tokens lost, "
+                  f"{c['samples_truncated']:.2%} of samples truncated** (it changes what is learned)."), ""]
+    lines += ["| max_length | samples truncated | tokens lost |", "|---|---|---|"]
+    lines += [f"| {L} | {c['samples_truncated']:.2%} | {c['tokens_lost']:.2%} |" for L, c in cuts.items()]
+    lines += ["", "![lengths](data/lengths.png)", ""] + _batching_table(results, best)
+    return lines + [f"note: {n}" for n in data.get("notes", [])] + [""]
+
+
+def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
+    fits = [r for r in results if r.outcome.is_fit() and r.tokens_per_s]
+    by: dict[str, ProbeResult] = {}
+    for r in fits:
+        b = str(r.config.get("batching", "pad_max"))
+        if b not in by or (r.tokens_per_s or 0) > (by[b].tokens_per_s or 0):
+            by[b] = r
+    if not by or best is None or not best.tokens_per_s:
+        return []
+    lines = ["| batching | best trained tokens/s | winner's speed-up | pad fraction | config |", "|---|---|---|---|---|"]
+    for b, r in sorted(by.items(), key=lambda kv: -(kv[1].tokens_per_s or 0)):
+        pad = r.extra.get("pad_fraction")
+        lines.append(f"| {b} | {r.tokens_per_s:,.0f} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
+                     f"{'-' if pad is None else f'{pad:.1%}'} | {config_brief(r.config)} |")
     return [*lines, ""]
 
 

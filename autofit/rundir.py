@@ -2,7 +2,8 @@
 
 Layout (`RunDir`): spec.yaml (a `RunSpec`), study.db or study.journal (the Optuna study, the
 source of truth), trials.jsonl, best.json, report.md and plots (rebuilt from the study),
-env.json (the machine), logs/ (one log per probe process).
+env.json (the machine), logs/ (one log per probe process), data/ (with --dataset: the tokenizer
+stand-in, the length table, lengths.png, data.json).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .data import DatasetRef
 from .errors import CannotWrite, UsageError
 from .models import ModelSource
 from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, TRAIN_TOKENS, WARMUP_STEPS
@@ -69,6 +71,11 @@ class RunDir:
     def logs(self) -> Path:
         return self.path / "logs"
 
+    @property
+    def data(self) -> Path:
+        """With --dataset: the tokenizer stand-in, the length table, lengths.png and data.json."""
+        return self.path / "data"
+
     def default_storage(self, workers: int) -> str:
         """The study inside the folder: a journal file for several workers (SQLite locks under
         several writers), an SQLite file for one."""
@@ -109,6 +116,8 @@ class RunSpec:
     seed: int = 0
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     versions: dict[str, str] = field(default_factory=dict)
+    dataset: DatasetRef | None = None
+    """--dataset: the data every probe trains on (path and content hash); None: random tokens."""
 
     @property
     def created(self) -> str:
@@ -121,7 +130,8 @@ class RunSpec:
         return {"run_id": self.run_id, "created": self.created, "model": self.model.to_dict(),
                 "space": self.space.to_dict(), "targets": [target_dict(t) for t in self.targets],
                 "budget_s": self.budget_s, "storage": self.storage, "study_name": self.study_name,
-                "seed": self.seed, "probe": dataclasses.asdict(self.probe), "versions": dict(self.versions)}
+                "seed": self.seed, "probe": dataclasses.asdict(self.probe), "versions": dict(self.versions),
+                **({"dataset": self.dataset.to_dict()} if self.dataset else {})}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = SPEC) -> RunSpec:
@@ -133,7 +143,8 @@ class RunSpec:
                        targets=tuple(targets_of(d)), budget_s=float(d["budget_s"]),
                        storage=str(d["storage"]), study_name=str(d["study_name"]),
                        seed=int(d.get("seed", 0)), probe=ProbeSettings.from_dict(d.get("probe") or {}),
-                       versions=dict(d.get("versions") or {}))
+                       versions=dict(d.get("versions") or {}),
+                       dataset=DatasetRef.from_dict(d["dataset"]) if d.get("dataset") else None)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UsageError(f"{source} is not a complete autofit run spec ({type(e).__name__}: {e}); "
                              "it may have been edited or cut short.") from None

@@ -255,7 +255,8 @@ class Runner:
     def __init__(self, target: Target, log_dir: Path, *, standby: int = 1,
                  warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
                  max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
-                 hold_while_timing: bool = True, train_tokens: int | None = None) -> None:
+                 hold_while_timing: bool = True, train_tokens: int | None = None,
+                 dataset: dict[str, Any] | None = None, data_cache: Path | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +267,9 @@ class Runner:
         self.timed_steps = timed_steps
         self.max_probe_accumulation = max_probe_accumulation
         self.hold_while_timing = hold_while_timing
+        self.dataset = dataset
+        """`DatasetRef.to_dict()` with --dataset: every probe trains on its micro-batches."""
+        self.data_cache = str(Path(data_cache).resolve()) if data_cache is not None else None
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self.train_tokens = train_tokens
         """The planned training length, stamped on each result (compile time is amortised over it)."""
@@ -360,6 +364,7 @@ class Runner:
             warmup_steps=self.warmup_steps, timed_steps=self.timed_steps,
             max_probe_accumulation=self.max_probe_accumulation,
             gate=kernels.needs_gate(cfg) and kernels.gate_key(cfg) not in self.gate_verdicts,
+            dataset=self.dataset, data_cache=self.data_cache,
         )
 
     def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:

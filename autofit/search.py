@@ -77,6 +77,9 @@ class SearchSettings:
     """The planned training length, stamped on each result (compile time amortised over it)."""
     confirm: int = 1
     """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
+    dataset: dict[str, Any] | None = None
+    """`DatasetRef.to_dict()` with --dataset: the probes train on its micro-batches."""
+    data_cache: Path | None = None
 
 
 class EventKind(StrEnum):
@@ -181,7 +184,8 @@ class Search:
     def _start_worker(self, target: Target) -> threading.Thread:
         runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
                         warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
-                        max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens)
+                        max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens,
+                        dataset=self.s.dataset, data_cache=self.s.data_cache)
         runner.warm_up()
         self.runners.append(runner)
         th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)

@@ -19,6 +19,8 @@ import optuna
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
+from .data import DatasetRef, TextMode
+from .data import summarize as summarize_data
 from .envinfo import collect, gpus, package_versions
 from .errors import CannotWrite, NothingFits, UsageError, gather
 from .models import resolve_model
@@ -27,7 +29,8 @@ from .report import nothing_fits_message, write_outputs
 from .result import ProbeResult
 from .rundir import ProbeSettings, RunDir, RunSpec, create, load_spec, new_run_id
 from .search import Event, Search, SearchSettings, open_study, skipped_counts, study_rows
-from .space import load_space
+from .space import Space, load_space
+from .spec import BATCHINGS
 from .target import Target, resolve_targets
 from .units import parse_duration
 
@@ -65,6 +68,11 @@ class SearchRequest:
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     worker: str = field(default_factory=lambda: Path.cwd().name)
     """Suffix of a joining host's run folder."""
+    dataset: str | None = None
+    """--dataset: lengths, the `batching` dimension and the probes' micro-batches come from it."""
+    text_field: str = "text"
+    messages_field: str = "messages"
+    text_mode: str = TextMode.AUTO.value
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ class Session:
     run_dir: Path
     local_storage: bool
     """The study lives in the run folder (RUNNING trials found at start are stale)."""
+    notes: tuple[str, ...] = ()
+    """What the search should say before it starts (the data's lengths; a dimension fixed)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ def _resumed(req: SearchRequest) -> Session:
         spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom)))
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
+    if spec.dataset is not None:
+        check_dataset(spec.dataset, "--resume")
     return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir))
 
 
@@ -138,13 +150,45 @@ def _new(req: SearchRequest) -> Session:
         lambda: space_dimensions(req.max_length, req.global_batch))
     if dims:
         space = space.replaced(**dims)
+    space, ref, notes = data_space(space, model, req)
     run_id = new_run_id(model)
     run_dir = req.out / run_id
     storage = req.storage or RunDir(run_dir).default_storage(len(targets))
     spec = RunSpec(run_id=run_id, model=model, space=space, targets=tuple(targets), budget_s=budget,
                    storage=storage, study_name=req.study_name or f"autofit-{run_id}", seed=req.seed,
-                   probe=req.probe, versions=package_versions())
-    return Session(Mode.NEW, spec, run_dir, local_storage=not req.storage)
+                   probe=req.probe, versions=package_versions(), dataset=ref)
+    return Session(Mode.NEW, spec, run_dir, local_storage=not req.storage, notes=notes)
+
+
+def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, DatasetRef | None, tuple[str, ...]]:
+    """With --dataset: the data's max_length candidates (unless --max-length) and every batching strategy
+    (unless the space lists its own). Without: batching fixed at pad_max (random tokens have no lengths)."""
+    if not req.dataset:
+        if space.values("batching") == ["pad_max"]:
+            return space, None, ()
+        return space.replaced(batching=["pad_max"]), None, (
+            ("the space lists batching strategies, but without --dataset the probes train on random tokens "
+            "at max_length: batching is fixed at pad_max."),)
+    data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field, TextMode(req.text_mode),
+                          space.lengths if req.max_length else ())
+    dims: dict[str, list[Any]] = {}
+    if req.max_length is None:
+        dims["max_length"] = list(data.stats.candidates)
+    if "batching" not in space.dimensions and "batching" not in space.fixed:
+        dims["batching"] = list(BATCHINGS)
+    cuts = ", ".join(f"{c.max_length}: {c.tokens_lost:.2%} of tokens lost" for c in data.stats.cuts)
+    notes = ((f"--dataset {req.dataset}: {data.stats.count} samples, mean {data.stats.mean:.0f} tokens, p99 "
+             f"{data.stats.percentiles[99.0]:.0f}; max_length {cuts}"),
+             *([data.data.bad.summary()] if data.data.bad.count else []), *data.stats.notes)
+    return space.replaced(**dims), data.ref, notes
+
+
+def check_dataset(ref: DatasetRef, flag: str) -> None:
+    """The stored dataset must be the one measured: a changed or missing file is said as such."""
+    state, _ = ref.load()
+    if not state.usable:
+        raise UsageError(f"{flag}: the run's dataset {ref.path} is {state.value} since the search measured it "
+                         f"(content hash {ref.content_hash[:12]}); restore it, or start a new search.")
 
 
 def _missing(flag: str) -> Any:
@@ -212,6 +256,10 @@ def start(session: Session) -> optuna.Study:
     """Create the run folder (spec.yaml, env.json) and open or create the study."""
     create(session.run_dir, session.spec, collect())
     spec = session.spec
+    if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
+        ref = spec.dataset
+        summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field, ref.messages_field,
+                       TextMode(ref.text_mode), spec.space.lengths)
     try:
         study = open_study(spec.storage, spec.study_name, create=True, seed=spec.seed)
         if "spec" not in study.user_attrs:
@@ -230,7 +278,8 @@ def search_settings(session: Session, standby: int | None = None) -> SearchSetti
         probe_timeout_s=probe.timeout_s, warmup_steps=probe.warmup_steps, timed_steps=probe.timed_steps,
         max_probe_accumulation=probe.max_probe_accumulation,
         standby=standby if standby is not None else (2 if on_gpu else 1),
-        local_storage=session.local_storage, confirm=probe.confirm, train_tokens=probe.train_tokens)
+        local_storage=session.local_storage, confirm=probe.confirm, train_tokens=probe.train_tokens,
+        dataset=spec.dataset.to_dict() if spec.dataset else None, data_cache=RunDir(session.run_dir).data)
 
 
 def run(session: Session, on_event: Callable[[Event], None], standby: int | None = None) -> tuple[str, bool]:

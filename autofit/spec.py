@@ -20,6 +20,9 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 QUANTIZATIONS = ("none", "8bit", "nf4")
 METHODS = ("lora", "full")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+BATCHINGS = ("pad_max", "pad_longest", "group_by_length", "padding_free", "packed")
+"""How samples become micro-batches (`autofit.data.Batching`; a test checks they agree). Other than
+pad_max only with `--dataset`: random tokens have no lengths to batch by."""
 # TrainingArguments `optim` names autofit knows how to measure. A test checks each one
 # against transformers' `OptimizerNames`, so a rename there fails the suite, not a user.
 OPTIMIZERS = (
@@ -127,6 +130,7 @@ class TrialConfig:
     lora_alpha: int = 32
     lora_targets: str = "q_proj,v_proj"
     lora_dropout: str = "0.0"
+    batching: str = "pad_max"
 
     def __post_init__(self) -> None:
         problems = [p for k in KEYS.values() if (p := k.problem(getattr(self, k.name)))]
@@ -254,10 +258,13 @@ KEYS: dict[str, Key] = {
         Key("lora_dropout", str, "dropout on the adapter input",
             check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
             expected="a number in [0, 1) such as 0.05"),
+        Key("batching", str, "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped "
+            "by length), padding_free (a token budget of micro_batch_size x max_length) or packed (best-fit "
+            "decreasing rows, boundaries kept)", BATCHINGS),
     ]
 }
 
-LATE_KEYS = frozenset({"liger", "torch_compile"})
+LATE_KEYS = frozenset({"liger", "torch_compile", "batching"})
 """Keys added after studies were stored: `TrialConfig.key()` omits them at their default."""
 
 

@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Callable
 
 from ..errors import AutofitError
-from . import env, export, probe, regress, report, search
+from . import data, env, export, probe, regress, report, search
 from .common import EXIT_CODES, attach_values, check_shared_flags, err
 
 EPILOG = textwrap.dedent("""\
@@ -22,6 +22,7 @@ EPILOG = textwrap.dedent("""\
       autofit export runs/<id> --format hf-trainer -o train.py
       autofit regress runs/<id> --junit regress.xml
       autofit env
+      autofit data train.jsonl --model tiny-llama   # length percentiles and truncation
     """) + "\n" + EXIT_CODES
 
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autofit", formatter_class=fmt, epilog=EPILOG,
         description="Find, by measurement, the fastest fine-tuning configuration that fits on a GPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (probe, env, search, export, regress, report):
+    for command in (probe, env, search, export, regress, report, data):
         command.add_parser(sub, fmt)
     return parser
 

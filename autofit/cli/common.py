@@ -8,12 +8,23 @@ from typing import Any
 
 from rich.console import Console
 
+from ..data import DatasetRef, TextMode, load_samples
 from ..errors import UsageError, gather
 from ..protocol import HEADROOM, MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from ..rundir import PROBE_TIMEOUT_S, ProbeSettings
 
-__all__ = ["EXIT_CODES", "add_probe_flags", "add_target_flags", "check_shared_flags", "err", "fraction",
-           "gather", "probe_settings"]
+__all__ = [
+    "EXIT_CODES",
+    "add_data_flags",
+    "add_probe_flags",
+    "add_target_flags",
+    "check_shared_flags",
+    "dataset_ref",
+    "err",
+    "fraction",
+    "gather",
+    "probe_settings",
+]
 
 EXIT_CODES = """\
 exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexpected error,
@@ -60,6 +71,31 @@ def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout")
     g.add_argument("--max-probe-accumulation", type=int, metavar="N", default=MAX_PROBE_ACCUMULATION,
                    help="micro-steps per probed optimizer step; more are extrapolated "
                         f"(default {MAX_PROBE_ACCUMULATION}; 0: all)")
+
+
+def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True) -> None:
+    """The dataset flags: shared by `data`, `probe` and `search`."""
+    g = p.add_argument_group("data")
+    if with_dataset:
+        g.add_argument("--dataset", metavar="PATH",
+                       help="train on this data: JSONL (text or messages), text file, save_to_disk folder or "
+                            "parquet; lengths and a `batching` dimension come from it (default: random tokens)")
+    g.add_argument("--text-field", default="text", metavar="NAME", help="the JSONL/table text field (default text)")
+    g.add_argument("--messages-field", default="messages", metavar="NAME",
+                   help="the chat field: a list of {role, content} (default messages)")
+    g.add_argument("--text-mode", default="auto", choices=("auto", "lines", "paragraphs", "whole"),
+                   help="plain text files: one sample per line, per blank-line block, or the whole file")
+
+
+def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
+    """--dataset read (bad input: a UsageError naming the flag and file) as the reference a run keeps;
+    bad rows are reported on stderr with their first line numbers."""
+    if not getattr(args, "dataset", None):
+        return None
+    data = load_samples(args.dataset, args.text_field, args.messages_field, TextMode(args.text_mode))
+    if data.bad.count:
+        warn(f"--dataset {args.dataset}: {data.bad.summary()}")
+    return DatasetRef.of(data, args.text_field, args.messages_field)
 
 
 def probe_settings(args: argparse.Namespace) -> ProbeSettings:

@@ -9,25 +9,30 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..errors import gather
+from ..errors import UsageError, gather
 from ..models import PRESET_HELP, PRESETS, resolve_model
 from ..report import probe_summary
 from ..runner import Runner
 from ..spec import KEYS, TrialConfig, parse_sets
 from ..target import resolve_targets
-from .common import add_probe_flags, add_target_flags, console, probe_settings
+from .common import add_data_flags, add_probe_flags, add_target_flags, console, dataset_ref, probe_settings
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    cfg, model, targets = gather(lambda: TrialConfig.from_mapping(parse_sets(args.set or [])),
-                                 lambda: resolve_model(args.model),
-                                 lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom))
+    cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping(parse_sets(args.set or [])),
+                                      lambda: resolve_model(args.model),
+                                      lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom),
+                                      lambda: dataset_ref(args))
+    if ref is None and cfg.batching != "pad_max":
+        raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
+                         "to batch by; give a dataset or leave batching at pad_max.")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
     if not args.json:
         print(f"probing {model.ref} on {target.describe()} ...", file=sys.stderr)
     with Runner(target, log_dir, standby=0, warmup_steps=settings.warmup_steps, timed_steps=settings.timed_steps,
-                max_probe_accumulation=settings.max_probe_accumulation) as runner:
+                max_probe_accumulation=settings.max_probe_accumulation,
+                dataset=ref.to_dict() if ref else None, data_cache=log_dir / "data") as runner:
         name = "probe-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         res = runner.run(cfg, model, name=name, timeout=settings.timeout_s)
     if args.json:
@@ -50,6 +55,8 @@ examples:
   autofit probe --model llama2-7b --memory-limit 24GiB --set gradient_checkpointing=on \\
       --set quantization=nf4 --json
   autofit probe --model ./my-model --set gradient_checkpointing=every_2+offload
+  autofit probe --model tiny-llama --device cpu --dataset train.jsonl --set max_length=256 \\
+      --set batching=padding_free   # trained tokens/s on the data's own micro-batches
 
 exit codes: 0 measured (whatever the outcome), 2 usage error, 130 interrupted
 """
@@ -75,5 +82,6 @@ def add_parser(sub: Any, fmt: Any) -> None:
     add_target_flags(pr)
     pr.add_argument("--json", action="store_true", help="print one JSON object")
     add_probe_flags(pr, timeout_flag="--timeout")
+    add_data_flags(pr)
     pr.add_argument("--log-dir", help="where the probe's log goes (default runs/probes)")
     pr.set_defaults(func=cmd_probe)

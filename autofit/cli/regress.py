@@ -19,7 +19,8 @@ def cmd_regress(args: argparse.Namespace) -> int:
         speed, memory = gather(lambda: fraction(args.tolerance, "--tolerance"),
                                lambda: fraction(args.memory_tolerance, "--memory-tolerance"))
         tol = regress.Tolerance(speed, memory)
-        p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit, args.allow_gpu_change)
+        p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit, args.allow_gpu_change,
+                         args.dataset)
         env_now = regress.now_env()
         print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
         print("what changed since the baseline:")
@@ -69,6 +70,8 @@ def add_parser(sub: Any, fmt: Any) -> None:
     rg.add_argument("--json", metavar="PATH", help="write the checks as JSON")
     rg.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per config)")
     add_target_flags(rg)
+    rg.add_argument("--dataset", metavar="PATH", help="where the run's dataset is now, if it moved (its content "
+                    "must be the one measured; a changed file exits 2, not as a regression)")
     rg.add_argument("--allow-gpu-change", action="store_true", help="compare across GPU models anyway")
     rg.add_argument("--update-baseline", action="store_true",
                     help="rewrite best.json with the new figures (the old one is kept beside it)")

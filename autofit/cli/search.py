@@ -23,7 +23,7 @@ from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
 from ..session import run as run_search
 from ..units import format_duration, format_size
-from .common import EXIT_CODES, add_probe_flags, add_target_flags, probe_settings, warn
+from .common import EXIT_CODES, add_data_flags, add_probe_flags, add_target_flags, probe_settings, warn
 
 WIDE = 110
 """Terminal columns from which the table shows the predicted peak and the worker."""
@@ -98,7 +98,9 @@ def request(args: argparse.Namespace) -> SearchRequest:
         model=args.model, space=args.space, gpu=args.gpu, device=args.device, memory_limit=args.memory_limit,
         headroom=args.headroom, budget=args.budget, max_length=args.max_length, global_batch=args.global_batch,
         out=Path(args.out), storage=args.storage, study_name=args.study_name,
-        resume=Path(args.resume) if args.resume else None, seed=args.seed, probe=probe_settings(args))
+        resume=Path(args.resume) if args.resume else None, seed=args.seed, probe=probe_settings(args),
+        dataset=args.dataset, text_field=args.text_field, messages_field=args.messages_field,
+        text_mode=args.text_mode)
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -108,6 +110,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         warn(warning)
     if not args.json:
         print(_opening(session), file=sys.stderr)
+        for note in session.notes:
+            print(f"autofit: {note}", file=sys.stderr)
     with Progress(not args.json) as progress:
         reason, interrupted = run_search(session, progress, args.standby)
     summary = summarize(session, study, reason, interrupted)
@@ -149,6 +153,10 @@ examples:
   autofit search --model llama2-7b --memory-limit 24GiB --space qlora --max-length 4096,2048,1024
   autofit search --model ./my-model --gpu 0,1 --budget 1h           # one worker per GPU, one study
   autofit search --resume runs/20261202T101500Z-llama2-7b            # after Ctrl-C or a crash
+  autofit search --model tiny-llama --space cpu-demo --device cpu --dataset train.jsonl --max-length 256
+      # --dataset: probes train on the data's micro-batches (objective: trained tokens/s); the space
+      # gains `batching` (pad_max, pad_longest, group_by_length, padding_free, packed) and, without
+      # --max-length, the lengths covering 100/99.9/99/95% of the samples
   # several hosts, one study (each host runs the same command):
   autofit search --model llama2-7b --storage postgresql+psycopg://user:pw@db/autofit --study-name s1
 
@@ -176,6 +184,7 @@ def add_parser(sub: Any, fmt: Any) -> None:
                     help="probe processes importing ahead of need, per worker (default: 2 on a GPU, "
                          "1 on the CPU); importing torch+transformers+peft takes 15-20 s on a GPU host")
     add_probe_flags(se, timeout_flag="--probe-timeout")
+    add_data_flags(se)
     se.add_argument("--confirm", type=int, default=CONFIRM,
                     help="fits within 5%% of the best to measure again, in a fresh process, before one is "
                          "called the winner (its tokens/s: the median of the runs); time for one is kept "

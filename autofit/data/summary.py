@@ -47,9 +47,11 @@ class DataSummary:
 
 def summarize(path: str | Path, model: ModelSource, out_dir: str | Path | None = None,
               text_field: str = "text", messages_field: str = "messages",
-              text_mode: TextMode = TextMode.AUTO, max_lengths: Sequence[int] = ()) -> DataSummary:
-    """Everything `autofit data` shows; caches and the PNG go to `out_dir` when given."""
-    data = load_samples(path, text_field, messages_field, text_mode)
+              text_mode: TextMode = TextMode.AUTO, max_lengths: Sequence[int] = (),
+              flag: str = "--dataset") -> DataSummary:
+    """Everything `autofit data` shows; caches and the PNG go to `out_dir` when given. `flag` is what
+    a bad input's message names."""
+    data = load_samples(path, text_field, messages_field, text_mode, flag=flag)
     tok = tokenizer_for(model, data, out_dir)
     table = length_table(data, tok, out_dir)
     positions = model.config.get("max_position_embeddings")

@@ -7,6 +7,7 @@ from typing import Any
 from ..recipe import learning_rate
 from ..spec import TrialConfig
 from .common import ExportRun, Rendered, yaml_recipe
+from .data_yaml import axolotl_batching
 from .yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 
 
@@ -64,6 +65,12 @@ def render(r: ExportRun) -> Rendered:
         lost.append("liger=on with torch_compile=on: axolotl runs Liger's fused cross-entropy outside "
                     "torch.compile (torch.compiler.disable); the probe compiled it with the model")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
+    if r.dataset is not None:  # searched with --dataset: the measured batching on the measured file
+        batching, missing = axolotl_batching(cfg)
+        out.update(batching)
+        lost += missing
+        out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
+                            "field": r.dataset.get("text_field", "text")}]
     out["output_dir"] = "./autofit-out"
     intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: axolotl train this.yaml"]
     return yaml_recipe(r, out, AXOLOTL["keys"], intro, lost)

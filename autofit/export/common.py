@@ -157,6 +157,8 @@ class ExportRun:
     model: dict[str, Any]
     best: dict[str, Any]
     env: dict[str, Any]
+    dataset: dict[str, Any] | None = None
+    """The run's `DatasetRef` (spec.yaml) when it was searched with --dataset."""
 
     @property
     def weights_ref(self) -> str:
@@ -178,7 +180,9 @@ class ExportRun:
                                               if limit and t.get("device") == "cuda" else ""),
             f"Driver {self.env.get('driver') or '-'}, CUDA {self.env.get('cuda_driver') or '-'}; {vers}.",
             (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {format_size(self.best['peak_memory_bytes'])} "
-             f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."),
+             + (f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."
+                if self.dataset is None else f"(trained tokens/s on {self.dataset.get('path')}, batching "
+                f"{self.config.batching}, max_length {self.config.max_length}).")),
             f"Model: {self.model['ref']} ({self.model['kind']})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
                 if self.model["kind"] in ("preset", "config") else ""),
@@ -196,7 +200,8 @@ def load_run(run: str | Path) -> ExportRun:
     run_dir = Path(run)
     spec = read_spec(run_dir)
     best = read_best(run_dir)
-    return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir))
+    return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir),
+                     spec.get("dataset"))
 
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:

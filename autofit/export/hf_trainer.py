@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .common import ExportRun, Rendered, check_fields, quiet_bitsandbytes
+from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 MAIN = '''
@@ -31,4 +32,9 @@ def render(r: ExportRun) -> Rendered:
     check_fields(peft.LoraConfig, names["lora"], f"peft {peft.__version__} LoraConfig")
     check_fields(transformers.BitsAndBytesConfig, names["quant"], "transformers BitsAndBytesConfig")
     check_fields(peft.prepare_model_for_kbit_training, names["kbit"], "peft prepare_model_for_kbit_training")
+    if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
+        cfg = r.config
+        return Rendered(data_header(header(r, "train.py"), cfg.batching) + settings(r)
+                        + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS + DATA_HELPERS
+                        + HF_DATA_MAIN + TAIL)
     return Rendered(header(r, "train.py") + settings(r) + HELPERS + MAIN + TAIL)

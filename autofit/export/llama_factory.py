@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..recipe import learning_rate
 from .common import ExportRun, Rendered, yaml_recipe
+from .data_yaml import llama_factory_batching
 from .yaml_targets import LLAMA_FACTORY
 
 
@@ -41,6 +42,10 @@ def render(r: ExportRun) -> Rendered:
         "output_dir": "./autofit-out",
         "report_to": "none",
     })
+    if r.dataset is not None:  # searched with --dataset: the measured batching
+        batching, missing = llama_factory_batching(cfg)
+        out.update(batching)
+        lost += missing
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
                     f"{LLAMA_FACTORY['version']} checkpoints every layer or none; written as every layer")

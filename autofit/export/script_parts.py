@@ -178,12 +178,14 @@ def adapt(model):
 
 
 def throughput_callback(tokens_per_step):
-    """Prints tokens/s and peak memory per optimizer step, and a summary at the end."""
+    """Prints tokens/s and peak memory per optimizer step, and a summary at the end. `tokens_per_step`:
+    a number, or a function giving the tokens of the step that just ended."""
     from transformers import TrainerCallback
 
     class Throughput(TrainerCallback):
         def __init__(self):
             self.times = []
+            self.rates = []
             self.t0 = None
             self.losses = []  # (step, mean loss since the last log): the loss curve, in the summary
 
@@ -196,14 +198,16 @@ def throughput_callback(tokens_per_step):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            tokens = tokens_per_step() if callable(tokens_per_step) else tokens_per_step
+            self.rates.append(tokens / self.times[-1])
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
 
         def on_train_end(self, args, state, control, **kw):
-            steady = self.times[2:] or self.times
-            summary = {"steps": len(self.times), "tokens_per_s": tokens_per_step / statistics.median(steady),
+            steady = self.rates[2:] or self.rates
+            summary = {"steps": len(self.times), "tokens_per_s": statistics.median(steady),
                        "losses": self.losses}
             if torch.cuda.is_available():
                 summary["max_memory_reserved"] = torch.cuda.max_memory_reserved()

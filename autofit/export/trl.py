@@ -7,7 +7,8 @@ packing off, packing strategy `bfd` which needs FlashAttention): every setting i
 from __future__ import annotations
 
 from ..errors import UsageError
-from .common import ExportRun, Rendered, check_fields, quiet_bitsandbytes
+from .common import ExportRun, Rendered, check_fields, comment_block, quiet_bitsandbytes
+from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
@@ -51,4 +52,13 @@ def render(r: ExportRun) -> Rendered:
         notes.append(f"liger=on: trl {trl.__version__} SFTTrainer applies Liger's layer kernels only "
                      "(use_liger_kernel is deprecated there) and its own fused LM head instead of Liger's "
                      "fused cross-entropy: speed and peak differ from the probe's Trainer run")
+    if r.dataset is not None:  # searched with --dataset: the measured batching in SFTConfig's terms
+        cfg = r.config
+        trl_args, differs = trl_batching(cfg.batching, cfg.micro_batch_size, cfg.max_length)
+        check_fields(trl.SFTConfig, set(trl_args), f"trl {trl.__version__} SFTConfig")
+        comment = comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs]) + "\n" if differs else ""
+        return Rendered(data_header(header(r, "train_trl.py"), cfg.batching) + settings(r)
+                        + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)
+                        + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS + TRL_DATA_MAIN + TAIL,
+                        [*differs, *notes])
     return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN + TAIL, notes)

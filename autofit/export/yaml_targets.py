@@ -20,6 +20,7 @@ AXOLOTL = {
         # integrations/liger/args.py (LigerArgs) with the plugin; schemas/config.py (torch_compile*, flex_attention)
         "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
         "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
+        "group_by_length", "batch_flattening",
     },
     "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
                    "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
@@ -33,7 +34,7 @@ LLAMA_FACTORY = {
         "quantization_type", "dataset", "template", "cutoff_len", "packing", "per_device_train_batch_size",
         "gradient_accumulation_steps", "learning_rate", "max_steps", "bf16", "fp16", "pure_bf16", "optim",
         "output_dir", "flash_attn", "disable_gradient_checkpointing", "logging_steps", "seed",
-        "lr_scheduler_type", "report_to", "overwrite_output_dir",
+        "lr_scheduler_type", "report_to", "overwrite_output_dir", "neat_packing", "group_by_length",
         # hparams/model_args.py (enable_liger_kernel); torch_compile is a Seq2SeqTrainingArguments field
         "enable_liger_kernel", "torch_compile",
     },

@@ -19,6 +19,7 @@ from typing import Any
 from .. import recipe
 from ..protocol import SPREAD_BOUND, ProbeRequest
 from ..result import Outcome, ProbeResult
+from .batches import RealBatches, check_boundaries, mismatch, real_batches
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
 from .child_io import write_json_atomic
 from .errors import Unsupported
@@ -57,9 +58,16 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     gate = run_gate(req, state, model)
     if gate is not None and not gate.ok:
         return mismatch_result(req, gate)
-    trained = train(req, state, model, sync, announce)
+    batches = real_batches(req, _micro_batches(req))  # None without --dataset: random tokens
+    if batches is not None and not (check := check_boundaries(model, batches, req.config.precision)).ok:
+        return mismatch(req, check)
+    trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
-    return kernel_figures(figures(req, state, trained), req, state, gate)
+    return kernel_figures(figures(req, state, trained, batches), req, state, gate)
+
+
+def _micro_batches(req: ProbeRequest) -> int:
+    return (req.warmup_steps + req.timed_steps + req.extra_timed_steps) * req.probe_accumulation
 
 
 def _stop_runaway(req: ProbeRequest, now: int) -> None:
@@ -132,8 +140,9 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
 
 
 def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
-          announce: Callable[[str], None]) -> Trained:
-    """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length."""
+          announce: Callable[[str], None], batches: RealBatches | None = None) -> Trained:
+    """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length (or on the
+    dataset's micro-batches, the heaviest first)."""
     from transformers import Trainer, TrainingArguments
 
     cfg, ga = req.config, req.probe_accumulation
@@ -141,16 +150,18 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
                       cfg.gradient_accumulation_steps - ga, announce)
     data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
-                        int(req.model.config.get("vocab_size", 32000)))
+                        int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
+    if batches is not None:
+        cb.step_tokens = lambda step: sum(b.trained_tokens for b in batches.step_batches(step, ga))
     hook = model.register_forward_hook(cb.forward_hook)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, logging_steps=1, disable_tqdm=True,
-            **recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
-                                        gradient_accumulation_steps=ga),
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+        kw = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,
+                                       gradient_accumulation_steps=ga)
+        kw.update(batches.trainer_arguments() if batches is not None else {})
+        args = TrainingArguments(output_dir=out, logging_steps=1, disable_tqdm=True, **kw)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
+                          data_collator=batches.collator if batches is not None else None)
         cb.trainer = trainer
         trainer.train()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
@@ -200,7 +211,8 @@ def peak_memory(req: ProbeRequest, state: ProbeState) -> tuple[int, int, int | N
     return max(cb.max_reserved + outside, mem.sampled_peak), outside, retries
 
 
-def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResult:
+def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
+            batches: RealBatches | None = None) -> ProbeResult:
     """The result of a probe that trained: speed over the last timed steps, memory, stability."""
     cfg, cb = req.config, state.callback
     assert cb is not None
@@ -209,6 +221,9 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
     real = cb.real_seconds()
     window = real[-req.timed_steps:]
     tps = [cfg.effective_batch * cfg.max_length / t for t in window]
+    first = len(cb.steps) - len(window)
+    if batches is not None:  # trained (label-bearing, non-pad) tokens of the steps' own micro-batches
+        tps = batches.tokens_per_s(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
     timed = cb.timed_steps
     peak, outside, retries = peak_memory(req, state)
     growth = max(0, timed[-1]["reserved"] - timed[0]["reserved"]) if len(timed) >= 2 else 0
@@ -227,12 +242,14 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained) -> ProbeResu
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
         extra={**trained.optimizer, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
-               "noise_controls": [c for c in CONTROLS if enabled(c)]},
+               "noise_controls": [c for c in CONTROLS if enabled(c)],
+               **(batches.figures(first, len(window), req.probe_accumulation, cfg.gradient_accumulation_steps)
+                  if batches is not None else {})},
     )
     notes = []
-    if spread(window) > SPREAD_BOUND:
+    if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
         res.noisy = True
-        notes.append(noisy_reason(spread(window), len(real)))
+        notes.append(noisy_reason(spread(tps), len(real)))
     if growth > max(64 * 2**20, 0.01 * peak):
         notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
     res.reason = "; ".join(notes)

@@ -66,6 +66,8 @@ class ProbeCallback:
         self.timing = False
         self._t0 = self._opt0 = self._opt = 0.0
         self._step_reserved = 0
+        self.step_tokens: Callable[[int], int] | None = None
+        """With real batches (--dataset): the trained tokens of optimizer step n; steps then differ in size."""
 
     @property
     def timed_steps(self) -> list[dict[str, Any]]:
@@ -74,6 +76,14 @@ class ProbeCallback:
     def real_seconds(self) -> list[float]:
         """The timed steps' times, extended to the config's accumulation."""
         return [s["seconds"] + self.plan.missing_micro_steps * s["micro"] for s in self.timed_steps]
+
+    def spread_basis(self) -> list[float]:
+        """What the spread rule compares: the timed steps' times, or with real batches of varying size their
+        seconds per trained token (a step is not noisy for carrying more tokens)."""
+        real = self.real_seconds()
+        if self.step_tokens is None:
+            return real
+        return [t / max(self.step_tokens(self.plan.warmup + k), 1) for k, t in enumerate(real)]
 
     def note(self, phase: str) -> None:
         alloc, reserved = self.mem.phase()
@@ -131,7 +141,7 @@ class ProbeCallback:
                            "optimizer": self._opt, "reserved": self._step_reserved})
         if len(self.steps) == self.plan.warmup:
             self._start_timing()
-        elif self.timing and timing_done(self.real_seconds(), self.plan.timed, self.plan.extra):
+        elif self.timing and timing_done(self.spread_basis(), self.plan.timed, self.plan.extra):
             self.stop_timing()
             control.should_training_stop = True
 

@@ -1,0 +1,256 @@
+"""The Python recipes of a run searched with `--dataset`: the measured batching strategy, its collator and
+sampler in the script, samples truncated to MAX_LENGTH (no `packed_blocks` wrapping).
+
+Text, as with script_parts: the recipe runs without autofit. What it reproduces of the probe:
+- the tokenizer: the model's own (chat template where it has one), or for a shape preset the same
+  stand-in (a byte-level BPE trained with `tokenizers` on the dataset to the preset's vocabulary);
+- pad_max / pad_longest: rows padded to MAX_LENGTH / to the longest of the micro-batch, shuffled;
+  group_by_length: Trainer's `train_sampling_strategy="group_by_length"`;
+- padding_free: a seeded shuffle cut greedily into token budgets of MICRO_BATCH_SIZE x MAX_LENGTH,
+  each budget one row through transformers' `DataCollatorWithFlattening`;
+- packed: best-fit-decreasing bins of MAX_LENGTH, MICRO_BATCH_SIZE rows a micro-batch, positions
+  restarting per sample and no attention mask (the boundaries are kept).
+The throughput line counts trained tokens (label-bearing, non-pad) as the probe did.
+"""
+
+from __future__ import annotations
+
+DATA_SETTINGS = '''
+# The data the search measured on, and how it was batched.
+BATCHING = {batching!r}
+MICRO_BATCH_SIZE = {micro_batch_size}
+TEXT_FIELD = {text_field!r}
+MESSAGES_FIELD = {messages_field!r}
+MEASURED_DATASET = {dataset_path!r}
+SEED = 0
+'''
+
+DATA_HELPERS = '''
+
+def read_samples(path):
+    """Rendered texts of --dataset: JSONL rows with TEXT_FIELD or MESSAGES_FIELD (bad rows skipped, as in
+    the search), or a text file with one sample per line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        fail(f"--dataset: cannot read {path} ({e.strerror}); give the JSONL file the search measured")
+    except UnicodeDecodeError as e:
+        fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason})")
+    if not path.endswith((".jsonl", ".json")):
+        return [{"text": x.strip()} for x in lines if x.strip()]
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if row.get(MESSAGES_FIELD) is not None:  # a chat row, as the search read it (messages before text)
+            chat = row[MESSAGES_FIELD]
+            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in chat):
+                out.append({"messages": chat})
+        elif isinstance(row.get(TEXT_FIELD), str) and row[TEXT_FIELD].strip():
+            out.append({"text": row[TEXT_FIELD]})
+    if not out:
+        fail(f"--dataset: {path} has no row with a {TEXT_FIELD!r} or {MESSAGES_FIELD!r} field")
+    return out
+
+
+def plain_chat(messages):
+    return "".join(f"<|{m['role']}|>\\n{m['content']}\\n" for m in messages)
+
+
+def encoder(model_ref, samples):
+    """(encode(list of samples) -> ids, pad id, the tokenizer as transformers wraps it): the model's own, or
+    the preset's stand-in BPE."""
+    if model_ref is None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        texts = [s.get("text") or plain_chat(s["messages"]) for s in samples]
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=max(MODEL_CONFIG.get("vocab_size", 32000), 300),
+                                      special_tokens=["<pad>", "<eos>"], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer=trainer)
+        print("note: stand-in tokenizer (a BPE trained on the dataset, as autofit measured a shape preset); "
+              "use --model with real weights", file=sys.stderr)
+        from transformers import PreTrainedTokenizerFast
+
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+        return (lambda ss: [e.ids for e in tok.encode_batch([s.get("text") or plain_chat(s["messages"])
+                                                             for s in ss])]), tok.token_to_id("<pad>"), wrapped
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_ref)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def render(s):
+        if "text" in s:
+            return s["text"]
+        return tok.apply_chat_template(s["messages"], tokenize=False) if tok.chat_template else plain_chat(s["messages"])
+    return (lambda ss: [list(x) for x in tok([render(s) for s in ss])["input_ids"]]), pad, tok
+
+
+def best_fit_decreasing(lengths, capacity):
+    """TRL's `bfd` binning: longest first, each into the fullest bin it fits (first opened among equals)."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        b = min(fits, key=lambda b: (room[b], b)) if fits else None
+        if b is None:
+            bins.append([])
+            room.append(capacity)
+            b = len(bins) - 1
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+def token_budgets(ids, budget):
+    """A seeded shuffle cut greedily into groups of at most `budget` tokens (padding_free)."""
+    import random
+
+    order = list(range(len(ids)))
+    random.Random(SEED).shuffle(order)
+    groups, used = [[]], 0
+    for i in order:
+        if used + len(ids[i]) > budget and groups[-1]:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += len(ids[i])
+    return groups
+
+
+def packed_row(group, ids, pad):
+    row, pos, labels = [], [], []
+    for i in group:
+        row += ids[i]
+        pos += list(range(len(ids[i])))
+        labels += [-100] + ids[i][1:]
+    tail = MAX_LENGTH - len(row)
+    return {"input_ids": row + [pad] * tail, "position_ids": pos + list(range(tail)), "labels": labels + [-100] * tail}
+
+
+def batches(ids, pad):
+    """(train dataset, collator, TrainingArguments changes) for BATCHING."""
+    from transformers import DataCollatorWithFlattening
+
+    if BATCHING == "padding_free":
+        flatten = DataCollatorWithFlattening(return_tensors="pt")
+        data = [[{"input_ids": ids[i]} for i in g] for g in token_budgets(ids, MICRO_BATCH_SIZE * MAX_LENGTH)]
+        return data, lambda features: flatten(features[0]), {"per_device_train_batch_size": 1,
+                                                            "train_sampling_strategy": "sequential"}
+    if BATCHING == "packed":
+        data = [packed_row(g, ids, pad) for g in best_fit_decreasing([len(x) for x in ids], MAX_LENGTH)]
+        return data, lambda fs: {k: torch.tensor([f[k] for f in fs]) for k in fs[0]}, {}
+
+    def pad_rows(features):
+        width = MAX_LENGTH if BATCHING == "pad_max" else max(len(f["input_ids"]) for f in features)
+        rows = [f["input_ids"] + [pad] * (width - len(f["input_ids"])) for f in features]
+        mask = [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+        labels = [[t if m else -100 for t, m in zip(r, mm)] for r, mm in zip(rows, mask)]
+        return {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
+    sampling = "group_by_length" if BATCHING == "group_by_length" else "random"
+    return [{"input_ids": x} for x in ids], pad_rows, {"train_sampling_strategy": sampling}
+
+
+def trained_tokens(model):
+    """Counts label-bearing tokens of every forward (the probe's objective); returns a reader that resets."""
+    seen = [0]
+
+    def hook(module, args, kwargs):
+        labels = kwargs.get("labels")
+        if labels is not None:
+            seen[0] += int((labels[..., 1:] != -100).sum())
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def take():
+        n, seen[0] = seen[0], 0
+        return n
+    return take
+
+
+def prepare_data():
+    """Arguments, the dataset's token ids (truncated to MAX_LENGTH), and the adapted model."""
+    a = arguments()
+    samples = read_samples(a.dataset)  # a bad file fails here, before anything is loaded
+    emulate(a.emulate_memory_gib)
+    encode, pad, tokenizer = encoder(a.model, samples)
+    ids = [x[:MAX_LENGTH] for x in encode(samples)]
+    return a, ids, pad, tokenizer, adapt(build_model(a.model))
+'''
+
+HF_DATA_MAIN = '''
+
+def main():
+    from transformers import Trainer, TrainingArguments
+
+    a, ids, pad, _, model = prepare_data()
+    data, collator, changes = batches(ids, pad)
+    args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, **changes, "max_steps": a.max_steps})
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                      callbacks=[throughput_callback(trained_tokens(model))])
+'''
+
+
+PACKED_DOC = """--dataset: JSONL with a "text" field per line, or a plain text file. The text is tokenized,
+joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
+measured this configuration (its speed and memory hold for exactly that)."""
+
+DATA_DOC = """--dataset: the JSONL the search measured on (TEXT_FIELD or MESSAGES_FIELD per line), or a text
+file with one sample per line. Each sample is tokenized and truncated to MAX_LENGTH, and batched
+as measured (BATCHING: {batching}); the throughput line counts trained (label-bearing, non-pad)
+tokens, as the probe did."""
+
+
+def data_header(header: str, batching: str) -> str:
+    """The script's docstring says how this recipe batches (the packed-blocks paragraph replaced)."""
+    assert PACKED_DOC in header  # script_parts.HEADER and this module move together
+    return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching))
+
+
+TRL_DATA_MAIN = '''
+
+def main():
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    # Tokenized and truncated as the search measured; TRL then batches as TRL_BATCHING says.
+    a, ids, pad, tokenizer, model = prepare_data()
+    data = Dataset.from_dict({"input_ids": ids})
+    config = SFTConfig(output_dir=a.output_dir, **{**TRAINING_ARGS, **TRL_BATCHING, "max_steps": a.max_steps},
+                       dataset_text_field="text")
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[throughput_callback(trained_tokens(model))])
+'''
+
+
+def trl_batching(batching: str, micro_batch_size: int, max_length: int) -> tuple[dict[str, object], list[str]]:
+    """SFTConfig (TRL 1.16) settings for a strategy, and how they differ from what was measured."""
+    if batching == "pad_max":
+        return {"max_length": max_length, "packing": False, "padding_free": False,
+                "pad_to_multiple_of": max_length}, []
+    if batching in ("pad_longest", "group_by_length"):
+        sampling = {"train_sampling_strategy": "group_by_length"} if batching == "group_by_length" else {}
+        return {"max_length": max_length, "packing": False, "padding_free": False, **sampling}, []
+    if batching == "padding_free":  # TRL's padding_free batches by sample count; a token budget is bfd packing
+        return ({"max_length": micro_batch_size * max_length, "packing": True, "packing_strategy": "bfd",
+                 "per_device_train_batch_size": 1},
+                [("padding_free's token budget as TRL bfd packing into one row of micro_batch_size x max_length "
+                 "(best-fit-decreasing order, not the measured seeded shuffle)")])
+    return ({"max_length": max_length, "packing": True, "packing_strategy": "bfd"},
+            [("packed as TRL lays bfd bins out: flattened into one row per micro-batch (the probe measured "
+             "max_length rows)")])
+
+
+def data_settings(batching: str, micro_batch_size: int, dataset: dict[str, object]) -> str:
+    return DATA_SETTINGS.format(batching=batching, micro_batch_size=micro_batch_size,
+                                text_field=dataset.get("text_field", "text"),
+                                messages_field=dataset.get("messages_field", "messages"),
+                                dataset_path=dataset.get("path"))

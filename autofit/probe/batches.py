@@ -1,0 +1,140 @@
+"""Real batches for a probe with `--dataset`: the strategy's seeded micro-batches, the heaviest one
+first (worst-case memory), the per-sample loss check, and the objective's counts.
+
+The probe trains through Trainer on pre-collated micro-batches (`per_device_train_batch_size=1`,
+sequential sampling, a collator that unwraps the one micro-batch), so the same samples reach the
+model in the same order for every config of a search (`ProbeRequest.data_seed`). The heaviest
+micro-batch the strategy can produce (`BatchPlan.heaviest`: the longest samples padded to
+`max_length`, or the full token budget) is the first micro-batch of the first warm-up step: its peak
+counts toward the probe's peak, and it is not timed.
+
+The objective is trained tokens per second: label-bearing, non-pad tokens of each timed step's
+micro-batches (`MicroBatch.trained_tokens`), scaled to the config's accumulation where the probe
+runs fewer micro-steps.
+
+`LEAKY_ENV` is for tests only: set in the probe's environment, it makes `packed` lay its rows out
+without boundaries (`collate.packed_rows(boundaries=False)`: one running position, an all-ones
+mask), the deliberately leaking strategy that the loss check must turn into `mismatch`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
+from ..data.collate import collate, model_inputs, packed_rows
+from ..data.correctness import BoundaryCheck, check_batch
+from ..data.stats import cut
+from ..protocol import ProbeRequest
+from ..result import Outcome, ProbeResult
+from .errors import Unsupported
+
+LEAKY_ENV = "AUTOFIT_TEST_LEAKY_PACKING"
+CHECK_LENGTH = 256
+"""The loss check's max_length: a cheap first batch of short rows."""
+CHECK_ROWS = 4
+"""Rows (or a budget of CHECK_ROWS x CHECK_LENGTH tokens) in the loss check's batch."""
+
+
+@dataclass(frozen=True)
+class RealBatches:
+    strategy: Batching
+    token_ids: Sequence[Sequence[int]]
+    pad_id: int
+    max_length: int
+    order: tuple[MicroBatch, ...]
+    """The micro-batches in the order Trainer draws them: the heaviest first, then the plan's."""
+    plan_pad_fraction: float
+    tokens_lost: float
+    leaky: bool = False
+
+    def collated(self, mb: MicroBatch) -> dict[str, Any]:
+        if self.leaky:
+            return packed_rows(mb, self.token_ids, self.pad_id, self.max_length, boundaries=False)
+        return collate(self.strategy, mb, self.token_ids, self.pad_id, self.max_length)
+
+    def dataset(self) -> list[dict[str, Any]]:
+        return [model_inputs(self.collated(mb)) for mb in self.order]
+
+    @staticmethod
+    def collator(features: list[dict[str, Any]]) -> dict[str, Any]:
+        (one,) = features
+        return one
+
+    @staticmethod
+    def trainer_arguments() -> dict[str, Any]:
+        """What replaces the config's batch size and sampler: each item is one collated micro-batch."""
+        return {"per_device_train_batch_size": 1, "train_sampling_strategy": "sequential",
+                "remove_unused_columns": False, "dataloader_drop_last": False}
+
+    def step_batches(self, step: int, accumulation: int) -> tuple[MicroBatch, ...]:
+        return self.order[step * accumulation:(step + 1) * accumulation]
+
+    def tokens_per_s(self, seconds: Sequence[float], first_step: int, accumulation: int,
+                     config_accumulation: int) -> list[float]:
+        """Trained tokens/s of consecutive steps from `first_step`, each step's time already extended
+        to the config's accumulation (and its tokens scaled alike)."""
+        scale = config_accumulation / accumulation
+        return [sum(b.trained_tokens for b in self.step_batches(first_step + k, accumulation)) * scale / t
+                for k, t in enumerate(seconds)]
+
+    def figures(self, first_step: int, steps: int, accumulation: int, config_accumulation: int) -> dict[str, Any]:
+        """The timed steps' pad fraction and trained tokens; samples per optimizer step (the effective batch of
+        padding_free and packed, whose micro-batches hold a varying number of samples)."""
+        timed = [b for k in range(steps) for b in self.step_batches(first_step + k, accumulation)]
+        tensor = sum(b.tensor_tokens for b in timed)
+        heavy = self.order[0]
+        return {"batching": self.strategy.value, "pad_fraction": 1 - sum(b.real_tokens for b in timed) / tensor,
+                "plan_pad_fraction": self.plan_pad_fraction, "tokens_lost": self.tokens_lost,
+                "trained_tokens_timed": sum(b.trained_tokens for b in timed),
+                "samples_per_step": sum(len(b.samples) for b in timed) / max(steps, 1)
+                * config_accumulation / accumulation,
+                "heaviest_tensor_tokens": heavy.tensor_tokens, "heaviest_samples": len(heavy.samples)}
+
+
+def real_batches(req: ProbeRequest, micro_batches: int) -> RealBatches | None:
+    """The probe's micro-batches from the request's dataset (None without one)."""
+    if req.dataset is None:
+        return None
+    ref = DatasetRef.from_dict(req.dataset)
+    state, data = ref.load()
+    if data is None or not state.usable:
+        raise Unsupported(f"the dataset {ref.path} is {state.value} since the search started")
+    cfg = req.config
+    tok = tokenizer_for(req.model, data, req.data_cache)
+    ids = tok.encode(data.samples)
+    vocab = int(req.model.config.get("vocab_size", 0) or 0)
+    if vocab and max(max(t) for t in ids if t) >= vocab:
+        raise Unsupported(f"the tokenizer gives ids beyond the model's vocabulary ({vocab})")
+    strategy = Batching(cfg.batching)
+    p = plan(strategy, [len(t) for t in ids], cfg.max_length, cfg.micro_batch_size, req.data_seed)
+    rest = [p.batches[k % len(p.batches)] for k in range(max(micro_batches - 1, 0))]
+    leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
+    return RealBatches(strategy, ids, tok.pad_id, cfg.max_length, (p.heaviest, *rest), p.pad_fraction,
+                       cut([len(t) for t in ids], cfg.max_length).tokens_lost, leaky)
+
+
+def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryCheck:
+    """Per-sample losses of the strategy's first small batch against the padded reference; a pair of
+    attention and strategy that cannot run it is `Unsupported` with the reason."""
+    lengths = [len(t) for t in rb.token_ids]
+    small = plan(rb.strategy, lengths, min(rb.max_length, CHECK_LENGTH), CHECK_ROWS, 0).batches
+    shared = [b for b in small if any(len(row) > 1 for row in b.rows)]  # rows where samples could leak
+    mb = (shared or [b for b in small if len(b.samples) > 1] or small)[0]
+    length = min(rb.max_length, CHECK_LENGTH)
+    candidate = packed_rows(mb, rb.token_ids, rb.pad_id, length, boundaries=False) if rb.leaky else None
+    try:
+        return check_batch(model, rb.strategy, mb, rb.token_ids, rb.pad_id, length, precision, candidate)
+    except Exception as e:  # any failure of the pair is its reason, not a crash
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Unsupported(f"{rb.strategy.value} with attn_implementation="
+                          f"{getattr(model.config, '_attn_implementation', '?')}: {first[:300]}") from e
+
+
+def mismatch(req: ProbeRequest, check: BoundaryCheck) -> ProbeResult:
+    return ProbeResult(Outcome.MISMATCH, req.config.to_dict(), reason=check.reason,
+                       extra={"batching": req.config.batching, "max_loss_diff": check.max_loss_diff,
+                              "tolerance": check.tolerance})

@@ -1,0 +1,425 @@
+"""The data package wired into the commands: `autofit data`, `--dataset` on search and probe, the probe
+on real batches (issue 11)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_cli
+
+from autofit.cli import main
+from autofit.errors import UsageError
+from autofit.spec import BATCHINGS
+
+D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
+CHAT = ROOT / "tests" / "data" / "d1-chat-slice.jsonl"
+
+
+# ----------------------------------------------------------------------------- autofit data
+
+
+def _recomputed(out: Path) -> np.ndarray:
+    """The lengths the command cached, read without the data package."""
+    (table,) = out.glob("lengths-*.json")
+    return np.array(json.loads(table.read_text())["lengths"])
+
+
+def test_data_command_prints_percentiles_recomputed_independently(tmp_path: Path, capsys) -> None:
+    assert main(["data", str(D1), "--model", "tiny-llama", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    values = _recomputed(tmp_path)
+    for q in (50, 90, 95, 99, 99.9, 100):
+        assert f"p{q:g} {np.percentile(values, q):.1f}" in text
+    cover = int(np.ceil(values.max() / 64) * 64)
+    lost = np.clip(values - 448, 0, None).sum() / values.sum()
+    assert f"{cover:>10}" in text and f"{lost:.2%}" in text
+    assert "approximate" in text and (tmp_path / "lengths.png").stat().st_size > 1000
+
+
+def test_data_command_json_with_the_users_lengths(tmp_path: Path, capsys) -> None:
+    assert main(["data", str(CHAT), "--model", "tiny-llama", "--out", str(tmp_path), "--json",
+                 "--max-length", "64", "128"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    values = _recomputed(tmp_path)
+    assert out["candidates"] == [64, 128] and out["approximate"] is True
+    assert out["cuts"][0]["samples_truncated"] == pytest.approx((values > 64).mean())
+    assert out["percentiles"]["p90"] == pytest.approx(np.percentile(values, 90))
+
+
+@pytest.mark.parametrize(("content", "args", "match"), [
+    ("", (), "PATH: .*is empty"),
+    ('{"prompt": "x"}\n', (), "no usable row .*missing 'text'.*--text-field"),
+    ('{"text": "x"}\n', ("--max-length", "0"), "--max-length: 0 is not a length"),
+    ('{"text": "x"}\n', ("--model", "nope-model"), "--model"),
+])
+def test_data_command_bad_inputs_exit_2_with_a_message(tmp_path: Path, capsys, content: str, args: tuple,
+                                                       match: str) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    argv = ["data", str(path), "--out", str(tmp_path / "o"), *args]
+    if "--model" not in args:
+        argv += ["--model", "tiny-llama"]
+    assert main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_data_command_in_a_process_reports_bad_rows_and_never_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "one sample"}\n{broken\n{"text": "two samples here"}\n')
+    ok = run_cli("data", str(path), "--model", "tiny-llama", "--out", str(tmp_path / "o"))
+    assert ok.returncode == 0, ok.stderr
+    assert "1 rows skipped: 1 not JSON (line 2)" in ok.stderr and "2 samples" in ok.stdout
+    missing = run_cli("data", str(tmp_path / "none.jsonl"), "--model", "tiny-llama")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and "no such file" in missing.stderr
+
+
+# ----------------------------------------------------------------------------- the probe on real batches
+
+
+def _probe(tmp_path: Path, strategy: str, **sets: object):
+    from autofit.data import DatasetRef, load_samples
+    from autofit.models import resolve_model
+    from autofit.runner import Runner
+    from autofit.spec import TrialConfig
+    from autofit.target import resolve_targets
+
+    cfg = TrialConfig.from_mapping({"max_length": 96, "micro_batch_size": 2, "global_batch": 4,
+                                    "precision": "fp32", "batching": strategy, **sets})
+    ref = DatasetRef.of(load_samples(D1))
+    (target,) = resolve_targets(None, "cpu", None, 0.05)
+    with Runner(target, tmp_path / "logs", standby=0, dataset=ref.to_dict(), data_cache=tmp_path / "data") as r:
+        return cfg, r.run(cfg, resolve_model("tiny-llama"), name=f"probe-{strategy}", timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_every_strategy_trains_tiny_llama_from_jsonl_through_the_real_probe(tmp_path: Path, strategy: str) -> None:
+    from autofit.data import Batching, load_samples, plan, tokenizer_for
+    from autofit.models import resolve_model
+    from autofit.result import Outcome
+
+    _, res = _probe(tmp_path, strategy)
+    assert res.outcome is Outcome.FIT, res.reason + res.error_tail
+    extra = res.extra
+    assert extra["batching"] == strategy and res.tokens_per_s and res.tokens_per_s > 0
+    # the heaviest micro-batch ran first: recompute it from the data, independently of the probe
+    data = load_samples(D1)
+    ids = tokenizer_for(resolve_model("tiny-llama"), data, tmp_path / "data").encode(data.samples)
+    p = plan(Batching(strategy), [len(t) for t in ids], 96, 2, 0)
+    assert extra["heaviest_tensor_tokens"] == p.heaviest.tensor_tokens
+    if strategy == "pad_max":
+        assert extra["heaviest_tensor_tokens"] == 2 * 96 and extra["pad_fraction"] > 0.2
+    if strategy in ("pad_max", "pad_longest", "group_by_length"):
+        assert extra["samples_per_step"] == 4  # micro-batch 2 x accumulation 2
+    else:
+        assert extra["samples_per_step"] > 0
+    if strategy in ("padding_free",):
+        assert extra["pad_fraction"] == 0
+    assert 0 < extra["tokens_lost"] < 1 and res.step_times
+
+
+@pytest.mark.slow
+def test_the_loss_check_catches_the_leaking_strategy_inside_a_real_probe(tmp_path: Path, monkeypatch) -> None:
+    from autofit.probe.batches import LEAKY_ENV
+    from autofit.result import Outcome
+
+    monkeypatch.setenv(LEAKY_ENV, "1")
+    _, res = _probe(tmp_path, "packed")
+    assert res.outcome is Outcome.MISMATCH and not res.outcome.is_fit()
+    assert "samples sharing a row see each other" in res.reason
+    assert res.extra["max_loss_diff"] > 10 * res.extra["tolerance"]
+
+
+def test_probe_batching_without_a_dataset_is_a_usage_error(capsys) -> None:
+    assert main(["probe", "--model", "tiny-llama", "--device", "cpu", "--set", "batching=packed"]) == 2
+    assert "batching=packed needs --dataset" in capsys.readouterr().err
+
+
+def test_probe_with_a_bad_dataset_names_the_flag(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\x00\x01\x02\xff")
+    assert main(["probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(bad)]) == 2
+    assert "--dataset" in (err := capsys.readouterr().err) and "binary" in err
+
+
+def test_the_batching_key_matches_the_data_package() -> None:
+    from autofit.data import Batching
+
+    assert tuple(b.value for b in Batching) == BATCHINGS
+
+
+# ----------------------------------------------------------------------------- search --dataset
+
+
+def test_search_with_a_dataset_takes_lengths_and_batching_from_the_data(tmp_path: Path) -> None:
+    from autofit.data import length_stats, length_table, load_samples, tokenizer_for
+    from autofit.models import resolve_model
+    from autofit.rundir import RunSpec
+    from autofit.session import SearchRequest, plan
+
+    session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), out=tmp_path))
+    space = session.spec.space
+    data = load_samples(D1)
+    table = length_table(data, tokenizer_for(resolve_model("tiny-llama"), data))
+    assert space.dimensions["batching"] == list(BATCHINGS)
+    assert sorted(space.values("max_length"), reverse=True) == list(length_stats(table, 2048).candidates)
+    assert session.spec.dataset is not None and session.spec.dataset.content_hash == data.content_hash
+    assert any("84 samples" in n for n in session.notes) and any("approximate" in n for n in session.notes)
+    again = RunSpec.from_dict(session.spec.to_dict())
+    assert again.dataset == session.spec.dataset and not list(tmp_path.iterdir())  # plan creates nothing
+
+
+def test_search_max_length_overrides_the_datas_lengths_and_no_dataset_fixes_pad_max(tmp_path: Path) -> None:
+    from autofit.session import SearchRequest, plan
+
+    s = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), max_length="256,128"))
+    assert s.spec.space.dimensions["max_length"] == [256, 128] and "256: " in s.notes[0]
+    space = tmp_path / "s.yaml"
+    space.write_text("fixed: {global_batch: 4}\ndimensions:\n  micro_batch_size: [1, 2]\n"
+                     "  batching: [pad_max, packed]\n")
+    plain = plan(SearchRequest(model="tiny-llama", space=str(space), device="cpu"))
+    assert plain.spec.space.values("batching") == ["pad_max"] and "fixed at pad_max" in plain.notes[0]
+    assert plain.spec.dataset is None and "dataset" not in plain.spec.to_dict()
+
+
+def test_search_bad_dataset_is_a_usage_error_before_anything_exists(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert main(["search", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(bad),
+                 "--out", str(tmp_path / "runs")]) == 2
+    assert "--dataset" in (err := capsys.readouterr().err) and "missing 'text'" in err
+    assert not (tmp_path / "runs").exists()
+
+
+SMALL_SPACE = """\
+fixed: {global_batch: 4, micro_batch_size: 2, precision: fp32, optimizer: adamw_torch, lora_r: 8, lora_alpha: 16}
+dimensions:
+  gradient_checkpointing: [off]
+"""
+
+
+@pytest.mark.slow
+def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_path: Path) -> None:
+    import yaml
+
+    space = tmp_path / "space.yaml"
+    space.write_text(SMALL_SPACE)
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", str(space), "--dataset", str(D1),
+                   "--max-length", "96", "--budget", "5m", "--confirm", "0", "--out", str(tmp_path / "runs"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    run = Path(json.loads(proc.stdout)["run_dir"])
+    rows = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]
+    assert {r["config"]["batching"] for r in rows} == set(BATCHINGS)
+    assert all(r["extra"]["batching"] == r["config"]["batching"] for r in rows if r["outcome"] == "fit")
+    best = json.loads((run / "best.json").read_text())
+    assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["outcome"] == "fit")
+    assert yaml.safe_load((run / "spec.yaml").read_text())["dataset"]["path"] == str(D1)
+    report = (run / "report.md").read_text()
+    values = np.array(json.loads(next((run / "data").glob("lengths-*.json")).read_text())["lengths"])
+    lost = np.clip(values - 96, 0, None).sum() / values.sum()
+    assert f"Winner's max_length 96: {lost:.2%} of tokens lost" in report
+    assert "![lengths](data/lengths.png)" in report and (run / "data" / "lengths.png").is_file()
+    assert "| pad_longest |" in report and "| padding_free |" in report
+
+
+# ----------------------------------------------------------------------------- export with the measured strategy
+
+
+def _data_run(tmp_path: Path, batching: str) -> Path:
+    """A run folder as a search with --dataset leaves it (written, not measured)."""
+    import yaml
+    from test_regress import write_run
+
+    from autofit.data import DatasetRef, load_samples
+
+    run = write_run(tmp_path / f"run-{batching}", None)
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(D1)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    best = json.loads((run / "best.json").read_text())
+    best["config"] = {**best["config"], "batching": batching, "max_length": 96, "micro_batch_size": 2,
+                      "global_batch": 4, "precision": "fp32"}
+    (run / "best.json").write_text(json.dumps(best))
+    return run
+
+
+def test_the_hf_trainer_recipe_of_a_data_run_batches_as_measured(tmp_path: Path) -> None:
+    from autofit.export import export_run
+
+    text = export_run(_data_run(tmp_path, "padding_free"), "hf-trainer").text
+    assert "BATCHING = 'padding_free'" in text and "MICRO_BATCH_SIZE = 2" in text
+    assert "DataCollatorWithFlattening" in text and "packed_blocks(texts" not in text.split("def main")[-1]
+    assert "trained tokens/s on " in text and str(D1) in text
+    compile(text, "train.py", "exec")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_the_exported_hf_trainer_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path,
+                                                                                      strategy: str) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    assert run_cli("export", str(_data_run(tmp_path, strategy)), "-o", str(script)).returncode == 0
+    out = tmp_path / "out"
+    code = ("import sys; sys.modules['autofit'] = None; "
+            f"sys.argv = {[str(script), '--dataset', str(D1), '--output-dir', str(out), '--max-steps', '3']!r}; "
+            f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
+    got = json.loads(summary[-1].split(" ", 1)[1])
+    assert got["steps"] == 3 and got["tokens_per_s"] > 0
+    assert (out / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize(("strategy", "axolotl", "llama_factory", "lost"), [
+    ("pad_max", {"sample_packing": False, "pad_to_sequence_len": True}, {"packing": False}, ["llama-factory"]),
+    ("pad_longest", {"sample_packing": False, "pad_to_sequence_len": False}, {"packing": False}, []),
+    ("group_by_length", {"group_by_length": True, "sample_packing": False}, {"group_by_length": True}, []),
+    ("padding_free", {"sample_packing": False}, {"packing": False}, ["axolotl", "llama-factory", "trl"]),
+    ("packed", {"sample_packing": True, "pad_to_sequence_len": True},
+     {"packing": True, "neat_packing": True, "cutoff_len": 97}, ["axolotl", "llama-factory", "trl"]),
+])
+def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: str, axolotl: dict,
+                                                    llama_factory: dict, lost: list[str]) -> None:
+    import yaml
+
+    from autofit.export import export_run
+
+    run = _data_run(tmp_path, strategy)
+    ax = export_run(run, "axolotl")
+    assert yaml.safe_load(ax.text).items() >= axolotl.items()
+    assert yaml.safe_load(ax.text)["datasets"][0]["path"] == str(D1)
+    lf = export_run(run, "llama-factory")
+    assert yaml.safe_load(lf.text).items() >= llama_factory.items()
+    trl = export_run(run, "trl")
+    assert f"BATCHING = {strategy!r}" in trl.text and "TRL_BATCHING = " in trl.text
+    for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
+        assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", BATCHINGS)
+def test_the_exported_trl_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path, strategy: str) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_trl.py"
+    assert run_cli("export", str(_data_run(tmp_path, strategy)), "--format", "trl", "-o", str(script)).returncode == 0
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(script), "--dataset", str(D1), "--output-dir", str(out), "--max-steps",
+                          "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
+    got = json.loads(summary[-1].split(" ", 1)[1])
+    assert got["steps"] == 3 and got["tokens_per_s"] > 0
+
+
+# ----------------------------------------------------------------------------- regress with the stored dataset
+
+
+def _moved_run(tmp_path: Path, strategy: str = "padding_free") -> tuple[Path, Path]:
+    """A data run whose dataset is a copy we may change."""
+    import yaml
+
+    from autofit.data import DatasetRef, load_samples
+
+    copy = tmp_path / "d.jsonl"
+    copy.write_bytes(D1.read_bytes())
+    run = _data_run(tmp_path, strategy)
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(copy)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return run, copy
+
+
+def test_regress_reads_the_stored_dataset_and_follows_a_moved_file(tmp_path: Path) -> None:
+    from autofit import regress
+
+    run, copy = _moved_run(tmp_path)
+    p = regress.plan(run, 1)
+    assert p.dataset is not None and p.dataset.path == str(copy.resolve())
+    moved = tmp_path / "elsewhere.jsonl"
+    copy.rename(moved)
+    with pytest.raises(UsageError, match=r"is missing; give its new place with --dataset PATH"):
+        regress.plan(run, 1)
+    p = regress.plan(run, 1, dataset=str(moved))
+    assert p.dataset is not None and p.dataset.path == str(moved.resolve())
+
+
+def test_regress_on_a_changed_dataset_exits_2_and_says_so_not_a_regression(tmp_path: Path, capsys) -> None:
+    run, copy = _moved_run(tmp_path)
+    copy.write_text(copy.read_text().replace("the", "a"))
+    junit = tmp_path / "r.xml"
+    assert main(["regress", str(run), "--junit", str(junit)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset changed since the run" in err and "not a regression" in err
+    assert "<error" in junit.read_text() and "<failure" not in junit.read_text()
+
+
+@pytest.mark.slow
+def test_regress_re_measures_on_the_stored_dataset(tmp_path: Path) -> None:
+    run, _ = _moved_run(tmp_path)
+    proc = run_cli("regress", str(run), "--json", str(tmp_path / "r.json"))
+    assert proc.returncode in (0, 1), proc.stderr  # measured: against a written baseline, either verdict
+    (check,) = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert check["outcome"] == "fit" and check["tokens_per_s"] > 0
+    assert list((run / "data").glob("standin-bpe-*.json"))  # the probe tokenized the run's dataset
+
+
+def test_the_spread_rule_compares_seconds_per_trained_token_when_steps_differ_in_size() -> None:
+    from autofit.probe.timing import ProbeCallback, TimingPlan, spread
+
+    cb = ProbeCallback(None, lambda: None, TimingPlan(2, 5, 5, 0, lambda event: None))  # type: ignore[arg-type]
+    tokens = [100, 100, 400, 100, 800, 200, 100]
+    cb.steps = [{"seconds": n / 1000, "micro": 0.0, "optimizer": 0.0, "reserved": 0} for n in tokens]
+    assert spread(cb.spread_basis()) == pytest.approx(8.0)  # random tokens: the times themselves
+    cb.step_tokens = lambda step: tokens[step]
+    assert spread(cb.spread_basis()) == pytest.approx(1.0)  # the same speed on every step
+
+
+def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_path: Path) -> None:
+    from autofit.rundir import RunDir
+    from autofit.session import SearchRequest, plan, start
+
+    copy = tmp_path / "d.jsonl"
+    copy.write_bytes(D1.read_bytes())
+    session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(copy),
+                                 max_length="256", out=tmp_path / "runs"))
+    start(session)
+    data = RunDir(session.run_dir).data
+    assert (data / "lengths.png").is_file() and list(data.glob("standin-bpe-*.json"))
+    assert json.loads((data / "data.json").read_text())["cuts"][0]["max_length"] == 256
+    assert plan(SearchRequest(resume=session.run_dir)).spec.dataset == session.spec.dataset
+    copy.write_text(copy.read_text() + '{"text": "one more sample"}\n')
+    with pytest.raises(UsageError, match=r"--resume: the run's dataset .* is changed since the search measured"):
+        plan(SearchRequest(resume=session.run_dir))
+
+
+@pytest.mark.parametrize("path", [D1, CHAT])
+def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path) -> None:
+    import sys
+
+    from autofit.data import load_samples, tokenizer_for
+    from autofit.export.data_script import DATA_HELPERS
+    from autofit.models import resolve_model
+
+    def fail(message: str) -> None:
+        raise AssertionError(message)
+
+    space = {"json": json, "sys": sys, "fail": fail, "MODEL_CONFIG": resolve_model("tiny-llama").config,
+             "TEXT_FIELD": "text", "MESSAGES_FIELD": "messages"}
+    exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
+    samples = space["read_samples"](str(path))
+    encode, pad, _ = space["encoder"](None, samples)
+    data = load_samples(path)
+    tok = tokenizer_for(resolve_model("tiny-llama"), data)
+    assert encode(samples) == tok.encode(data.samples) and pad == tok.pad_id
