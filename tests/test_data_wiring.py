@@ -307,7 +307,9 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", BATCHINGS)
+# TRL has two layouts for them (padded, or bfd packing with padding-free rows): one strategy of each
+# trains here; every strategy's SFTConfig keys are checked in-process above.
+@pytest.mark.parametrize("strategy", ["pad_longest", "packed"])
 def test_the_exported_trl_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path, strategy: str) -> None:
     import subprocess
     import sys
