@@ -307,16 +307,24 @@ def test_update_baseline_refuses_a_config_that_no_longer_fits(tmp_path: Path) ->
 TOL = ["--tolerance", "80%", "--memory-tolerance", "80%", "--memory-limit", "2GiB"]
 
 
-@pytest.fixture()
-def run(tiny_run: Path, tmp_path: Path) -> Path:
-    """A copy of the tiny run, re-baselined here: the search measured its winner while another
-    process was importing on the same two cores; regress measures alone."""
-    dest = tmp_path / tiny_run.name
+@pytest.fixture(scope="module")
+def rebaselined(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny run, re-baselined once for this module: the search measured its winner
+    while another process was importing on the same two cores; regress measures alone."""
+    dest = tmp_path_factory.mktemp("rebaselined") / tiny_run.name
     shutil.copytree(tiny_run, dest)
     proc = run_cli("regress", str(dest), *TOL, "--update-baseline")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for f in [dest / "regress-history.jsonl", *dest.glob("*.previous-*.json")]:
         f.unlink()
+    return dest
+
+
+@pytest.fixture()
+def run(rebaselined: Path, tmp_path: Path) -> Path:
+    """Each test's own copy of the re-baselined run (tests edit best.json and append history)."""
+    dest = tmp_path / rebaselined.name
+    shutil.copytree(rebaselined, dest)
     return dest
 
 
