@@ -14,7 +14,6 @@ equality is not expected.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,6 @@ from .batching import Batching, MicroBatch
 from .collate import IGNORE, collate, model_inputs
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2}
-FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 @dataclass(frozen=True)
@@ -79,15 +77,3 @@ def check_batch(model: Any, strategy: Batching, batch: MicroBatch, token_ids: Se
                              "sharing a row see each other")
     return BoundaryCheck(True, diff, tol)
 
-
-def attention_available(attn: str) -> str:
-    """'' when `attn` can run here, else why not."""
-    pkg = FLASH_PACKAGES.get(attn)
-    if pkg and importlib.util.find_spec(pkg) is None:
-        return f"{attn} needs the `{pkg}` package, which is not installed"
-    if pkg:
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"{attn} needs a CUDA GPU"
-    return ""

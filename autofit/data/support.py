@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernels import attention_problem
 from ..models import PRESETS
 from .batching import Batching, plan
-from .correctness import BoundaryCheck, attention_available, check_batch
+from .correctness import BoundaryCheck, check_batch
 
 CHECK_SAMPLES = 24
 CHECK_MAX_LENGTH = 64
@@ -49,7 +50,9 @@ def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tupl
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     out: list[Support] = []
     for attn in attns:
-        why = attention_available(attn)
+        # a flash kernel that cannot run here is said as the probe says it; flex runs its forward
+        # passes on the CPU too (only its backward needs a GPU), so it is checked, not assumed
+        why = attention_problem(attn, device) if attn.startswith("flash_attention_") else None
         if why:
             out += [Support(s, attn, False, why) for s in strategies]
             continue
