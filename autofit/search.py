@@ -80,6 +80,9 @@ class SearchSettings:
     dataset: dict[str, Any] | None = None
     """`DatasetRef.to_dict()` with --dataset: the probes train on its micro-batches."""
     data_cache: Path | None = None
+    policy: str = "promise"
+    """Which untried config goes first: "promise" (the optimistic corner down) or "edge"
+    (knowledge.py: where the memory model puts the fit/OOM edge, bisected, cost-aware)."""
 
 
 class EventKind(StrEnum):
@@ -129,8 +132,14 @@ class _Pace:
 class Search:
     """Runs workers (one per target) against one study until the budget or the space runs out."""
 
-    def __init__(self, s: SearchSettings, on_event: Callable[[Event], None] | None = None) -> None:
+    def __init__(self, s: SearchSettings, on_event: Callable[[Event], None] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 make_runner: Callable[[Target], Runner] | None = None) -> None:
+        """`clock` and `make_runner` are the seams of the landscape replay (replay.py): a simulated
+        clock, and probes answered from recorded measurements instead of child processes."""
         self.s = s
+        self.clock = clock
+        self.make_runner = make_runner or self._runner
         self.on_event = on_event or (lambda e: None)
         self.stop = threading.Event()
         self.stop_reason = ""
@@ -156,7 +165,7 @@ class Search:
 
     def _run(self) -> str:
         study = self.prepare()
-        self.deadline = time.monotonic() + self.s.budget_s
+        self.deadline = self.clock() + self.s.budget_s
         threads = [self._start_worker(t) for t in self.s.targets]
         try:
             while any(th.is_alive() for th in threads):
@@ -181,11 +190,14 @@ class Search:
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
 
+    def _runner(self, target: Target) -> Runner:
+        return Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
+                      warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
+                      max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens,
+                      dataset=self.s.dataset, data_cache=self.s.data_cache)
+
     def _start_worker(self, target: Target) -> threading.Thread:
-        runner = Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
-                        warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
-                        max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens,
-                        dataset=self.s.dataset, data_cache=self.s.data_cache)
+        runner = self.make_runner(target)
         runner.warm_up()
         self.runners.append(runner)
         th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
@@ -290,7 +302,7 @@ class Search:
     def _steer(self, study: optuna.Study, know: Knowledge, pace: _Pace) -> str:
         """Why to stop now (empty: go on); puts the most promising untried config that can
         finish in time first when the pace says so."""
-        left = self.deadline - time.monotonic()
+        left = self.deadline - self.clock()
         if left <= 0:
             return "budget spent"
         viable = know.viable(self.candidates)
@@ -353,7 +365,7 @@ class Search:
         return res
 
     def _run_probe(self, runner: Runner, cfg: TrialConfig, name: str, cancel: Callable[[], bool]) -> ProbeResult:
-        left = max(self.deadline - time.monotonic(), 1.0)
+        left = max(self.deadline - self.clock(), 1.0)
         return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left), cancel=cancel)
 
     # ----------------------------------------------------------------------- telling the study
@@ -397,7 +409,7 @@ class Search:
                                target.usable_bytes, repeats_of(study), superseded_of(study))
 
     def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
-        return self.time.in_time(know, cfg, self.deadline - time.monotonic())
+        return self.time.in_time(know, cfg, self.deadline - self.clock())
 
     # ----------------------------------------------------------------------- measuring fits again
 
@@ -416,7 +428,7 @@ class Search:
                 return
             t, r, must = pick
             cfg = TrialConfig.from_dict(r.config)
-            left = self.deadline - time.monotonic()
+            left = self.deadline - self.clock()
             est = self.time.estimate(know, cfg)
             if est is None or est > left:
                 if must:
@@ -448,7 +460,7 @@ class Search:
                predicted: int | None, best: ProbeResult | None) -> None:
         with self.lock:
             self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, best,
-                                max(0.0, self.deadline - time.monotonic())))
+                                max(0.0, self.deadline - self.clock())))
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:
