@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 32, "num_key_value_heads": 8,
                   "intermediate_size": 14336, "vocab_size": 128256,
                   "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "llama3.2-3b": {**_LLAMA, "hidden_size": 3072, "num_hidden_layers": 28,
+                    "num_attention_heads": 24, "num_key_value_heads": 8,
+                    "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True,
+                    "max_position_embeddings": 131072, "rope_theta": 500000.0},
     "mistral-7b": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
                    "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
                    "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -51,6 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_HELP = {
     "llama2-7b": "Llama-2-7B shape (h 4096, 32 layers, vocab 32000)",
     "llama3-8b": "Llama-3-8B shape (GQA 8 KV heads, vocab 128256)",
+    "llama3.2-3b": "Llama-3.2-3B shape (h 3072, 28 layers, GQA 8 KV heads, tied vocab 128256)",
     "mistral-7b": "Mistral-7B v0.3 shape (GQA, vocab 32768)",
     "qwen2.5-7b": "Qwen2.5-7B shape (h 3584, 28 layers, vocab 152064)",
     "tiny-llama": "4-layer Llama, ~1M parameters: tests and CPU demos",
