@@ -29,7 +29,7 @@ LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
     1: ("space", "memory", "recipe", "target", "kills", "data", "kernels"),
     2: ("rundir", "runner", "report", "study", "knowledge"),
-    3: ("search", "regress", "export"),
+    3: ("search", "regress", "export", "replay"),
     4: ("session",),
     5: ("cli", "__main__"),
 }
