@@ -1,0 +1,108 @@
+"""The landscape replay: the real Search against recorded GPU measurements on a simulated clock,
+and the search policy's targets held on every committed landscape (issue: search policy)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from autofit.errors import UsageError
+from autofit.models import resolve_model
+from autofit.replay import Landscape, ReplayRunner, SimClock, replay
+from autofit.result import Outcome
+from autofit.spec import TrialConfig
+
+LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
+COMMITTED = sorted(LANDSCAPES.glob("*.json"))
+S1 = Landscape.load(LANDSCAPES / "s1.json")
+MODEL = resolve_model("llama2-7b")
+
+
+def config(land: Landscape, **params: object) -> TrialConfig:
+    return land.search_space().config({**land.search_space().seed(), **params})
+
+
+def test_runner_answers_a_recorded_key_and_advances_the_clock() -> None:
+    clock = SimClock()
+    runner = ReplayRunner(S1, clock)
+    cfg = config(S1, micro_batch_size=2, gradient_checkpointing="off", expandable_segments=False)
+    recorded = S1.points[cfg.key()]
+    res = runner.run(cfg, MODEL, name="trial-0000", timeout=900)
+    assert res.outcome is Outcome.FIT and res.tokens_per_s == recorded["tokens_per_s"]
+    assert clock() == pytest.approx(recorded["wall_seconds"])
+    again = runner.run(cfg, MODEL, name="trial-0000-again", timeout=900)
+    assert again.tokens_per_s == recorded["tokens_per_s"]  # a repeat returns the recorded point
+    assert clock() == pytest.approx(2 * recorded["wall_seconds"])
+    assert [p.repeat for p in runner.probed] == [False, True]
+
+
+def test_a_probe_longer_than_its_timeout_ends_as_a_timeout_at_the_timeout() -> None:
+    clock = SimClock()
+    cfg = config(S1, micro_batch_size=8, gradient_checkpointing="on", expandable_segments=False)
+    assert S1.points[cfg.key()]["wall_seconds"] > 20
+    res = ReplayRunner(S1, clock).run(cfg, MODEL, name="trial-0001", timeout=20)
+    assert res.outcome is Outcome.TIMEOUT and res.tokens_per_s is None
+    assert clock() == 20
+
+
+def test_an_unknown_key_fails_naming_it() -> None:
+    cfg = config(S1, micro_batch_size=5)
+    with pytest.raises(UsageError) as e:
+        ReplayRunner(S1, SimClock()).run(cfg, MODEL, name="trial-0002", timeout=900)
+    assert cfg.key() in str(e.value) and "s1" in str(e.value)
+
+
+def test_jitter_moves_a_repeat_within_the_recorded_spread_only() -> None:
+    runner = ReplayRunner(S1, SimClock(), jitter_seed=3)
+    cfg = config(S1, micro_batch_size=1, gradient_checkpointing="every_2", expandable_segments=True)
+    pt = S1.points[cfg.key()]
+    first = runner.run(cfg, MODEL, name="a", timeout=900)
+    again = [runner.run(cfg, MODEL, name="b", timeout=900).tokens_per_s for _ in range(5)]
+    assert first.tokens_per_s == pt["tokens_per_s"]
+    assert all(pt["tokens_per_s_min"] <= t <= pt["tokens_per_s_max"] for t in again)
+    assert len(set(again)) > 1
+
+
+def test_a_replay_on_s1_runs_the_search_and_judges_its_winner() -> None:
+    out = replay(S1, "promise", seed=0, budget_s=180)
+    assert 0 < out.ratio <= 1 and out.winner in S1.points
+    assert out.probes >= 1 and out.probes == len(out.probed)
+    assert 0 <= out.oom_probes <= out.unfit_probes <= out.probes
+    assert 0 < out.elapsed_s <= 180 + max(p["wall_seconds"] for p in S1.points.values())
+    assert out.stop_reason
+    ends = [p.ended_s for p in out.probed]
+    assert ends == sorted(ends) and ends[-1] == out.elapsed_s
+    if out.time_to_near_best_s is not None:
+        assert out.time_to_near_best_s in ends
+
+
+def test_landscape_round_trips_through_its_file(tmp_path: Path) -> None:
+    path = S1.save(tmp_path / "s1.json")
+    back = Landscape.load(path)
+    assert back == S1 and back.usable_bytes == S1.target().usable_bytes
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UsageError, match="bad.json"):
+        Landscape.load(tmp_path / "bad.json")
+
+
+def policy_figures(land: Landscape, policy: str, seeds: int, budget_s: float) -> tuple[float, float, float]:
+    """Median and worst ratio, and the largest share of OOM probes among the seeds."""
+    runs = [replay(land, policy, seed, budget_s) for seed in range(seeds)]
+    ratios = [r.ratio for r in runs]
+    return statistics.median(ratios), min(ratios), max(r.oom_probes / r.probes for r in runs)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "policy 'promise' (edge not landed yet) at 180 s, 20 seeds: s1 median 1.000, worst 1.000, OOM probes "
+    "5/14 (36%) per seed; s2 median 1.000, worst 1.000, OOM probes 4/10 (40%): OOM share over 1/3"))
+def test_policy_targets_on_committed_landscapes() -> None:
+    assert COMMITTED, "no landscape under bench/landscapes"
+    failed = []
+    for path in COMMITTED:
+        land = Landscape.load(path)
+        median, worst, oom_share = policy_figures(land, "edge", 20, 180)
+        if median < 0.97 or worst < 0.93 or oom_share > 1 / 3:
+            failed.append(f"{land.scenario}: median {median:.3f}, worst {worst:.3f}, OOM probes {oom_share:.0%}")
+    assert not failed, "; ".join(failed)
