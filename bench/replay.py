@@ -1,0 +1,79 @@
+"""Search policies judged on the recorded landscapes (bench/landscapes/*.json), on a simulated clock.
+
+For each landscape, policy and budget, 20 seeds of the real search (autofit/replay.py): the
+winner's recorded tokens/s over the landscape's best (median and worst seed), the simulated time
+until a config within 97% of the best was probed (median; "-" where a seed never got there),
+probes, out-of-memory probes, and skips by reason (summed over the seeds). No GPU needed.
+The result file keeps every seed's figures and seed 0's probe list (end time, config, outcome).
+
+    python bench/replay.py [--seeds 20] [--budgets 180,600] [--policies promise,edge]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from common import save
+
+from autofit.replay import Landscape, ReplayOutcome, replay
+
+LANDSCAPES = Path(__file__).resolve().parent / "landscapes"
+
+
+def summary(runs: list[ReplayOutcome]) -> dict[str, Any]:
+    ratios = [r.ratio for r in runs]
+    times = [r.time_to_near_best_s for r in runs if r.time_to_near_best_s is not None]
+    skipped: dict[str, int] = {}
+    for r in runs:
+        for k, n in r.skipped.items():
+            skipped[k] = skipped.get(k, 0) + n
+    probes, ooms = sum(r.probes for r in runs), sum(r.oom_probes for r in runs)
+    return {"seeds": len(runs), "median_ratio": statistics.median(ratios), "worst_ratio": min(ratios),
+            "median_time_to_97_s": statistics.median(times) if times else None,
+            "reached_97": len(times), "median_probes": statistics.median(r.probes for r in runs),
+            "median_oom_probes": statistics.median(r.oom_probes for r in runs),
+            "oom_share": ooms / probes if probes else 0.0,
+            "unfit_probes": sum(r.unfit_probes for r in runs), "skipped": dict(sorted(skipped.items())),
+            "stop_reasons": sorted({r.stop_reason for r in runs})}
+
+
+def row(scenario: str, policy: str, budget: float, s: dict[str, Any]) -> str:
+    t = f"{s['median_time_to_97_s']:.0f}" if s["median_time_to_97_s"] is not None else "-"
+    skipped = " ".join(f"{k} {v}" for k, v in s["skipped"].items())
+    return (f"{scenario:<5} {policy:<8} {budget:>5.0f} {s['median_ratio']:>7.3f} {s['worst_ratio']:>6.3f} "
+            f"{t:>6} {s['reached_97']:>3}/{s['seeds']:<3} {s['median_probes']:>6} {s['median_oom_probes']:>5} "
+            f"{s['oom_share']:>5.0%}  {skipped}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--budgets", default="180,600", help="simulated seconds, comma-separated")
+    p.add_argument("--policies", default="promise,edge")
+    p.add_argument("--name", default=f"replay-{date.today().isoformat()}")
+    a = p.parse_args()
+    budgets = [float(b) for b in a.budgets.split(",")]
+    print(f"{'scen':<5} {'policy':<8} {'budget':>5} {'median':>7} {'worst':>6} {'t97 s':>6} {'hit':>7} "
+          f"{'probes':>6} {'ooms':>5} {'oom%':>5}  skipped (all seeds)")
+    results = []
+    for path in sorted(LANDSCAPES.glob("*.json")):
+        land = Landscape.load(path)
+        for policy in a.policies.split(","):
+            for budget in budgets:
+                runs = [replay(land, policy, seed, budget) for seed in range(a.seeds)]
+                s = summary(runs)
+                print(row(land.scenario, policy, budget, s), flush=True)
+                results.append({"scenario": land.scenario, "landscape": f"bench/landscapes/{path.name}",
+                                "landscape_date": land.date, "landscape_gpu": land.gpu, "policy": policy,
+                                "budget_s": budget, **s, "seed0_probes": runs[0].to_dict()["probed"],
+                                "runs": [{k: v for k, v in r.to_dict().items() if k != "probed"} for r in runs]})
+    save(a.name, {"note": "simulated clock: probes answered from recorded landscapes (autofit/replay.py)",
+                  "results": results})
+
+
+if __name__ == "__main__":
+    main()
