@@ -57,6 +57,8 @@ class Landscape:
     versions: dict[str, str] = field(default_factory=dict)
     command: str = ""
     note: str = ""
+    max_probe_accumulation: int | None = None
+    """The probes' micro-step cap when recorded (None: the default): the replayed search uses it too."""
 
     @property
     def usable_bytes(self) -> int:
@@ -93,14 +95,16 @@ class Landscape:
         return {"scenario": self.scenario, "date": self.date, "gpu": self.gpu, "versions": self.versions,
                 "command": self.command, "note": self.note, "model": self.model, "space": self.space,
                 "memory_limit_bytes": self.memory_limit_bytes, "headroom": self.headroom,
-                "usable_bytes": self.usable_bytes, "points": self.points}
+                "usable_bytes": self.usable_bytes, "max_probe_accumulation": self.max_probe_accumulation,
+                "points": self.points}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Landscape:
         return cls(scenario=d["scenario"], model=d["model"], space=d["space"],
                    memory_limit_bytes=int(d["memory_limit_bytes"]), headroom=float(d["headroom"]),
                    points=dict(d["points"]), date=d.get("date", ""), gpu=d.get("gpu", ""),
-                   versions=dict(d.get("versions") or {}), command=d.get("command", ""), note=d.get("note", ""))
+                   versions=dict(d.get("versions") or {}), command=d.get("command", ""), note=d.get("note", ""),
+                   max_probe_accumulation=d.get("max_probe_accumulation"))
 
     @classmethod
     def load(cls, path: str | Path) -> Landscape:
@@ -231,6 +235,8 @@ def replay(landscape: Landscape, policy: str, seed: int, budget_s: float, confir
                                   targets=[landscape.target()], run_dir=run_dir, storage=storage,
                                   study_name="replay", budget_s=budget_s, seed=seed, confirm=confirm,
                                   policy=policy)
+        if landscape.max_probe_accumulation is not None:
+            settings.max_probe_accumulation = landscape.max_probe_accumulation
         stop = Search(settings, clock=clock, make_runner=lambda target: runner).run()
         study = open_study(storage, "replay", create=False, seed=seed)
         found = probe_results(study.get_trials(deepcopy=False), repeats_of(study), superseded_of(study))

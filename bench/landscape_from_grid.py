@@ -88,6 +88,7 @@ def landscape(grid: dict[str, Any], scenario: str, limit: int, points: dict[str,
     return Landscape(scenario=scenario, model=resolve_model(grid["model"]).to_dict(), space=space.to_dict(),
                      memory_limit_bytes=limit, headroom=HEADROOM, date=grid["date"], gpu=grid["gpu"],
                      versions=grid["versions"], command=grid["command"], note=note,
+                     max_probe_accumulation=grid["max_probe_accumulation"],
                      points={k: r.to_dict() for k, r in points.items()})
 
 
