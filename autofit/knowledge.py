@@ -4,6 +4,7 @@ that decide whether a config still needs a probe."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -62,16 +63,26 @@ class Knowledge:
         k.probes = probe_results(trials, repeats, superseded)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
+            cfg, predicted = TrialConfig.from_dict(res.config), t.user_attrs.get("predicted_peak")
             if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
-                k.memory.observe(TrialConfig.from_dict(res.config), res.peak_memory_bytes,
-                                 t.user_attrs.get("predicted_peak"))
+                k.memory.observe(cfg, res.peak_memory_bytes, predicted)
+            elif res.outcome.is_memory() and (bound := res.peak_lower_bound()):
+                k.memory.observe_bound(cfg, bound, predicted)
         return k
 
     def fits(self) -> list[ProbeResult]:
         return [r for _, r in self.probes if r.outcome.is_fit()]
 
-    def memory_failures(self) -> list[TrialConfig]:
-        return [TrialConfig.from_dict(r.config) for _, r in self.probes if r.outcome.is_memory()]
+    def memory_failures(self) -> list[tuple[TrialConfig, ProbeResult]]:
+        return [(TrialConfig.from_dict(r.config), r) for _, r in self.probes if r.outcome.is_memory()]
+
+    def shortfall(self, res: ProbeResult) -> int:
+        """By how much an out-of-memory probe's peak provably exceeds the usable memory (at least one
+        byte: it did not fit). On the CPU the sampled RSS is too rough to prove more."""
+        bound = res.peak_lower_bound() if self.memory.on_gpu else None
+        if bound is None or not self.usable:
+            return 1
+        return max(bound - self.usable, 1)
 
     def best(self) -> ProbeResult | None:
         return best_of(self.fits())
@@ -80,13 +91,20 @@ class Knowledge:
         b = self.best()
         return b.config["max_length"] if b else None
 
-    def dominated_by_oom(self, cfg: TrialConfig) -> TrialConfig | None:
-        """A known memory failure with the same settings and no more tokens per micro-batch."""
-        for o in self.memory_failures():
-            if (o.replace(micro_batch_size=cfg.micro_batch_size, max_length=cfg.max_length,
-                          global_batch=cfg.global_batch) == cfg
-                    and o.micro_batch_size <= cfg.micro_batch_size and o.max_length <= cfg.max_length):
-                return o
+    def dominated_by_oom(self, cfg: TrialConfig) -> str | None:
+        """Why cfg cannot fit, from a known memory failure: what cfg changes against it saves at most
+        less than the failure was short by (memory.max_saving: nothing, for the same settings with no
+        fewer tokens per micro-batch). None: no failure proves it."""
+        for o, r in self.memory_failures():
+            short = self.shortfall(r)
+            saving = self.memory.max_saving(o, cfg, _reserved_free(r))
+            if saving is None or saving >= short:
+                continue
+            what = f"micro-batch {o.micro_batch_size}, length {o.max_length}"
+            if short <= 1:
+                return f"a config with no more memory ran out of memory ({what})"
+            return (f"{what}, {o.gradient_checkpointing} checkpointing ran out of memory short by "
+                    f">= {format_size(short)}; the changes from it save at most {format_size(saving)}")
         return None
 
     def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
@@ -138,8 +156,7 @@ class Knowledge:
             return Verdict.SHORTER, f"length {best_len} already fits"
         dom = self.dominated_by_oom(cfg)
         if dom is not None:
-            return Verdict.DOMINATED, (f"a smaller config ran out of memory (micro-batch {dom.micro_batch_size}, "
-                                       f"length {dom.max_length})")
+            return Verdict.DOMINATED, dom
         if self.usable and self.memory.hopeless(cfg, self.usable):
             return Verdict.PREDICTED, (f"predicted peak {format_size(self.memory.predict(cfg))} exceeds the "
                                        f"usable {format_size(self.usable)} by more than the model's error "
@@ -181,18 +198,40 @@ class Knowledge:
         return [c for c in candidates if self.verdict(c)[0].probes()]
 
     def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
-        """A probe's likely wall time, scaled from the probes so far by tokens it trains."""
+        """A probe's likely wall time, scaled from the probes so far by tokens it trains. Probes of
+        the same cost class (quantized load, compile, kernels: `_cost_class`) speak for cfg when there
+        are any, so a 4-bit load or a compile is paid for in the estimate once one was seen."""
         # training time, not wall time: the first probe's wall time includes waiting for imports.
         # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
-        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
-                for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
-        if not rows:
+        timed = [r for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
+        if not timed:
             return None
+        same = [r for r in timed if _cost_class(r.config) == _cost_class(cfg.to_dict())] or timed
+        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
+                for r in same]
         per_token = max(w / t for w, t in rows)
-        overheads = [r.wall_seconds - r.train_seconds for _, r in self.probes[1:]
-                     if r.wall_seconds and r.train_seconds]
+        later = [r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds]
+        overheads = [r.wall_seconds - r.train_seconds for r in later
+                     if _cost_class(r.config) == _cost_class(cfg.to_dict())] or \
+                    [r.wall_seconds - r.train_seconds for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
         return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
+
+
+def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
+    """Settings that change a probe's fixed costs (the load, a compile) or its cost per token."""
+    return (config.get("quantization"), config.get("torch_compile", False), config.get("liger", False),
+            config.get("gradient_checkpointing"))
+
+
+def _reserved_free(res: ProbeResult) -> int | None:
+    """What expandable_segments could at most have given back at this failure: the allocator's
+    reserved-but-unallocated memory (in the error text, or measured by a probe that ran to the end)."""
+    if res.oom_reserved_unallocated_bytes is not None:
+        return res.oom_reserved_unallocated_bytes
+    if res.max_memory_reserved and res.max_memory_allocated:
+        return max(res.max_memory_reserved - res.max_memory_allocated, 0)
+    return None
 
 
 def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
@@ -238,7 +277,11 @@ class ProbeTime:
         est = self.estimate(know, cfg)
         return est is None or est <= left - self.kept(know, cfg)
 
-    def pick(self, know: Knowledge, viable: list[TrialConfig], left: float) -> TrialConfig | None:
-        """The most promising of the viable configs that finishes in time (None: none does)."""
+    def pick(self, know: Knowledge, viable: list[TrialConfig], left: float,
+             choose: Callable[[list[TrialConfig]], TrialConfig] | None = None) -> TrialConfig | None:
+        """The viable config to probe next among those that finish in time (None: none does): by
+        `choose` (policy.py's edge order), else the most promising."""
         timely = [c for c in viable if self.in_time(know, c, left)]
-        return max(timely, key=promise) if timely else None
+        if not timely:
+            return None
+        return choose(timely) if choose is not None else max(timely, key=promise)

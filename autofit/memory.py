@@ -156,16 +156,29 @@ def group_key(cfg: TrialConfig) -> str:
     return repr(sorted(d.items()))
 
 
+MODELED = frozenset({"method", "max_length", "micro_batch_size", "precision", "gradient_checkpointing",
+                     "quantization", "optimizer", "liger", "torch_compile", "expandable_segments",
+                     "lora_r", "lora_targets"})
+"""Keys whose effect on the peak the prior's terms model."""
+NO_MEMORY = frozenset({"global_batch", "lora_alpha"})
+"""Keys that do not change the peak (accumulation steps, a scale factor)."""
+
+
 @dataclass
 class MemoryModel:
-    """Prior + per-group affine fits + the measured error of its own predictions."""
+    """Prior + per-group affine fits + lower bounds from out-of-memory probes + the measured
+    error of its own predictions."""
 
     shape: Shape
     on_gpu: bool = True
     prior_margin: float = 0.25
     """Relative margin while the model has not been checked against enough probes."""
     points: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    bounds: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per group: (tokens per micro-batch, a peak an out-of-memory probe proved it exceeds)."""
     errors: list[float] = field(default_factory=list)
+    fit_errors: int = 0
+    """How many of `errors` come from measured peaks (the others: out-of-memory lower bounds)."""
     ratios: list[float] = field(default_factory=list)
 
     def observe(self, cfg: TrialConfig, peak: int, predicted: int | None = None) -> None:
@@ -174,8 +187,25 @@ class MemoryModel:
         self.ratios.append(peak / max(prior(cfg, self.shape, self.on_gpu).total(), 1))
         if predicted:
             self.errors.append(abs(predicted - peak) / peak)
+            self.fit_errors += 1
+
+    def observe_bound(self, cfg: TrialConfig, lower_bound: int, predicted: int | None = None) -> None:
+        """Record what an out-of-memory probe proved: its peak is at least `lower_bound`. A prediction
+        below the bound was wrong by at least the difference (an error sample); one above it is
+        consistent with it (an error sample of zero)."""
+        self.bounds.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, lower_bound))
+        if predicted:
+            self.errors.append(max(lower_bound - predicted, 0) / lower_bound)
 
     def predict(self, cfg: TrialConfig) -> int:
+        """The peak: the group's affine fit (two measured peaks), else one peak and the prior's slope,
+        else the prior scaled by the measured/prior ratio so far; never below a lower bound that an
+        out-of-memory probe of the group with no more tokens per micro-batch proved."""
+        t = cfg.tokens_per_micro_batch
+        floor = max((b for x, b in self.bounds.get(group_key(cfg), []) if x <= t), default=0)
+        return max(self._fitted(cfg), floor)
+
+    def _fitted(self, cfg: TrialConfig) -> int:
         pts = self.points.get(group_key(cfg), [])
         t = cfg.tokens_per_micro_batch
         distinct = sorted({x for x, _ in pts})
@@ -191,14 +221,28 @@ class MemoryModel:
             x0, y0 = pts[-1]
             slope = (pr.activations + pr.logits) * (1 + ALLOCATOR_SLACK) / t
             return int(y0 + slope * (t - x0))
-        scale = statistics.median(self.ratios) if self.ratios else 1.0
-        return int(pr.total() * scale)
+        return int(pr.total() * self.scale())
+
+    def scale(self) -> float:
+        """Measured peaks over the prior's, the median so far (1 before any)."""
+        return statistics.median(self.ratios) if self.ratios else 1.0
 
     def margin(self) -> float:
-        """Relative error to allow before calling a prediction hopeless."""
-        if len(self.errors) < 3:
+        """Relative error to allow before calling a prediction hopeless: 1.5 x the largest of the
+        last 8 errors once three samples, one of them a measured peak, checked the model (an
+        out-of-memory bound only shows predictions that were too low), else the prior's 25%."""
+        if len(self.errors) < 3 or not self.fit_errors:
             return self.prior_margin
         return max(0.05, 1.5 * max(self.errors[-8:]))
+
+    def describe(self) -> str:
+        """The margin and its evidence, for a person."""
+        bounds = len(self.errors) - self.fit_errors
+        if len(self.errors) < 3 or not self.fit_errors:
+            return (f"memory model margin {self.margin():.0%} (the prior's: {self.fit_errors} measured "
+                    f"peak(s), {bounds} out-of-memory bound(s) checked so far)")
+        return (f"memory model margin {self.margin():.0%} from {self.fit_errors} measured peak(s) and "
+                f"{bounds} out-of-memory bound(s)")
 
     def hopeless(self, cfg: TrialConfig, usable: int) -> bool:
         """Predicted over the usable memory by more than the model's error. Until one peak has
@@ -206,3 +250,22 @@ class MemoryModel:
         if not self.ratios:
             return False
         return self.predict(cfg) > usable * (1 + self.margin())
+
+    def max_saving(self, oom: TrialConfig, cfg: TrialConfig, reserved_free: int | None = None) -> int | None:
+        """The most memory cfg can save against the out-of-memory config `oom`: each of the prior's
+        terms that cfg shrinks, at its full size, scaled by how far measured peaks exceed the prior
+        and by the model's margin; turning expandable_segments on gives back at most the memory
+        reserved but unallocated at the failure. None when they differ in a key the prior does not
+        model (attention kernel, batching, dropout): then nothing is known."""
+        a, b = oom.to_dict(), cfg.to_dict()
+        changed = {k for k in a if k in b and a[k] != b[k]} - NO_MEMORY - {
+            "gradient_accumulation_steps", "effective_batch"}
+        if changed - MODELED or (changed and not self.shape.hidden):
+            return None
+        po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
+        grow = max(self.scale(), 1.0) * (1 + self.margin())
+        saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in ("weights", "trainable", "activations", "logits"))
+        slack = max(po.allocator - pc.allocator, 0) * grow
+        if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
+            slack = reserved_free if reserved_free is not None else po.allocator * grow
+        return int(saved * grow + slack)

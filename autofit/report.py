@@ -58,8 +58,8 @@ def probe_summary(res: ProbeResult) -> str:
                      f"{format_size(res.memory_after_load)})")
     if res.phase_peaks:
         lines.append("phase peaks  " + ", ".join(f"{k} {format_size(v)}" for k, v in res.phase_peaks.items()))
-    if res.oom_shortfall_bytes is not None:
-        lines.append(f"shortfall    {format_size(res.oom_shortfall_bytes)}")
+    if res.outcome is Outcome.OOM and (oom := oom_brief(res)):
+        lines.append(f"oom          {oom}")
     if res.checkpointed_layers is not None:
         lines.append(f"checkpointed {len(res.checkpointed_layers)} of {res.n_layers} layers")
     if res.wall_seconds is not None:
@@ -70,6 +70,25 @@ def probe_summary(res: ProbeResult) -> str:
         lines.append("error tail   " + "\n             ".join(tail))
     lines.append(f"log          {res.log_path}")
     return "\n".join(lines)
+
+
+def oom_brief(res: ProbeResult) -> str:
+    """An out-of-memory result's facts in one line: "out of memory in backward: asked 2 GiB with
+    22.7 GiB in use; short by >= 1.3 GiB"; only the parts known."""
+    where = f" in {res.oom_phase}" if res.oom_phase else ""
+    said = []
+    if res.oom_request_bytes is not None:
+        said.append(f"asked {format_size(res.oom_request_bytes)}")
+    if res.oom_in_use_bytes is not None:
+        said.append(f"with {format_size(res.oom_in_use_bytes)} in use")
+    facts = [" ".join(said)] if said else []
+    if res.oom_reserved_unallocated_bytes:
+        facts.append(f"{format_size(res.oom_reserved_unallocated_bytes)} reserved but unallocated")
+    if res.oom_shortfall_bytes is not None:
+        facts.append(f"short by >= {format_size(res.oom_shortfall_bytes)}")
+    if not where and not facts:
+        return ""
+    return f"out of memory{where}" + (": " + "; ".join(facts) if facts else "")
 
 
 # --------------------------------------------------------------------------- run reports

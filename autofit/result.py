@@ -7,6 +7,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+OOM_PHASES = ("load", "forward", "backward", "optimizer")
+"""Where a probe can run out of memory (`ProbeResult.oom_phase`), in the order a step meets them."""
+
 
 class Outcome(str, enum.Enum):
     FIT = "fit"
@@ -53,6 +56,18 @@ class ProbeResult:
     memory_limit_bytes: int | None = None
     headroom_bytes: int | None = None
     oom_shortfall_bytes: int | None = None
+    """How far the config is over: a CUDA OOM's request beyond what was free (or left of the cap), a CPU
+    limit's sampled peak beyond the limit, a headroom OOM's measured peak beyond the usable memory."""
+    oom_phase: str | None = None
+    """Where an OOM struck (`OOM_PHASES`): "load" before the first training step began (model load,
+    correctness gate, the first batch), else the step's "forward", "backward" or "optimizer"."""
+    oom_request_bytes: int | None = None
+    """The allocation that failed ("Tried to allocate 2.00 GiB")."""
+    oom_in_use_bytes: int | None = None
+    """Memory in use on the device at the failure: the process's own by NVML, else the allocator's reserved
+    plus what lives outside it (CPU limit: the sampled RSS added since the baseline)."""
+    oom_reserved_unallocated_bytes: int | None = None
+    """Reserved by the allocator but unallocated at the failure: the most expandable_segments could give back."""
     compile_seconds: float | None = None
     """torch.compile's one-off cost: the warm-up steps' time above the steady step (compiled configs)."""
     train_tokens: int | None = None
@@ -88,6 +103,29 @@ class ProbeResult:
             return None
         return self.tokens_per_s_max / self.tokens_per_s_min
 
+    def peak_lower_bound(self) -> int | None:
+        """What this out-of-memory result proves about its config's peak memory (bytes); None when nothing.
+
+        - memory in use plus the failed request, when both are known: the allocator held `in_use` and
+          needed a new block of `request` on top (with expandable_segments at most
+          `oom_reserved_unallocated_bytes` of that request could come from what it held);
+        - a probe that ran every step and was judged on its measured peak (limit or headroom): that peak;
+        - memory in use alone (the CPU limit's sampled RSS): that;
+        - the usable memory (limit less headroom) plus the shortfall, when the limit is known.
+        Not an out-of-memory outcome: None.
+        """
+        if self.outcome is not Outcome.OOM:
+            return None
+        if self.oom_in_use_bytes is not None and self.oom_request_bytes is not None:
+            return self.oom_in_use_bytes + self.oom_request_bytes
+        if self.tokens_per_s is not None and self.peak_memory_bytes is not None:
+            return self.peak_memory_bytes
+        if self.oom_in_use_bytes is not None:
+            return self.oom_in_use_bytes
+        if self.oom_shortfall_bytes is not None and self.memory_limit_bytes:
+            return self.memory_limit_bytes - (self.headroom_bytes or 0) + self.oom_shortfall_bytes
+        return None
+
     @property
     def measurements(self) -> list[float]:
         """tokens/s of each run of this config: more than one once the search measured it again."""
@@ -100,7 +138,7 @@ class ProbeResult:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ProbeResult":
+    def from_dict(cls, d: dict[str, Any]) -> ProbeResult:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["outcome"] = Outcome(kw["outcome"])

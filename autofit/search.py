@@ -26,6 +26,7 @@ from .knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
 from .memory import Shape
 from .models import ModelSource
 from .objective import best_of
+from .policy import Policy, edge_chooser
 from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from .result import Outcome, ProbeResult
 from .runner import Runner, result_file
@@ -80,9 +81,10 @@ class SearchSettings:
     dataset: dict[str, Any] | None = None
     """`DatasetRef.to_dict()` with --dataset: the probes train on its micro-batches."""
     data_cache: Path | None = None
-    policy: str = "promise"
-    """Which untried config goes first: "promise" (the optimistic corner down) or "edge"
-    (knowledge.py: where the memory model puts the fit/OOM edge, bisected, cost-aware)."""
+    policy: Policy = Policy.EDGE
+    """Which untried config goes next (policy.py): `edge` (every probe chosen by P(fit), expected
+    improvement and cost) or `promise` (the first version's: the sampler's proposals alternated with
+    the optimistic corner down)."""
 
 
 class EventKind(StrEnum):
@@ -308,11 +310,17 @@ class Search:
         viable = know.viable(self.candidates)
         if not viable:
             return "no remaining configuration can win"
-        pick = self.time.pick(know, viable, left)
+        choose = edge_chooser(know, lambda c: self.time.estimate(know, c), left) \
+            if self.s.policy is Policy.EDGE else None
+        pick = self.time.pick(know, viable, left, choose)
         if pick is None:
             kept = " (time is kept to measure the best again)" if self.time.kept(know) else ""
             return "budget: no untried configuration would finish in the time left" + kept
-        if pace.guide_now():
+        if self.s.policy is Policy.EDGE:  # every probe is the policy's, chosen on what is known now
+            if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
+                                    user_attrs={"seeded": "edge policy"})
+        elif pace.guide_now():
             study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
                                 user_attrs={"seeded": "most promising untried"})
             pace.streak = 0

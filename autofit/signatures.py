@@ -7,6 +7,7 @@ child that died without writing a result). Order matters: the first match wins.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .result import Outcome
 
@@ -51,10 +52,15 @@ UNSUPPORTED = (
     "requires a CUDA or other accelerator backend",
 )
 
-_SIZE = r"([0-9.]+)\s*(B|KiB|MiB|GiB|TiB)"
+# Sizes as c10's format_size prints them: "512 bytes", "3.06 MiB", "2.00 GiB" (two decimals).
+_SIZE = r"([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)"
 _TRIED = re.compile(r"[Tt]ried to allocate " + _SIZE)
 _FREE = re.compile(r"of which " + _SIZE + r" is free")
-_SCALE = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+_IN_USE = re.compile(r"this process has " + _SIZE + r" memory in use")
+_ALLOWED = re.compile(_SIZE + r" allowed;")
+_ALLOCATED = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch")
+_UNALLOCATED = re.compile(_SIZE + r" is reserved by PyTorch but unallocated")
+_SCALE = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 
 
 def is_gpu_oom(text: str) -> bool:
@@ -80,23 +86,82 @@ def classify_text(text: str) -> Outcome | None:
     return None
 
 
+@dataclass(frozen=True)
+class OomFigures:
+    """What torch's CUDA allocator says when it runs out of memory (c10/cuda/CUDACachingAllocator.cpp).
+
+    "CUDA out of memory. Tried to allocate <request>. GPU 0 has a total capacity of <total> of which
+    <free> is free. Including non-PyTorch memory, this process has <in_use> memory in use. [<allowed>
+    allowed; ]Of the allocated memory <allocated> is allocated by PyTorch, and <reserved_unallocated>
+    is reserved by PyTorch but unallocated." The process line needs NVML (often absent in containers);
+    "allowed" appears under `torch.cuda.set_per_process_memory_fraction`. Bytes; None where not said.
+    """
+
+    request: int | None = None
+    free: int | None = None
+    """Free on the whole device (under a per-process cap, not what this process could have had)."""
+    in_use: int | None = None
+    """This process's device memory by NVML: the allocator's reserved memory plus what lives outside it."""
+    allowed: int | None = None
+    """The per-process cap of the allocator (set_per_process_memory_fraction)."""
+    allocated: int | None = None
+    reserved_unallocated: int | None = None
+    """Reserved by the allocator but not allocated after it freed its cache: at most what
+    expandable_segments could give back."""
+
+    @property
+    def reserved(self) -> int | None:
+        """The allocator's reserved memory at the failure."""
+        if self.allocated is None or self.reserved_unallocated is None:
+            return None
+        return self.allocated + self.reserved_unallocated
+
+    def in_use_with(self, outside: int = 0) -> int | None:
+        """Memory in use at the failure: NVML's figure, else the allocator's reserved plus `outside`."""
+        if self.in_use is not None:
+            return self.in_use
+        reserved = self.reserved
+        return None if reserved is None else reserved + outside
+
+    @property
+    def shortfall(self) -> int | None:
+        """Bytes asked for beyond what was available: under a cap, beyond what was left of it, else
+        beyond the device's free memory. Where that is not positive, the request itself."""
+        if self.request is None:
+            return None
+        room = self.free
+        if self.allowed is not None and self.reserved is not None:
+            room = self.allowed - self.reserved
+        if room is None:
+            return self.request
+        short = self.request - room
+        return short if short > 0 else self.request
+
+
 def _bytes(m: re.Match[str]) -> int:
     return int(float(m.group(1)) * _SCALE[m.group(2)])
 
 
+def _find(pattern: re.Pattern[str], text: str) -> int | None:
+    m = pattern.search(text)
+    return _bytes(m) if m else None
+
+
+def oom_figures(text: str) -> OomFigures:
+    """The figures of the last CUDA OOM message in `text` (a log may hold earlier attempts' ones)."""
+    at = text.rfind("CUDA out of memory. Tried to allocate")
+    msg = text[at:] if at >= 0 else text
+    return OomFigures(request=_find(_TRIED, msg), free=_find(_FREE, msg), in_use=_find(_IN_USE, msg),
+                      allowed=_find(_ALLOWED, msg), allocated=_find(_ALLOCATED, msg),
+                      reserved_unallocated=_find(_UNALLOCATED, msg))
+
+
 def oom_shortfall(text: str) -> int | None:
-    """From torch's allocator message: bytes asked for beyond what was free.
+    """From torch's allocator message: bytes asked for beyond what was free (`OomFigures.shortfall`).
 
     "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 39.4 GiB of which 1.5 GiB is
-    free" gives 0.5 GiB. Under a per-process cap the device may have more free than was
-    asked for; then the request itself is the best bound we have.
+    free" gives 0.5 GiB. Under a per-process cap ("23.40 GiB allowed;") the room is what was
+    left of the cap; where the device had more room than was asked for, the request itself is
+    the best bound we have.
     """
-    tried = _TRIED.search(text)
-    if not tried:
-        return None
-    want = _bytes(tried)
-    free = _FREE.search(text)
-    if free is None:
-        return want
-    short = want - _bytes(free)
-    return short if short > 0 else want
+    return oom_figures(text).shortfall

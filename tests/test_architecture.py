@@ -27,8 +27,8 @@ from conftest import ROOT
 PACKAGE = ROOT / "autofit"
 LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
-    1: ("space", "memory", "recipe", "target", "kills", "data", "kernels"),
-    2: ("rundir", "runner", "report", "study", "knowledge"),
+    1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels"),
+    2: ("rundir", "runner", "report", "study", "knowledge", "policy"),
     3: ("search", "regress", "export", "replay"),
     4: ("session",),
     5: ("cli", "__main__"),

@@ -41,6 +41,11 @@ def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     assert r["outcome"] == "oom"
     assert r["oom_shortfall_bytes"] > 0
     assert r["memory_limit_bytes"] == 2 * 2**20
+    # loading the model crosses 2 MiB; the limit is checked as the first forward ends
+    assert r["oom_phase"] == "forward", r["reason"]
+    assert r["oom_in_use_bytes"] == r["peak_memory_bytes"] > 2 * 2**20
+    assert r["oom_shortfall_bytes"] == r["oom_in_use_bytes"] - 2 * 2**20
+    assert r["oom_request_bytes"] is None
 
 
 @pytest.mark.slow
@@ -111,6 +116,11 @@ def test_real_cuda_oom_text_is_an_oom_with_shortfall(tmp_path: Path) -> None:
     assert r["outcome"] == "oom"
     assert r["oom_shortfall_bytes"] == int(0.5 * 2**30)  # tried 2.00 GiB, 1.50 GiB free
     assert "CUDA out of memory" in r["error_tail"]
+    # the figures of the child's message, read by the parent (the phase is the child's to know)
+    assert r["oom_request_bytes"] == 2 * 2**30
+    assert r["oom_in_use_bytes"] == int(37.86 * 2**30)
+    assert r["oom_reserved_unallocated_bytes"] == int(1.91 * 2**30)
+    assert r["oom_phase"] is None
 
 
 def test_hang_is_a_timeout_and_its_group_is_stopped(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import traceback
 
 from ..protocol import SPREAD_BOUND, ProbeRequest
 from ..result import Outcome, ProbeResult
-from ..signatures import classify_text, oom_shortfall
+from ..signatures import classify_text, oom_figures
 from .errors import Unsupported
 from .state import ProbeState
 
@@ -43,6 +43,8 @@ def failure_result(req: ProbeRequest, exc: BaseException, state: ProbeState) -> 
         outcome = Outcome.UNSUPPORTED
     res = ProbeResult(outcome=outcome, config=req.config.to_dict(), error_tail=tb[-4000:],
                       reason=str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__)
+    if outcome.is_memory():
+        res.oom_phase = state.phase
     if state.mem is not None:
         state.mem.stop()
         if outcome is Outcome.OOM:
@@ -52,7 +54,8 @@ def failure_result(req: ProbeRequest, exc: BaseException, state: ProbeState) -> 
 
 
 def _oom_figures(res: ProbeResult, state: ProbeState, text: str) -> None:
-    """The peak and shortfall of a probe that ran out of memory (GPU allocator or CPU limit)."""
+    """The peak, shortfall and the failure's figures of a probe that ran out of memory (GPU allocator
+    or CPU limit)."""
     mem = state.mem
     assert mem is not None
     if mem.device == "cuda":
@@ -62,8 +65,13 @@ def _oom_figures(res: ProbeResult, state: ProbeState, text: str) -> None:
         reserved = max(torch.cuda.max_memory_reserved(), cb_reserved)
         res.max_memory_reserved = int(reserved)
         res.peak_memory_bytes = int(reserved + state.outside_at_start)
-        res.oom_shortfall_bytes = oom_shortfall(text)
+        figs = oom_figures(text)
+        res.oom_shortfall_bytes = figs.shortfall
+        res.oom_request_bytes = figs.request
+        res.oom_in_use_bytes = figs.in_use_with(state.outside_at_start)
+        res.oom_reserved_unallocated_bytes = figs.reserved_unallocated
     else:  # the CPU limit
         res.peak_memory_bytes = int(mem.sampled_peak)
+        res.oom_in_use_bytes = int(mem.sampled_peak)
         if mem.limit:
             res.oom_shortfall_bytes = max(int(mem.sampled_peak - mem.limit), 0)

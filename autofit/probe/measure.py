@@ -51,7 +51,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     os.environ.update(recipe.allocator_env(req.config))
     check_support(req)  # kernels that cannot run here: unsupported before the device is touched
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
-    state.mem.runaway = lambda now: _stop_runaway(req, now)
+    state.mem.runaway = lambda now: _stop_runaway(req, state, now)
     sync = prepare_device(req, state)
     check_architecture(req)
     model = load_model(req, state)
@@ -70,10 +70,11 @@ def _micro_batches(req: ProbeRequest) -> int:
     return (req.warmup_steps + req.timed_steps + req.extra_timed_steps) * req.probe_accumulation
 
 
-def _stop_runaway(req: ProbeRequest, now: int) -> None:
+def _stop_runaway(req: ProbeRequest, state: ProbeState, now: int) -> None:
     """From the sampling thread: the CPU probe is far past its limit; write the OOM and end here."""
     limit = req.memory_limit_bytes or 0
     res = ProbeResult(Outcome.OOM, req.config.to_dict(), peak_memory_bytes=now, oom_shortfall_bytes=now - limit,
+                      oom_phase=state.phase, oom_in_use_bytes=now,
                       reason="autofit: memory limit exceeded: stopped far past the CPU limit")
     res = judge_limit(res, req.memory_limit_bytes, req.headroom)
     res.device, res.model = req.device_label, req.model.ref

@@ -21,3 +21,8 @@ class ProbeState:
     pinned_cpus: list[int] | None = None
     """The GPU-local CPU cores the probe runs on (None: the scheduler's choice)."""
     t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def phase(self) -> str:
+        """Where the probe is (result.OOM_PHASES): the training callback's phase, "load" before it exists."""
+        return self.callback.phase if self.callback is not None else "load"

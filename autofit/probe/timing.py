@@ -68,6 +68,9 @@ class ProbeCallback:
         self._step_reserved = 0
         self.step_tokens: Callable[[int], int] | None = None
         """With real batches (--dataset): the trained tokens of optimizer step n; steps then differ in size."""
+        self.phase = "load"
+        """Where training is now (result.OOM_PHASES): "load" until the first step begins; an out-of-memory
+        error caught at any moment belongs to it."""
 
     @property
     def timed_steps(self) -> list[dict[str, Any]]:
@@ -102,6 +105,7 @@ class ProbeCallback:
         if loss is not None:
             self.losses.append(float(loss.detach().float()))
         self.note("forward")
+        self.phase = "backward"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         self.checkpointed = checkpointed_layers(model)
@@ -114,15 +118,18 @@ class ProbeCallback:
         self.sync()
         self._t0 = time.perf_counter()
         self._step_reserved = 0
+        self.phase = "forward"
 
     # Micro-steps are not synchronised one by one: that would stop the CPU from queueing the
     # next micro-step while the GPU works, and measure a slower loop than the real one. The
     # clock is read (after synchronize) only around the optimizer step.
     def on_substep_end(self, *a: Any, **kw: Any) -> None:
         self.note("backward")
+        self.phase = "forward"
 
     def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
         self.note("backward")
+        self.phase = "optimizer"
         self.sync()
         self._opt0 = time.perf_counter()
 

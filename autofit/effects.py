@@ -1,0 +1,59 @@
+"""How each dimension moves speed, declared once, so the search policy can order configurations it
+has not measured (the memory side is memory.py's prior: its terms say what each key costs).
+
+A factor is relative tokens/s against the key's first value, with the rest of the config equal:
+rough, from H200 measurements (bench/results/grid-s1-s2.json, kernels-probes-h200.json), and only
+ever used to choose what to probe next: a measured fit's speed always replaces them. A key or value
+not listed here is taken as 1.0 (no known effect), so a new dimension plugs in as neutral and
+becomes informative by declaring its factors here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .spec import TrialConfig
+
+SPEED: dict[str, dict[Any, float]] = {
+    # more recomputation is slower: every layer re-runs its forward (~1/3 of a step)
+    "gradient_checkpointing": {"off": 1.0, "every_4": 0.93, "every_3": 0.91, "every_2": 0.86, "on": 0.75,
+                               "every_4+offload": 0.85, "every_2+offload": 0.77, "on+offload": 0.65},
+    # dequantising the base weights on every matrix product
+    "quantization": {"none": 1.0, "nf4": 0.8, "8bit": 0.55},
+    "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 0.35},
+    "liger": {False: 1.0, True: 1.2},
+    "torch_compile": {False: 1.0, True: 1.05},
+    "attn_implementation": {"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05, "flash_attention_3": 1.05,
+                            "flex_attention": 1.0},
+    "optimizer": {"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
+}
+HALF_TOKENS = 512
+"""Tokens per micro-batch at which a GPU reaches half its matrix-product throughput: tokens/s rises
+with the micro-batch as T / (T + HALF_TOKENS) and flattens (S1: micro-batch 1 -> 2 at 2048 tokens
+gained 6%)."""
+
+
+def factor(cfg: TrialConfig) -> float:
+    """Relative tokens/s of cfg by the declared effects (scale-free: only ratios mean anything)."""
+    f = 1.0
+    for key, table in SPEED.items():
+        f *= table.get(getattr(cfg, key), 1.0)
+    t = cfg.tokens_per_micro_batch
+    return f * t / (t + HALF_TOKENS)
+
+
+def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float) -> float:
+    """cfg's tokens/s from a measured reference, scaled by the declared effects of what differs."""
+    return measured * factor(cfg) / factor(reference)
+
+
+def differences(a: TrialConfig, b: TrialConfig) -> int:
+    """How many keys two configs differ in (the fewer, the better one predicts the other)."""
+    da, db = a.to_dict(), b.to_dict()
+    return sum(1 for k in da if da[k] != db.get(k) and k not in ("gradient_accumulation_steps", "effective_batch"))
+
+
+def uncertainty(n_differences: int) -> float:
+    """Relative spread of an estimate made across n differing keys (a measured config: the noise)."""
+    return 0.03 + 0.06 * math.sqrt(n_differences)

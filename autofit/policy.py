@@ -1,0 +1,123 @@
+"""Which untried configuration to probe next, and why.
+
+Two orders. `promise` (the first version's): the longest length, the least recomputation, no
+quantization, then the largest micro-batch: it walks down from the optimistic corner, and on a
+tight card spends its probes on out-of-memory configs. `edge` (the default) scores every viable
+config that would finish in the time left by
+
+    value = P(fit) x expected improvement over the best fit / seconds ** w
+
+- P(fit): where the memory model (memory.py: prior, fits, out-of-memory lower bounds) puts the
+  config's peak against the usable memory, in units of the model's own measured error. The
+  configs near the predicted edge are the ones it is unsure of; between the largest fit and the
+  smallest out-of-memory config of a ladder (micro-batch, the checkpointing ladder) the fitted
+  group and the bound bisect the rest.
+- Expected improvement: the speed estimated from the most similar measured fit, scaled by the
+  declared effects of what differs (effects.py), with a spread that grows with the number of
+  differences; the expected gain over the best fit so far (zero for a config that is surely
+  slower, a little for an uncertain one).
+- Cost: the probe's estimated wall time (knowledge.estimate_seconds: tokens it trains, load and
+  compile overheads seen so far); its weight w grows as the budget shrinks, so a short budget
+  goes to cheap, informative probes first.
+What cannot be the answer never reaches the scores: knowledge.Verdict skips it first, with the
+reason (a duplicate, a shorter length, dominated by an out-of-memory shortfall, predicted over,
+provably slower).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from . import effects
+from .knowledge import Knowledge
+from .objective import speed
+from .spec import TrialConfig
+
+
+class Policy(StrEnum):
+    PROMISE = "promise"
+    EDGE = "edge"
+
+
+@dataclass(frozen=True)
+class Score:
+    """One candidate's standing: what the policy believes about it."""
+
+    cfg: TrialConfig
+    p_fit: float
+    speed: float
+    """Expected tokens/s (relative, before any fit is measured)."""
+    gain: float
+    """Expected improvement over the best fit (P(fit) not included)."""
+    seconds: float | None
+    value: float
+
+    def why(self) -> str:
+        cost = f", ~{self.seconds:.0f} s" if self.seconds else ""
+        return f"P(fit) {self.p_fit:.2f}, expected {self.speed:,.0f} tokens/s (+{self.gain:,.0f}){cost}"
+
+
+def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
+    """How likely cfg's peak is under the usable memory, by the memory model and its margin."""
+    if not know.usable:
+        return 1.0
+    predicted = know.memory.predict(cfg)
+    z = (know.usable - predicted) / (max(know.memory.margin(), 0.05) * know.usable)
+    return 1.0 / (1.0 + math.exp(-3.0 * z))
+
+
+def expected_speed(know: Knowledge, cfg: TrialConfig) -> tuple[float, float]:
+    """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone."""
+    fits = [r for r in know.fits() if r.tokens_per_s]
+    if not fits:
+        mu = effects.factor(cfg)
+        return mu, mu * 0.3
+    ref = min(fits, key=lambda r: (effects.differences(cfg, TrialConfig.from_dict(r.config)), -speed(r)))
+    ref_cfg = TrialConfig.from_dict(ref.config)
+    mu = effects.estimate(cfg, ref_cfg, speed(ref))
+    return mu, mu * effects.uncertainty(effects.differences(cfg, ref_cfg))
+
+
+def expected_improvement(mu: float, sigma: float, best: float) -> float:
+    """E[max(X - best, 0)] for X ~ Normal(mu, sigma)."""
+    if sigma <= 0:
+        return max(mu - best, 0.0)
+    z = (mu - best) / sigma
+    pdf = math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    return sigma * pdf + (mu - best) * cdf
+
+
+def cost_weight(typical_seconds: float | None, left: float) -> float:
+    """How much a probe's wall time counts: little while many probes fit in the time left, fully
+    when only a few do."""
+    if not typical_seconds or left <= 0:
+        return 0.0
+    return min(1.0, 4.0 * typical_seconds / left)
+
+
+def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: float) -> Score:
+    p = fit_probability(know, cfg)
+    mu, sigma = expected_speed(know, cfg)
+    best = know.best()
+    gain = expected_improvement(mu, sigma, speed(best)) if best is not None else mu
+    value = p * gain / max(seconds or 1.0, 1.0) ** weight
+    return Score(cfg, p, mu, gain, seconds, value)
+
+
+def edge_chooser(know: Knowledge, estimate: Callable[[TrialConfig], float | None],
+                 left: float) -> Callable[[list[TrialConfig]], TrialConfig]:
+    """The `edge` order as a chooser over the configs that finish in time."""
+
+    def choose(timely: list[TrialConfig]) -> TrialConfig:
+        seconds = {c.key(): estimate(c) for c in timely}
+        known = [s for s in seconds.values() if s]
+        weight = cost_weight(statistics.median(known) if known else None, left)
+        scores = [score(know, c, seconds[c.key()], weight) for c in timely]
+        return max(scores, key=lambda s: (s.value, s.p_fit, s.speed)).cfg
+
+    return choose

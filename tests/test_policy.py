@@ -1,0 +1,150 @@
+"""The search policy in-process: what an out-of-memory probe proves (shortfall dominance, no false
+prune), the memory model learning from fits and failures, and the edge order. Knowledge is built
+from results as a GPU search would store them (a Llama-2-7B shape at 24 GiB), the out-of-memory
+ones from torch's own error text; no probe runs."""
+
+from __future__ import annotations
+
+import pytest
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import create_trial
+
+from autofit import effects
+from autofit.knowledge import Knowledge, ProbeTime, Verdict
+from autofit.memory import MemoryModel, Shape
+from autofit.models import PRESETS
+from autofit.policy import edge_chooser, expected_improvement, fit_probability
+from autofit.protocol import usable_bytes
+from autofit.result import Outcome, ProbeResult
+from autofit.signatures import oom_figures
+from autofit.space import Space
+from autofit.spec import TrialConfig
+
+GIB = 2**30
+SHAPE = Shape.from_config(PRESETS["llama2-7b"])
+LIMIT = 24 * GIB
+USABLE = usable_bytes(LIMIT)
+SPACE = Space("s2", {"method": "lora", "max_length": 2048, "global_batch": 16, "optimizer": "adamw_torch_fused"},
+              {"micro_batch_size": [1, 2, 3, 4, 6, 8], "gradient_checkpointing": ["off", "every_4", "every_2", "on"],
+               "expandable_segments": [False, True]})
+DIST = {k: CategoricalDistribution(v) for k, v in SPACE.dimensions.items()}
+# torch's CUDA caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), at micro-batch 4
+OOM_TEXT = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+            "of 139.80 GiB of which 116.52 GiB is free. Including non-PyTorch memory, this process has 22.70 GiB "
+            "memory in use. Of the allocated memory 20.86 GiB is allocated by PyTorch, and 1.10 GiB is reserved "
+            "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def cfg(mb: int = 1, ckpt: str = "on", **kw: object) -> TrialConfig:
+    return SPACE.config({"micro_batch_size": mb, "gradient_checkpointing": ckpt, **kw})
+
+
+def fit(c: TrialConfig, tps: float, peak_gib: float, wall: float = 15.0) -> ProbeResult:
+    peak = int(peak_gib * GIB)
+    return ProbeResult(Outcome.FIT, c.to_dict(), tokens_per_s=tps, peak_memory_bytes=peak,
+                       max_memory_reserved=peak - GIB, max_memory_allocated=peak - int(1.5 * GIB),
+                       memory_limit_bytes=LIMIT, wall_seconds=wall, train_seconds=wall - 5)
+
+
+def oom(c: TrialConfig, text: str = OOM_TEXT) -> ProbeResult:
+    f = oom_figures(text)
+    return ProbeResult(Outcome.OOM, c.to_dict(), memory_limit_bytes=LIMIT, headroom_bytes=LIMIT - USABLE,
+                       oom_request_bytes=f.request, oom_in_use_bytes=f.in_use_with(),
+                       oom_reserved_unallocated_bytes=f.reserved_unallocated, wall_seconds=4.0)
+
+
+def know(*results: ProbeResult) -> Knowledge:
+    trials = []
+    for i, r in enumerate(results):
+        c = TrialConfig.from_dict(r.config)
+        t = create_trial(params={k: getattr(c, k) for k in SPACE.dimensions}, distributions=DIST,
+                         value=r.tokens_per_s or 0.0,
+                         user_attrs={"kind": "probe", "config_key": c.key(), "result": r.to_dict()})
+        t.number = i
+        trials.append(t)
+    return Knowledge.build(trials, SHAPE, on_gpu=True, usable=USABLE)
+
+
+def test_the_shortfall_of_real_error_text_is_a_lower_bound_on_the_peak() -> None:
+    r = oom(cfg(4, "off"))
+    assert r.peak_lower_bound() == int(22.70 * GIB) + 2 * GIB
+    assert know(r).shortfall(r) == r.peak_lower_bound() - USABLE
+    assert know(r).shortfall(r) > GIB  # short by more than a gibibyte at 24 GiB
+
+
+def test_variants_that_save_less_than_the_shortfall_are_dominated_with_the_numbers() -> None:
+    k = know(fit(cfg(1, "on"), 6800, 15.2), oom(cfg(4, "off")))
+    for variant in (cfg(4, "off", expandable_segments=True), cfg(4, "off", optimizer="paged_adamw_8bit"),
+                    cfg(4, "off", expandable_segments=True, optimizer="paged_adamw_8bit"), cfg(6, "off")):
+        verdict, detail = k.verdict(variant)
+        assert verdict is Verdict.DOMINATED, (variant.key(), detail)
+    verdict, detail = k.verdict(cfg(4, "off", expandable_segments=True))
+    assert "short by >= 1.9 GiB" in detail and "save at most 1.1" in detail
+
+
+def test_a_change_that_could_save_enough_is_still_probed() -> None:
+    k = know(fit(cfg(1, "on"), 6800, 15.2), oom(cfg(4, "off")))
+    for variant in (cfg(4, "every_2"), cfg(4, "on"), cfg(2, "off"), cfg(3, "off"),
+                    cfg(4, "off", attn_implementation="eager")):  # eager: a key the prior does not model
+        assert k.verdict(variant)[0] is not Verdict.DOMINATED, variant.key()
+
+
+def test_a_near_miss_in_the_headroom_is_a_memory_point_and_bounds_its_variants() -> None:
+    near = fit(cfg(3, "every_2"), 11000, 23.17)
+    near.outcome, near.memory_limit_bytes, near.headroom_bytes = Outcome.OOM, LIMIT, LIMIT - USABLE
+    k = know(fit(cfg(1, "on"), 6800, 15.2), near)
+    assert near.peak_lower_bound() == near.peak_memory_bytes
+    assert k.memory.predict(cfg(3, "every_2")) == pytest.approx(near.peak_memory_bytes, rel=0.01)
+    assert k.verdict(cfg(3, "every_2", optimizer="paged_adamw_8bit"))[0] is Verdict.DOMINATED
+    # expandable_segments can give back the reserved-but-unallocated gibibyte: more than it missed by
+    assert k.verdict(cfg(3, "every_2", expandable_segments=True))[0] is Verdict.PROBE
+
+
+def test_the_margin_shrinks_as_fits_and_failures_arrive() -> None:
+    m = MemoryModel(SHAPE)
+    assert m.margin() == m.prior_margin
+    one = cfg(1, "on")
+    m.observe(one, int(15.2 * GIB), predicted=int(16.0 * GIB))
+    m.observe_bound(cfg(4, "off"), int(24.7 * GIB), predicted=int(27.1 * GIB))  # consistent: above
+    assert m.margin() == m.prior_margin  # two samples: not yet
+    m.observe_bound(cfg(8, "off"), int(25.0 * GIB), predicted=int(40.0 * GIB))
+    assert m.margin() < m.prior_margin
+    assert "1 measured peak(s) and 2 out-of-memory bound(s)" in m.describe()
+    m.observe_bound(cfg(4, "every_4"), int(24.0 * GIB), predicted=int(20.0 * GIB))  # predicted too low
+    assert m.margin() > 0.2  # a prediction 17% under a bound: the margin grows again
+
+
+def test_a_bound_raises_the_predictions_of_larger_micro_batches_of_its_group() -> None:
+    m = MemoryModel(SHAPE)
+    m.observe(cfg(1, "every_2"), int(12 * GIB))
+    m.observe_bound(cfg(4, "every_2"), int(40 * GIB))
+    assert m.predict(cfg(6, "every_2")) >= 40 * GIB
+    assert m.predict(cfg(2, "every_2")) < 40 * GIB
+
+
+def test_the_edge_order_starts_under_the_predicted_edge_not_at_the_optimistic_corner() -> None:
+    k = know(fit(cfg(1, "on"), 6800, 15.2))
+    viable = k.viable(SPACE.candidates())
+    time = ProbeTime(steps=7, max_acc=2, confirm=True)
+    pick = time.pick(k, viable, 180.0, edge_chooser(k, lambda c: time.estimate(k, c), 180.0))
+    promise = time.pick(k, viable, 180.0)
+    assert promise is not None and promise.gradient_checkpointing == "off"  # the corner: no recomputation
+    assert k.memory.predict(promise) > USABLE
+    assert pick is not None and k.memory.predict(pick) <= USABLE, pick.key()
+    assert fit_probability(k, pick) > 0.5 > fit_probability(k, promise)
+
+
+def test_expected_improvement_is_zero_only_for_a_surely_slower_config() -> None:
+    assert expected_improvement(900.0, 0.0, 1000.0) == 0.0
+    assert 0 < expected_improvement(900.0, 100.0, 1000.0) < expected_improvement(1000.0, 100.0, 1000.0)
+    assert expected_improvement(1200.0, 10.0, 1000.0) == pytest.approx(200.0, rel=0.01)
+
+
+def test_declared_effects_order_the_ladder() -> None:
+    ladder = [effects.factor(cfg(2, c)) for c in ("off", "every_4", "every_2", "on")]
+    assert ladder == sorted(ladder, reverse=True)
+    assert effects.factor(cfg(4, "on")) > effects.factor(cfg(1, "on"))  # the micro-batch helps, flattening
+    gain_1_2 = effects.factor(cfg(2, "on")) / effects.factor(cfg(1, "on"))
+    gain_4_8 = effects.factor(cfg(8, "on")) / effects.factor(cfg(4, "on"))
+    assert gain_1_2 > gain_4_8 > 1.0
