@@ -28,6 +28,7 @@ from typing import Any
 from .errors import UsageError
 from .models import ModelSource
 from .objective import best_of, speed
+from .policy import Policy
 from .result import Outcome, ProbeResult
 from .search import Search, SearchSettings
 from .space import Space
@@ -223,9 +224,11 @@ class ReplayOutcome:
                 "probed": [[round(p.ended_s, 1), p.key, p.outcome.value, p.repeat] for p in self.probed]}
 
 
-def replay(landscape: Landscape, policy: str, seed: int, budget_s: float, confirm: int = 1,
+def replay(landscape: Landscape, policy: str | Policy, seed: int, budget_s: float, confirm: int = 1,
            jitter: bool = False) -> ReplayOutcome:
     """Run the real Search on the landscape (a study in a temporary folder) and judge its winner."""
+    if policy not in tuple(Policy):
+        raise UsageError(f"policy {policy!r} is not known; expected one of {', '.join(Policy)}.")
     clock = SimClock()
     runner = ReplayRunner(landscape, clock, jitter_seed=seed if jitter else None)
     with tempfile.TemporaryDirectory(prefix="autofit-replay-") as tmp:
@@ -234,7 +237,7 @@ def replay(landscape: Landscape, policy: str, seed: int, budget_s: float, confir
         settings = SearchSettings(space=landscape.search_space(), model=landscape.model_source(),
                                   targets=[landscape.target()], run_dir=run_dir, storage=storage,
                                   study_name="replay", budget_s=budget_s, seed=seed, confirm=confirm,
-                                  policy=policy)
+                                  policy=Policy(policy))
         if landscape.max_probe_accumulation is not None:
             settings.max_probe_accumulation = landscape.max_probe_accumulation
         stop = Search(settings, clock=clock, make_runner=lambda target: runner).run()
@@ -243,7 +246,7 @@ def replay(landscape: Landscape, policy: str, seed: int, budget_s: float, confir
         winner = best_of([r for _, r in found])
         skipped = skipped_counts(study)
         stop = stop_reason_of(study) or stop
-    return _judge(landscape, policy, seed, budget_s, winner, runner.probed, skipped, stop, clock())
+    return _judge(landscape, str(policy), seed, budget_s, winner, runner.probed, skipped, stop, clock())
 
 
 def _judge(landscape: Landscape, policy: str, seed: int, budget_s: float, winner: ProbeResult | None,
