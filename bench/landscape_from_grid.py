@@ -7,9 +7,10 @@ any other point is out of memory at 24 GiB:
 - a peak inside the 5% headroom (at most the limit): trained to the end, so it keeps its tokens/s
   and peak, as the probe's own judgement (probe/judge.py) does, with shortfall = peak - usable;
 - a peak above the limit: the probe would have failed in its first step, so no tokens/s, the peak
-  it would report is the limit, the shortfall is what it needed (peak, plus a 40 GiB shortfall
-  where it ran out there too) less the usable memory, and its wall time is the measured one less
-  the timed steps it would never have run.
+  it would report is the limit, and it proves no more than a real first-step failure would: the
+  limit plus one failed request (the median shortfall of the grid's own 40 GiB failures), never
+  more than it needed (peak, plus a 40 GiB shortfall where it ran out there too); its wall time is
+  the grid's median first-step failure's.
 
     python bench/landscape_from_grid.py [--grid bench/results/grid-s1-s2.json]
 """
@@ -58,7 +59,13 @@ def first_step_oom_wall(points: dict[str, ProbeResult]) -> float:
                              if r.outcome.is_memory() and not r.tokens_per_s)
 
 
-def under_smaller_limit(res: ProbeResult, limit: int, oom_wall: float) -> ProbeResult:
+def first_step_request(points: dict[str, ProbeResult]) -> int:
+    """The median shortfall of the grid's own out-of-memory probes: what one failed request proves."""
+    return int(statistics.median(r.oom_shortfall_bytes for r in points.values()
+                                 if r.outcome.is_memory() and r.oom_shortfall_bytes))
+
+
+def under_smaller_limit(res: ProbeResult, limit: int, oom_wall: float, request: int) -> ProbeResult:
     """What a point measured under a larger limit would have given under `limit`."""
     if res.outcome.is_memory() and not res.tokens_per_s and res.peak_memory_bytes and res.peak_memory_bytes <= limit:
         raise SystemExit(f"{res.config}: out of memory at a peak under {limit / GIB:.0f} GiB; cannot read it off")
@@ -75,8 +82,9 @@ def under_smaller_limit(res: ProbeResult, limit: int, oom_wall: float) -> ProbeR
     need = peak + ((res.oom_shortfall_bytes or 0) if res.outcome.is_memory() else 0)
     if res.tokens_per_s:  # it would have failed in its first step, as the grid's first-step OOMs did
         res.wall_seconds = min(res.wall_seconds or oom_wall, oom_wall)
-    res.outcome, res.oom_shortfall_bytes = Outcome.OOM, need - usable
-    res.reason = f"limit: needs {need / GIB:.2f} GiB, {(need - usable) / GIB:.2f} GiB over the usable memory"
+    proved = min(need, limit + request)
+    res.outcome, res.oom_shortfall_bytes = Outcome.OOM, proved - usable
+    res.reason = f"limit: needs {need / GIB:.2f} GiB; its first failed request proves >= {proved / GIB:.2f} GiB"
     res.peak_memory_bytes = limit
     res.tokens_per_s = res.tokens_per_s_min = res.tokens_per_s_max = None
     res.step_times, res.phase_peaks = [], {}
@@ -98,15 +106,15 @@ def main() -> None:
     a = p.parse_args()
     grid = json.loads(Path(a.grid).read_text())
     space, points = full_results(grid)
-    oom_wall = first_step_oom_wall(points)
+    oom_wall, request = first_step_oom_wall(points), first_step_request(points)
     src = f"bench/results/{Path(a.grid).name}"
     LANDSCAPES.mkdir(exist_ok=True)
     s1 = landscape(grid, "s1", 40 * GIB, points, space, f"the grid {src} as measured under 40 GiB")
-    s2 = landscape(grid, "s2", 24 * GIB, {k: under_smaller_limit(r, 24 * GIB, oom_wall) for k, r in points.items()}, space,
+    s2 = landscape(grid, "s2", 24 * GIB, {k: under_smaller_limit(r, 24 * GIB, oom_wall, request) for k, r in points.items()}, space,
                    f"read off the 40 GiB grid {src} (not measured under 24 GiB): a peak inside 24 GiB's usable "
                    "memory is kept; a peak in the headroom is out of memory with its tokens/s kept; a peak "
-                   "over 24 GiB is out of memory in its first step (no tokens/s, peak = the limit, shortfall = "
-                   "need - usable, "
+                   "over 24 GiB is out of memory in its first step (no tokens/s, peak = the limit, proving the limit "
+                   f"plus one failed request ({request / GIB:.2f} GiB, the grid's median), never more than its need; "
                    f"wall time at most the grid's median first-step OOM's, {oom_wall:.1f} s): bench/landscape_from_grid.py")
     for ls in (s1, s2):
         path = ls.save(LANDSCAPES / f"{ls.scenario}.json")
