@@ -26,7 +26,7 @@ FAULTS = [
           "kill -9 <probe child of autofit search>", None,
           "probed once more (trial-NNNN-retry.log); the row keeps the first attempt's reason"),
     Fault("budget-left", "the sampler's next proposal would not finish in the budget left",
-          "autofit search --model tiny-llama --device cpu --budget 2m", 0,
+          "autofit search --model tiny-llama --device cpu --budget 80s", 0,
           "a cheaper config is probed; stops when none can finish"),
 ]
 
@@ -81,7 +81,7 @@ def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(t
         filler.unlink()  # space freed: what was measured is all there, and the search continues
         before = _rows(run_dir)
         assert before
-        resumed = run_cli("search", "--resume", str(run_dir), "--budget", "40s", "--json")
+        resumed = run_cli("search", "--resume", str(run_dir), "--budget", "20s", "--json")
         assert resumed.returncode in (0, 3), resumed.stderr[-2000:]
         after = {r["trial"]: r for r in _rows(run_dir)}
         for row in before:
@@ -100,7 +100,7 @@ def test_a_budget_the_next_proposal_would_overrun_is_spent_on_a_cheaper_config(t
     """The default lora space on the CPU with a short budget: once the best is measured twice and
     the sampler's proposal is too long for what is left, a config that finishes in time is probed;
     the search stops on the budget only when no untried config can finish."""
-    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "2m", "--out",
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "80s", "--out",
                    str(tmp_path), "--json", timeout=400)
     assert proc.returncode in (0, 3), proc.stderr[-3000:]  # 3: a machine so loaded that no probe finished
     summary = json.loads(proc.stdout)

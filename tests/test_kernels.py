@@ -146,10 +146,10 @@ def test_gate_passes_checkpointing_every_2_layers(batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("every", [None, "every_2"])
+@pytest.mark.parametrize("every", ["every_2"])  # without checkpointing: test_kernels_wired's compiled probe
 def test_gate_passes_torch_compile_on_the_cpu(batch, every):
-    """inductor on the CPU (about a minute each on two cores): compiled and eager agree in fp32,
-    also with checkpointing every 2nd layer inside the compiled graph."""
+    """inductor on the CPU (about half a minute on two cores): compiled and eager agree in fp32 with
+    checkpointing every 2nd layer inside the compiled graph."""
     if kernels.compile_problem("cpu"):
         pytest.skip(kernels.compile_problem("cpu"))
     ckpt = None

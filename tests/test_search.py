@@ -283,7 +283,8 @@ def _wait_for_probes(run_dir_parent: Path, n: int, deadline: float) -> Path | No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+# SIGKILL leaves RUNNING trials and no report; Ctrl-C (exit 130, nothing lost) is test_faults_cli's
+@pytest.mark.parametrize("sig", [signal.SIGKILL])
 def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: int) -> None:
     cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE, "--device",
            "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(tmp_path), "--json"]
@@ -296,21 +297,22 @@ def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: 
         assert proc.returncode == 130
         assert (run_dir / "report.md").is_file()  # the folder is consistent
     before = read_trials(run_dir)
-    resumed = run_cli("search", "--resume", str(run_dir), "--budget", "40s", "--json")
+    resumed = run_cli("search", "--resume", str(run_dir), "--budget", "25s", "--json")
     assert resumed.returncode in (0, 3), resumed.stderr[-2000:]
     after = {t["trial"]: t for t in read_trials(run_dir)}
     for row in before:  # every row measured before the kill is there, unchanged but for repeats merged in
         kept = after[row["trial"]]
         assert kept["config"] == row["config"] and kept["outcome"] == row["outcome"]
         assert kept["peak_memory_bytes"] == row["peak_memory_bytes"] and kept["log_path"] == row["log_path"]
-        assert row["tokens_per_s"] in (kept["extra"].get("measurements") or [kept["tokens_per_s"]])
+        runs = kept["extra"].get("measurements") or [kept["tokens_per_s"]]  # stored to 0.1 tokens/s
+        assert round(row["tokens_per_s"], 1) in [round(x, 1) for x in runs]
     after = list(after.values())
     keys = finished_keys(after)
     assert len(keys) == len(set(keys)), Counter(keys).most_common(2)
 
 
 def _two_workers(tmp_path: Path, storage: str) -> list[dict]:
-    common = ["--storage", storage, "--study-name", "shared", "--budget", "35s", "--json", "--device", "cpu",
+    common = ["--storage", storage, "--study-name", "shared", "--budget", "30s", "--json", "--device", "cpu",
               "--memory-limit", "150MiB"]  # generous: both workers keep finding configs to probe
     first = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
                               "cpu-demo", "--out", str(tmp_path / "a"), *common],
@@ -358,7 +360,7 @@ def test_two_workers_on_a_postgresql_study_never_probe_the_same_config(tmp_path:
 @pytest.mark.slow
 def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
     proc = run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu", "--memory-limit",
-                   "3MiB", "--budget", "40s", "--out", str(tmp_path))
+                   "3MiB", "--budget", "25s", "--out", str(tmp_path))
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "No configuration fits under the 3 MiB limit" in proc.stderr
     assert "The smallest peak that ran out of memory was" in proc.stderr and "short" in proc.stderr
