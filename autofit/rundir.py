@@ -20,6 +20,7 @@ import yaml
 from .data import DatasetRef
 from .errors import CannotWrite, UsageError
 from .models import ModelSource
+from .policy import Policy
 from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, TRAIN_TOKENS, WARMUP_STEPS
 from .space import Space, validate
 from .target import Target
@@ -118,6 +119,8 @@ class RunSpec:
     versions: dict[str, str] = field(default_factory=dict)
     dataset: DatasetRef | None = None
     """--dataset: the data every probe trains on (path and content hash); None: random tokens."""
+    policy: str = "edge"
+    """--policy: which probe comes next (policy.Policy)."""
 
     @property
     def created(self) -> str:
@@ -130,8 +133,8 @@ class RunSpec:
         return {"run_id": self.run_id, "created": self.created, "model": self.model.to_dict(),
                 "space": self.space.to_dict(), "targets": [target_dict(t) for t in self.targets],
                 "budget_s": self.budget_s, "storage": self.storage, "study_name": self.study_name,
-                "seed": self.seed, "probe": dataclasses.asdict(self.probe), "versions": dict(self.versions),
-                **({"dataset": self.dataset.to_dict()} if self.dataset else {})}
+                "seed": self.seed, "policy": self.policy, "probe": dataclasses.asdict(self.probe),
+                "versions": dict(self.versions), **({"dataset": self.dataset.to_dict()} if self.dataset else {})}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = SPEC) -> RunSpec:
@@ -144,7 +147,8 @@ class RunSpec:
                        storage=str(d["storage"]), study_name=str(d["study_name"]),
                        seed=int(d.get("seed", 0)), probe=ProbeSettings.from_dict(d.get("probe") or {}),
                        versions=dict(d.get("versions") or {}),
-                       dataset=DatasetRef.from_dict(d["dataset"]) if d.get("dataset") else None)
+                       dataset=DatasetRef.from_dict(d["dataset"]) if d.get("dataset") else None,
+                       policy=Policy(d.get("policy", Policy.EDGE.value)).value)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UsageError(f"{source} is not a complete autofit run spec ({type(e).__name__}: {e}); "
                              "it may have been edited or cut short.") from None

@@ -24,6 +24,7 @@ from .data import summarize as summarize_data
 from .envinfo import collect, gpus, package_versions
 from .errors import CannotWrite, NothingFits, UsageError, gather
 from .models import resolve_model
+from .policy import Policy
 from .protocol import HEADROOM
 from .report import nothing_fits_message, write_outputs
 from .result import ProbeResult
@@ -65,6 +66,7 @@ class SearchRequest:
     study_name: str | None = None
     resume: Path | None = None
     seed: int = 0
+    policy: str = Policy.EDGE.value
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     worker: str = field(default_factory=lambda: Path.cwd().name)
     """Suffix of a joining host's run folder."""
@@ -156,7 +158,7 @@ def _new(req: SearchRequest) -> Session:
     storage = req.storage or RunDir(run_dir).default_storage(len(targets))
     spec = RunSpec(run_id=run_id, model=model, space=space, targets=tuple(targets), budget_s=budget,
                    storage=storage, study_name=req.study_name or f"autofit-{run_id}", seed=req.seed,
-                   probe=req.probe, versions=package_versions(), dataset=ref)
+                   probe=req.probe, versions=package_versions(), dataset=ref, policy=req.policy)
     return Session(Mode.NEW, spec, run_dir, local_storage=not req.storage, notes=notes)
 
 
@@ -279,7 +281,8 @@ def search_settings(session: Session, standby: int | None = None) -> SearchSetti
         max_probe_accumulation=probe.max_probe_accumulation,
         standby=standby if standby is not None else (2 if on_gpu else 1),
         local_storage=session.local_storage, confirm=probe.confirm, train_tokens=probe.train_tokens,
-        dataset=spec.dataset.to_dict() if spec.dataset else None, data_cache=RunDir(session.run_dir).data)
+        dataset=spec.dataset.to_dict() if spec.dataset else None, data_cache=RunDir(session.run_dir).data,
+        policy=Policy(spec.policy))
 
 
 def run(session: Session, on_event: Callable[[Event], None], standby: int | None = None) -> tuple[str, bool]:

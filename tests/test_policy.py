@@ -148,3 +148,19 @@ def test_declared_effects_order_the_ladder() -> None:
     gain_1_2 = effects.factor(cfg(2, "on")) / effects.factor(cfg(1, "on"))
     gain_4_8 = effects.factor(cfg(8, "on")) / effects.factor(cfg(4, "on"))
     assert gain_1_2 > gain_4_8 > 1.0
+
+
+def test_the_policy_flag_is_stored_with_the_run_and_a_bad_one_is_a_usage_error(tmp_path) -> None:
+    from autofit.errors import UsageError
+    from autofit.policy import Policy
+    from autofit.rundir import RunSpec
+    from autofit.session import SearchRequest, plan, search_settings
+
+    session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", policy="promise", out=tmp_path))
+    assert session.spec.to_dict()["policy"] == "promise"
+    assert search_settings(session).policy is Policy.PROMISE
+    assert RunSpec.from_dict(session.spec.to_dict()) == session.spec
+    old = {k: v for k, v in session.spec.to_dict().items() if k != "policy"}  # a run made before the flag
+    assert RunSpec.from_dict(old).policy == Policy.EDGE.value
+    with pytest.raises(UsageError, match="spec.yaml is not a complete autofit run spec"):
+        RunSpec.from_dict({**old, "policy": "nonsense"})

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from ..policy import Policy
 from ..protocol import TRAIN_TOKENS
 from ..report import config_brief
 from ..rundir import CONFIRM
@@ -98,7 +99,8 @@ def request(args: argparse.Namespace) -> SearchRequest:
         model=args.model, space=args.space, gpu=args.gpu, device=args.device, memory_limit=args.memory_limit,
         headroom=args.headroom, budget=args.budget, max_length=args.max_length, global_batch=args.global_batch,
         out=Path(args.out), storage=args.storage, study_name=args.study_name,
-        resume=Path(args.resume) if args.resume else None, seed=args.seed, probe=probe_settings(args),
+        resume=Path(args.resume) if args.resume else None, seed=args.seed, policy=args.policy,
+        probe=probe_settings(args),
         dataset=args.dataset, text_field=args.text_field, messages_field=args.messages_field,
         text_mode=args.text_mode)
 
@@ -180,6 +182,9 @@ def add_parser(sub: Any, fmt: Any) -> None:
     se.add_argument("--resume", metavar="RUN_FOLDER", help="continue a search; finished probes are not re-run")
     se.add_argument("--json", action="store_true", help="print a JSON summary (no live table)")
     se.add_argument("--seed", type=int, default=0, help="sampler seed")
+    se.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.EDGE.value,
+                    help="which probe comes next: edge (P(fit) x expected gain, cost-aware; default) or promise "
+                         "(the first version's order, kept for comparison)")
     se.add_argument("--standby", type=int, default=None,
                     help="probe processes importing ahead of need, per worker (default: 2 on a GPU, "
                          "1 on the CPU); importing torch+transformers+peft takes 15-20 s on a GPU host")
