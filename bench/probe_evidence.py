@@ -21,8 +21,8 @@ from common import GIB, brief, save
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
 from autofit.runner import Runner
-from autofit.target import Target
 from autofit.spec import TrialConfig
+from autofit.target import Target
 
 
 def main() -> None:

@@ -23,12 +23,12 @@ from pathlib import Path
 from common import GIB, brief, out_dir, read_trials, save
 from search_bench import run_search, search_args
 
-from autofit.target import resolve_targets
 from autofit.models import resolve_model
 from autofit.report import config_brief
 from autofit.runner import Runner
 from autofit.space import load_space
 from autofit.spec import TrialConfig
+from autofit.target import resolve_targets
 
 
 def leaders(grid: dict, limit: str, n: int) -> list[dict]:
