@@ -145,24 +145,6 @@ def test_gate_passes_checkpointing_every_2_layers(batch):
     assert res.ok and res.loss_rel_err < 1e-6, res.reason
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("every", ["every_2"])  # without checkpointing: test_kernels_wired's compiled probe
-def test_gate_passes_torch_compile_on_the_cpu(batch, every):
-    """inductor on the CPU (about half a minute on two cores): compiled and eager agree in fp32 with
-    checkpointing every 2nd layer inside the compiled graph."""
-    if kernels.compile_problem("cpu"):
-        pytest.skip(kernels.compile_problem("cpu"))
-    ckpt = None
-    if every:
-        args = recipe.training_arguments(TrialConfig(gradient_checkpointing=every), on_cpu=True, max_steps=1)
-        ckpt = args["activation_checkpointing_kwargs"]
-    before = kernels.dynamo_stats()
-    res = gate(batch, lambda m: kernels.apply_kernels(m, SimpleNamespace(torch_compile=True), ckpt))
-    assert res.ok, res.reason
-    after = kernels.dynamo_stats()
-    assert after.graphs > before.graphs and after.frames > before.frames  # it did compile
-
-
 # ----------------------------------------------------------------------------- support
 
 

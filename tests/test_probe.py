@@ -15,9 +15,15 @@ from conftest import ROOT, fake_env, probe_json, run_cli
 SHORT = ["--set", "max_length=128", "--set", "global_batch=4"]
 
 
+@pytest.fixture(scope="module")
+def short_fit(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One real probe of tiny-llama (micro-batch 2), read by the tests of a fit's figures."""
+    return probe_json(*SHORT, "--set", "micro_batch_size=2", cwd=tmp_path_factory.mktemp("fit"))
+
+
 @pytest.mark.slow
-def test_tiny_llama_fits_and_reports_figures(tmp_path: Path) -> None:
-    r = probe_json(*SHORT, "--set", "micro_batch_size=2", cwd=tmp_path)
+def test_tiny_llama_fits_and_reports_figures(short_fit: dict) -> None:
+    r = short_fit
     assert r["outcome"] == "fit"
     assert r["tokens_per_s"] > 0 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
     # 5 timed steps, more (at most 5) while they spread above the bound
@@ -49,12 +55,12 @@ def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_peak_inside_headroom_is_an_oom(tmp_path: Path) -> None:
-    fit = probe_json(*SHORT, cwd=tmp_path)
+def test_peak_inside_headroom_is_an_oom(short_fit: dict, tmp_path: Path) -> None:
     # the measured peak at 75% of the limit, with 45% kept free: a peak from 55% to 100% of the
     # limit (0.73x to 1.33x this one) lands inside the headroom, below the limit itself
-    limit = int(fit["peak_memory_bytes"] / 0.75)
-    r = probe_json(*SHORT, "--memory-limit", f"{limit}B", "--headroom", "0.45", cwd=tmp_path)
+    limit = int(short_fit["peak_memory_bytes"] / 0.75)
+    r = probe_json(*SHORT, "--set", "micro_batch_size=2", "--memory-limit", f"{limit}B", "--headroom", "0.45",
+                   cwd=tmp_path)
     assert r["outcome"] == "oom", r["reason"]
     assert r["reason"].startswith("headroom"), r["reason"]
     assert int(limit * 0.55) < r["peak_memory_bytes"] <= limit

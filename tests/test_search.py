@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli, search_cli
+from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
@@ -256,23 +256,6 @@ def test_a_repeat_sets_the_figures_and_a_repeat_oom_means_no_fit() -> None:
 # ----------------------------------------------------------------------------- budget, resume, workers
 
 
-@pytest.mark.slow
-def test_the_budget_holds(tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    proc = search_cli(tmp_path, budget="12s")
-    elapsed = time.monotonic() - t0
-    assert proc.returncode in (0, 3), proc.stderr[-2000:]
-    summary = json.loads(proc.stdout)
-    assert "budget" in summary["stop_reason"] or "no remaining" in summary["stop_reason"]
-    for t in read_trials(Path(summary["run_dir"])):
-        assert t["wall_seconds"] <= 12.5
-    best = summary["best"]
-    if best and len(best["extra"].get("measurements", [])) < 2:  # no time to measure it again: said so
-        assert "the best fit was measured once" in summary["stop_reason"], summary["stop_reason"]
-        assert "not measured again" in (Path(summary["run_dir"]) / "report.md").read_text()
-    assert elapsed < 12 + 25  # start-up, the report and plots on top of the budget
-
-
 def _wait_for_probes(run_dir_parent: Path, n: int, deadline: float) -> Path | None:
     while time.monotonic() < deadline:
         for trials in run_dir_parent.glob("*/trials.jsonl"):
@@ -304,15 +287,16 @@ def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: 
         kept = after[row["trial"]]
         assert kept["config"] == row["config"] and kept["outcome"] == row["outcome"]
         assert kept["peak_memory_bytes"] == row["peak_memory_bytes"] and kept["log_path"] == row["log_path"]
-        runs = kept["extra"].get("measurements") or [kept["tokens_per_s"]]  # stored to 0.1 tokens/s
-        assert round(row["tokens_per_s"], 1) in [round(x, 1) for x in runs]
+        if row["tokens_per_s"] is not None:  # a fit: its figure is kept (repeats stored to 0.1 tokens/s)
+            runs = kept["extra"].get("measurements") or [kept["tokens_per_s"]]
+            assert round(row["tokens_per_s"], 1) in [round(x, 1) for x in runs]
     after = list(after.values())
     keys = finished_keys(after)
     assert len(keys) == len(set(keys)), Counter(keys).most_common(2)
 
 
 def _two_workers(tmp_path: Path, storage: str) -> list[dict]:
-    common = ["--storage", storage, "--study-name", "shared", "--budget", "30s", "--json", "--device", "cpu",
+    common = ["--storage", storage, "--study-name", "shared", "--budget", "25s", "--json", "--device", "cpu",
               "--memory-limit", "150MiB"]  # generous: both workers keep finding configs to probe
     first = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
                               "cpu-demo", "--out", str(tmp_path / "a"), *common],
