@@ -1,5 +1,5 @@
-"""What the study has learned: the fits, the memory failures, the memory model, and the rules
-that decide whether a config still needs a probe."""
+"""What the study has learned: the fits, the memory failures, the memory model, the correctness
+verdicts, and the rules that decide whether a config still needs a probe."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
+from . import kernels
+from .data.correctness import boundary_key
 from .memory import MemoryModel, Shape
 from .objective import best_of, once_and_noisy
+from .protocol import Checks
 from .result import ProbeResult
 from .space import CKPT_COST, QUANT_COST
 from .spec import TrialConfig
@@ -21,6 +24,10 @@ from .units import format_size
 
 SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
 CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
+GATE, BOUNDARIES = "gate", "boundaries"
+"""The correctness checks, by the name of their verdict in a result's `extra` (beside `gate_key` and
+`boundary_key`: `kernels.gate_key`, `data.correctness.boundary_key`)."""
+CHECK_KEYS = {GATE: "gate_key", BOUNDARIES: "boundary_key"}
 
 
 class Verdict(StrEnum):
@@ -37,6 +44,8 @@ class Verdict(StrEnum):
     """The memory model puts its peak over the usable memory by more than the model's error."""
     SLOWER = "slower"
     """It cannot beat a measured fit on speed."""
+    MISMATCHED = "mismatched"
+    """A probe with the same correctness-check key failed the check: it trains differently."""
 
     def probes(self) -> bool:
         return self is Verdict.PROBE
@@ -54,6 +63,10 @@ class Knowledge:
     memory: MemoryModel
     probes: list[tuple[FrozenTrial, ProbeResult]] = field(default_factory=list)
     by_key: dict[str, FrozenTrial] = field(default_factory=dict)
+    passed: set[tuple[str, str]] = field(default_factory=set)
+    """Correctness checks a probe of the study passed: (GATE or BOUNDARIES, the check's key)."""
+    failed: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Correctness checks a probe failed -> the first such trial's number."""
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
@@ -68,7 +81,34 @@ class Knowledge:
                 k.memory.observe(cfg, res.peak_memory_bytes, predicted)
             elif res.outcome.is_memory() and (bound := res.peak_lower_bound()):
                 k.memory.observe_bound(cfg, bound, predicted)
+            k.learn_checks(t.number, res)
         return k
+
+    def learn_checks(self, number: int, res: ProbeResult) -> None:
+        """The correctness verdicts a probe reports (a probe that skipped a check reports none)."""
+        for check, key_name in CHECK_KEYS.items():
+            verdict, key = res.extra.get(check), res.extra.get(key_name)
+            if not isinstance(verdict, dict) or key is None:
+                continue
+            if verdict.get("ok"):
+                self.passed.add((check, key))
+            else:
+                self.failed.setdefault((check, key), number)
+
+    def checks(self, cfg: TrialConfig) -> Checks:
+        """The correctness checks a probe of cfg runs: those whose key has not passed in this study."""
+        return Checks(gate=(GATE, kernels.gate_key(cfg)) not in self.passed,
+                      boundaries=(BOUNDARIES, boundary_key(cfg)) not in self.passed)
+
+    def mismatched(self, cfg: TrialConfig) -> str | None:
+        """Why cfg trains differently, from a failed check with its key (None: no check failed)."""
+        if not self.failed:
+            return None
+        if (n := self.failed.get((BOUNDARIES, boundary_key(cfg)))) is not None:
+            return f"trial {n}: {cfg.batching} with {cfg.attn_implementation} leaked attention across samples"
+        if kernels.needs_gate(cfg) and (n := self.failed.get((GATE, kernels.gate_key(cfg)))) is not None:
+            return f"trial {n}: the kernels failed the correctness gate"
+        return None
 
     def fits(self) -> list[ProbeResult]:
         return [r for _, r in self.probes if r.outcome.is_fit()]
@@ -151,6 +191,8 @@ class Knowledge:
         seen = self.by_key.get(cfg.key())
         if seen is not None:
             return Verdict.DUPLICATE, f"same as trial {seen.number}"
+        if (why := self.mismatched(cfg)) is not None:
+            return Verdict.MISMATCHED, why
         best_len = self.best_length()
         if best_len is not None and cfg.max_length < best_len:
             return Verdict.SHORTER, f"length {best_len} already fits"

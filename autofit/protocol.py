@@ -61,6 +61,18 @@ def usable_bytes(limit: int | None, headroom: float = HEADROOM) -> int | None:
 
 
 @dataclass(frozen=True)
+class Checks:
+    """Which correctness checks a probe runs (where they apply). The search skips a check whose key
+    already passed in its study (knowledge.py); a probe without a study, and every `regress` run,
+    runs them all: a nightly run must catch a kernel or a strategy that broke."""
+
+    gate: bool = True
+    """The kernels' correctness gate (`kernels.needs_gate` configs)."""
+    boundaries: bool = True
+    """The per-sample loss check of the batching strategy (with --dataset)."""
+
+
+@dataclass(frozen=True)
 class ProbeRequest:
     """One probe, as the runner asks for it: what to train, where, and how to measure it."""
 
@@ -83,7 +95,10 @@ class ProbeRequest:
     """None: every micro-step of the config is run."""
     gate: bool = True
     """Run the correctness gate where the config uses non-stock kernels (`kernels.needs_gate`); False
-    where this run already has a passing verdict for the config's `kernels.gate_key`."""
+    where the study already holds a passing verdict for the config's `kernels.gate_key`."""
+    boundaries: bool = True
+    """Run the per-sample loss check on the dataset's batches (`probe/batches.check_boundaries`); False
+    where the study already holds a passing verdict for the config's `data.correctness.boundary_key`."""
     dataset: dict[str, Any] | None = None
     """`autofit.data.DatasetRef.to_dict()` with --dataset: the probe trains on its micro-batches
     (`config.batching`); None: random tokens at max_length."""

@@ -39,6 +39,7 @@ from .protocol import (
     TIMED_START,
     TIMED_STEPS,
     WARMUP_STEPS,
+    Checks,
     ProbeRequest,
 )
 from .result import Outcome, ProbeResult
@@ -273,8 +274,6 @@ class Runner:
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self.train_tokens = train_tokens
         """The planned training length, stamped on each result (compile time is amortised over it)."""
-        self.gate_verdicts: dict[str, str] = {}
-        """Correctness-gate verdicts of this runner's probes: gate_key -> "" (passed) or the failed probe."""
         self._pool: list[Standby] = []
         self._seq = 0
         self._ours_killed: set[int] = set()
@@ -355,7 +354,8 @@ class Runner:
 
     # -- one probe -----------------------------------------------------------------------
 
-    def request(self, cfg: TrialConfig, model: ModelSource, result_path: Path) -> ProbeRequest:
+    def request(self, cfg: TrialConfig, model: ModelSource, result_path: Path,
+                checks: Checks = Checks()) -> ProbeRequest:
         t = self.target
         return ProbeRequest(
             config=cfg, model=model, result_path=str(result_path), device=t.device,
@@ -363,25 +363,23 @@ class Runner:
             memory_limit_bytes=t.memory_limit_bytes, headroom=t.headroom,
             warmup_steps=self.warmup_steps, timed_steps=self.timed_steps,
             max_probe_accumulation=self.max_probe_accumulation,
-            gate=kernels.needs_gate(cfg) and kernels.gate_key(cfg) not in self.gate_verdicts,
+            gate=checks.gate and kernels.needs_gate(cfg),
+            boundaries=checks.boundaries and self.dataset is not None,
             dataset=self.dataset, data_cache=self.data_cache,
         )
 
     def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:
-        """An outcome known without a child: kernels this machine cannot run (`unsupported`), or
-        kernels whose correctness gate already failed in this run (`mismatch`)."""
+        """An outcome known without a child: kernels this machine cannot run (`unsupported`)."""
         why = kernels.kernel_support(cfg, self.target.device)
         if why:
             return ProbeResult(Outcome.UNSUPPORTED, cfg.to_dict(), reason=f"autofit: unsupported: {why}")
-        failed = self.gate_verdicts.get(kernels.gate_key(cfg))
-        if failed:
-            return ProbeResult(Outcome.MISMATCH, cfg.to_dict(),
-                               reason=f"mismatch: these kernels failed the correctness gate on probe {failed}")
         return None
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
-            cancel: Callable[[], bool] | None = None) -> ProbeResult:
-        """Run one probe and always return a result; KeyboardInterrupt stops the child first."""
+            cancel: Callable[[], bool] | None = None, checks: Checks = Checks()) -> ProbeResult:
+        """Run one probe and always return a result; KeyboardInterrupt stops the child first.
+        `checks`: the correctness checks to run (all by default; the search leaves out those its
+        study has passing verdicts for)."""
         asked = time.monotonic()
         deadline = asked + timeout
         result_path = result_file(self.log_dir, name)
@@ -390,7 +388,7 @@ class Runner:
         known = self.judged_before(cfg)
         if known is not None:
             return self._finish(known, asked, log_path, "")
-        req = self.request(cfg, model, result_path)
+        req = self.request(cfg, model, result_path, checks)
         child = self._take(deadline)
         if child is None:
             return self._finish(ProbeResult(Outcome.TIMEOUT, cfg.to_dict(),
@@ -463,8 +461,6 @@ class Runner:
     def _finish(self, res: ProbeResult, asked: float, log_path: Path, worker: str) -> ProbeResult:
         res.wall_seconds = time.monotonic() - asked
         res.train_tokens = self.train_tokens
-        if "gate_key" in res.extra and "gate" in res.extra:
-            self.gate_verdicts[res.extra["gate_key"]] = "" if res.extra["gate"]["ok"] else log_path.stem
         res.log_path = str(log_path)
         res.worker = worker
         if not res.device:

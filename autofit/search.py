@@ -27,7 +27,7 @@ from .memory import Shape
 from .models import ModelSource
 from .objective import best_of
 from .policy import Policy, edge_chooser
-from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS, Checks
 from .result import Outcome, ProbeResult
 from .runner import Runner, result_file
 from .space import Space
@@ -97,6 +97,7 @@ class EventKind(StrEnum):
     DOMINATED = Verdict.DOMINATED.value
     PREDICTED = Verdict.PREDICTED.value
     SLOWER = Verdict.SLOWER.value
+    MISMATCHED = Verdict.MISMATCHED.value
 
     def skipped(self) -> bool:
         return self not in (EventKind.PROBE, EventKind.AGAIN)
@@ -295,7 +296,7 @@ class Search:
                 study.tell(trial, state=TrialState.PRUNED)
                 continue
             pace.streak, pace.probed = 0, pace.probed + 1
-            res = self._probe(study, trial, cfg, runner)
+            res = self._probe(study, trial, cfg, runner, know.checks(cfg))
             if res is None:  # interrupted
                 return None
             self._tell_probe(study, trial, cfg, res, know, target)
@@ -351,20 +352,21 @@ class Search:
                 return Verdict.DUPLICATE, f"trial {t.number} of another worker has it"
         return Verdict.PROBE, ""
 
-    def _probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig,
-               runner: Runner) -> ProbeResult | None:
-        """Run the probe; a result killed from outside autofit (retryable) is probed once more.
-        None when the search was interrupted (the trial is told so)."""
+    def _probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, runner: Runner,
+               checks: Checks) -> ProbeResult | None:
+        """Run the probe, with the correctness checks the study has no passing verdict for; a result
+        killed from outside autofit (retryable) is probed once more. None when the search was
+        interrupted (the trial is told so)."""
         trial.set_user_attr("kind", TrialKind.PROBE.value)
         number = trial.number
 
         def cancel() -> bool:
             return not self._claimed(study, number, cfg)[0].probes()
 
-        res = self._run_probe(runner, cfg, f"trial-{number:04d}", cancel)
+        res = self._run_probe(runner, cfg, f"trial-{number:04d}", cancel, checks)
         if res.retryable and not self.stop.is_set():
             first = res.reason
-            res = self._run_probe(runner, cfg, f"trial-{number:04d}-retry", cancel)
+            res = self._run_probe(runner, cfg, f"trial-{number:04d}-retry", cancel, checks)
             res.extra = {**res.extra, "first_attempt": first}
         if self.stop.is_set() and self.stop_reason == INTERRUPTED:
             trial.set_user_attr("kind", TrialKind.INTERRUPTED.value)
@@ -372,9 +374,11 @@ class Search:
             return None
         return res
 
-    def _run_probe(self, runner: Runner, cfg: TrialConfig, name: str, cancel: Callable[[], bool]) -> ProbeResult:
+    def _run_probe(self, runner: Runner, cfg: TrialConfig, name: str, cancel: Callable[[], bool],
+                   checks: Checks) -> ProbeResult:
         left = max(self.deadline - self.clock(), 1.0)
-        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left), cancel=cancel)
+        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left), cancel=cancel,
+                          checks=checks)
 
     # ----------------------------------------------------------------------- telling the study
 
@@ -391,7 +395,7 @@ class Search:
             over = (predicted / know.usable - 1) if predicted and know.usable else 0.0
             _constrain(trial, max(over, 0.01))
             study.tell(trial, 0.0)
-        else:  # shorter, slower, or a duplicate still running elsewhere: not better, not measured
+        else:  # shorter, slower, mismatched, or a duplicate running elsewhere: not better, not measured
             study.tell(trial, state=TrialState.PRUNED)
 
     def _tell_probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
@@ -444,7 +448,7 @@ class Search:
                                       f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
                 return
             res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
-                             timeout=min(self.s.probe_timeout_s, left))
+                             timeout=min(self.s.probe_timeout_s, left), checks=know.checks(cfg))
             repeated.add(t.number)
             record_repeat(study, t.number, res)
             know = self._knowledge(study, target)

@@ -122,15 +122,15 @@ def _check_strategy_figures(tmp_path: Path, rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_the_loss_check_catches_the_leaking_strategy_inside_a_real_probe(tmp_path: Path, monkeypatch) -> None:
-    from autofit.probe.batches import LEAKY_ENV
-    from autofit.result import Outcome
+def test_a_packed_probe_passes_the_loss_check_and_reports_its_verdict(tmp_path: Path) -> None:
+    """packed's figures (the dataset search below runs it leaking), and the check's key and verdict
+    that the search learns from (`Knowledge.checks`)."""
+    from autofit.data.correctness import boundary_key
 
-    monkeypatch.setenv(LEAKY_ENV, "1")
-    _, res = _probe(tmp_path, "packed")
-    assert res.outcome is Outcome.MISMATCH and not res.outcome.is_fit()
-    assert "samples sharing a row see each other" in res.reason
-    assert res.extra["max_loss_diff"] > 10 * res.extra["tolerance"]
+    cfg, res = _probe(tmp_path, "packed")
+    _check_strategy_figures(tmp_path, [res.to_dict()])
+    assert res.extra["boundary_key"] == boundary_key(cfg) and res.extra["boundaries"]["ok"] is True
+    assert res.extra["boundaries"]["max_loss_diff"] <= res.extra["boundaries"]["tolerance"]
 
 
 def test_probe_batching_without_a_dataset_is_a_usage_error(capsys) -> None:
@@ -197,24 +197,53 @@ def test_search_bad_dataset_is_a_usage_error_before_anything_exists(tmp_path: Pa
 SMALL_SPACE = """\
 fixed: {global_batch: 4, micro_batch_size: 2, precision: fp32, optimizer: adamw_torch, lora_r: 8, lora_alpha: 16}
 dimensions:
-  gradient_checkpointing: [off]
+  gradient_checkpointing: [off, on]
 """
+
+
+def _leak_verdicts(run: Path, rows: list[dict]) -> None:
+    """packed leaked (the test-only layout): one probe, a mismatch; the study, as stored, skips
+    packed's other config; every other strategy's loss check ran once (its later probes skip it)."""
+    from autofit.data.correctness import boundary_key
+    from autofit.knowledge import Knowledge, Verdict
+    from autofit.memory import Shape
+    from autofit.models import resolve_model
+    from autofit.rundir import load_spec
+    from autofit.spec import TrialConfig
+    from autofit.study import open_study
+
+    (leak,) = [r for r in rows if r["config"]["batching"] == "packed"]
+    assert leak["outcome"] == "mismatch" and "samples sharing a row see each other" in leak["reason"]
+    assert leak["extra"]["boundaries"]["max_loss_diff"] > 10 * leak["extra"]["boundaries"]["tolerance"]
+    spec = load_spec(run)
+    trials = open_study(spec.storage, spec.study_name, create=False, seed=0).get_trials()
+    know = Knowledge.build(trials, Shape.from_config(resolve_model("tiny-llama").config), False, None)
+    other = TrialConfig.from_dict(leak["config"]).replace(
+        gradient_checkpointing="on" if leak["config"]["gradient_checkpointing"] == "off" else "off")
+    assert know.verdict(other)[0] is Verdict.MISMATCHED
+    checked = [boundary_key(TrialConfig.from_dict(r["config"])) for r in rows if "boundaries" in r["extra"]]
+    assert sorted(checked) == sorted(set(checked)) and len(checked) == len(BATCHINGS)
 
 
 @pytest.mark.slow
 def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_path: Path) -> None:
-    """Every strategy through the real probe, in one search (micro-batch 2, accumulation 2)."""
+    """Every strategy through the real probe, in one search (micro-batch 2, accumulation 2), packed
+    laid out leaking (LEAKY_ENV): its loss check fails once and its other config is never probed."""
     import yaml
+
+    from autofit.probe.batches import LEAKY_ENV
 
     space = tmp_path / "space.yaml"
     space.write_text(SMALL_SPACE)
     proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", str(space), "--dataset", str(D1),
-                   "--max-length", "96", "--budget", "5m", "--confirm", "0", "--out", str(tmp_path / "runs"), "--json")
+                   "--max-length", "96", "--budget", "5m", "--confirm", "0", "--out", str(tmp_path / "runs"), "--json",
+                   env={LEAKY_ENV: "1"})
     assert proc.returncode == 0, proc.stderr
     run = Path(json.loads(proc.stdout)["run_dir"])
     rows = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]
     assert {r["config"]["batching"] for r in rows} == set(BATCHINGS)
-    _check_strategy_figures(tmp_path, rows)
+    _leak_verdicts(run, rows)
+    _check_strategy_figures(tmp_path, [r for r in rows if r["config"]["batching"] != "packed"])
     best = json.loads((run / "best.json").read_text())
     assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["outcome"] == "fit")
     assert yaml.safe_load((run / "spec.yaml").read_text())["dataset"]["path"] == str(D1)

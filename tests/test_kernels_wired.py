@@ -12,12 +12,14 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT, probe_json
+from optuna.trial import create_trial
 from test_regress import write_run
 
 from autofit import kernels, recipe
 from autofit.cli import main
 from autofit.errors import UsageError
 from autofit.export import export_run
+from autofit.knowledge import Knowledge, Verdict
 from autofit.memory import Shape, group_key, prior
 from autofit.models import resolve_model
 from autofit.objective import best_of, speed
@@ -25,7 +27,7 @@ from autofit.probe.errors import Unsupported
 from autofit.probe.gate import TEST_LOSS_SCALE_ENV
 from autofit.probe.measure import run_probe
 from autofit.probe.state import ProbeState
-from autofit.protocol import ProbeRequest
+from autofit.protocol import Checks, ProbeRequest
 from autofit.report import prediction_errors
 from autofit.result import Outcome, ProbeResult
 from autofit.rundir import ProbeSettings
@@ -92,8 +94,8 @@ def test_stock_configs_ask_for_no_gate(tmp_path) -> None:
     assert runner.request(TrialConfig(**SHORT), model, tmp_path / "a.json").gate is False
     compiled = TrialConfig(torch_compile=True, **SHORT)
     assert runner.request(compiled, model, tmp_path / "b.json").gate is True
-    runner.gate_verdicts[kernels.gate_key(compiled)] = ""  # passed earlier in this run
-    assert runner.request(compiled.replace(micro_batch_size=2), model, tmp_path / "c.json").gate is False
+    passed = Checks(gate=False)  # the study holds a passing verdict for the key (test_knowledge.py)
+    assert runner.request(compiled.replace(micro_batch_size=2), model, tmp_path / "c.json", passed).gate is False
 
 
 def fit(tps: float, compile_s: float | None = None, train_tokens: int | None = None, **cfg: object) -> ProbeResult:
@@ -120,17 +122,20 @@ def test_liger_probe_is_unsupported_with_the_reason_on_the_cpu(tmp_path) -> None
 @pytest.mark.slow
 def test_the_gate_in_a_real_probe_catches_a_wrong_kernel(tmp_path, monkeypatch) -> None:
     """torch_compile runs on the CPU; the test-only factor makes its loss 1.5x: a mismatch, and the
-    run's next config with the same kernels is judged from that verdict without a child."""
+    study's next config with the same kernels is skipped from that stored verdict, without a child."""
     monkeypatch.setenv(TEST_LOSS_SCALE_ENV, "1.5")
     cfg = TrialConfig(torch_compile=True, precision="fp32", **SHORT)
     with Runner(Target(), tmp_path, standby=0) as runner:
         res = runner.run(cfg, resolve_model("tiny-llama"), name="wrong", timeout=600)
-        assert res.outcome is Outcome.MISMATCH, res.reason + res.error_tail
-        assert res.extra["gate"]["ok"] is False
-        assert res.extra["gate"]["loss_rel_err"] == pytest.approx(0.5, rel=1e-3)
-        again = runner.run(cfg.replace(micro_batch_size=2), resolve_model("tiny-llama"), name="again")
-    assert again.outcome is Outcome.MISMATCH and "probe wrong" in again.reason
-    assert best_of([res, again]) is None  # never a winner
+    assert res.outcome is Outcome.MISMATCH, res.reason + res.error_tail
+    assert res.extra["gate"]["ok"] is False and res.extra["gate_key"] == kernels.gate_key(cfg)
+    assert res.extra["gate"]["loss_rel_err"] == pytest.approx(0.5, rel=1e-3)
+    assert best_of([res]) is None  # never a winner
+    stored = create_trial(value=0.0, user_attrs={"kind": "probe", "config_key": cfg.key(), "result": res.to_dict()})
+    stored.number = 3
+    know = Knowledge.build([stored], Shape.from_config(resolve_model("tiny-llama").config), False, None)
+    assert know.verdict(cfg.replace(micro_batch_size=2)) == (
+        Verdict.MISMATCHED, "trial 3: the kernels failed the correctness gate")
 
 
 @pytest.mark.slow

@@ -13,14 +13,18 @@ from conftest import SEARCH_SPACE
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from autofit import kernels
+from autofit.data.correctness import TOLERANCE, BoundaryCheck, boundary_key
 from autofit.knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
 from autofit.memory import MemoryModel, Shape
 from autofit.models import PRESETS, resolve_model
 from autofit.objective import best_of, combined_tokens_per_s, ranked_fits
+from autofit.probe.batches import mismatch
+from autofit.protocol import Checks, ProbeRequest
 from autofit.report import report_markdown
 from autofit.result import Outcome, ProbeResult
-from autofit.runner import result_file
-from autofit.search import Search, SearchSettings
+from autofit.runner import Runner, result_file
+from autofit.search import EventKind, Search, SearchSettings
 from autofit.space import Space, load_space
 from autofit.spec import TrialConfig
 from autofit.study import (
@@ -163,6 +167,80 @@ def test_time_is_kept_to_measure_a_best_measured_once() -> None:
     k = know(timed(cfg(128, 1), 10.0))
     assert clock.kept(k) == clock.estimate(k, cfg(128, 1))
     assert ProbeTime(steps=7, max_acc=4, confirm=False).kept(k) == 0.0
+
+
+# ----------------------------------------------------------------------------- correctness verdicts
+
+
+def leaked(c: TrialConfig) -> ProbeResult:
+    """The result the probe writes when the loss check fails (probe/batches.mismatch)."""
+    req = ProbeRequest(c, resolve_model("tiny-llama"), "r.json")
+    return mismatch(req, BoundaryCheck(False, 0.31, TOLERANCE["fp32"], "packed: samples sharing a row see each other"))
+
+
+def checked(c: TrialConfig, **verdicts: dict) -> ProbeResult:
+    """A fit that ran the checks named in `verdicts` (the extra a passing probe reports)."""
+    extra: dict = {}
+    if "gate" in verdicts:
+        extra.update(gate=verdicts["gate"], gate_key=kernels.gate_key(c))
+    if "boundaries" in verdicts:
+        extra.update(boundaries=verdicts["boundaries"], boundary_key=boundary_key(c))
+    return result(c, extra=extra)
+
+
+def test_a_strategy_that_leaked_is_mismatched_for_every_config_with_its_key() -> None:
+    packed = cfg(128, 1).replace(batching="packed")
+    k = know(leaked(packed))  # built from the stored results: the same after --resume, for every worker
+    verdict, detail = k.verdict(packed.replace(micro_batch_size=2, gradient_checkpointing="on"))
+    assert verdict is Verdict.MISMATCHED
+    assert detail == "trial 0: packed with sdpa leaked attention across samples"
+    assert k.verdict(cfg(128, 2).replace(batching="padding_free"))[0] is Verdict.PROBE
+    assert k.verdict(packed.replace(micro_batch_size=2, attn_implementation="eager"))[0] is Verdict.PROBE
+    assert k.verdict(packed)[0] is Verdict.DUPLICATE  # the failed probe itself
+    assert not k.verdict(packed.replace(micro_batch_size=4))[0].infeasible()  # pruned, not out of memory
+    assert packed.replace(micro_batch_size=4) not in k.viable([packed.replace(micro_batch_size=4)])
+
+
+def test_kernels_that_failed_the_gate_are_mismatched_and_stock_kernels_are_not() -> None:
+    compiled = cfg(128, 1).replace(torch_compile=True, precision="fp32")
+    failed = ProbeResult(Outcome.MISMATCH, compiled.to_dict(), reason="mismatch: loss",
+                         extra={"gate": {"ok": False}, "gate_key": kernels.gate_key(compiled)})
+    k = know(result(cfg(128, 2)), failed)
+    assert k.verdict(compiled.replace(micro_batch_size=2)) == (
+        Verdict.MISMATCHED, "trial 1: the kernels failed the correctness gate")
+    assert k.verdict(compiled.replace(micro_batch_size=2, gradient_checkpointing="on"))[0] is Verdict.PROBE
+    assert k.verdict(cfg(128, 4))[0] is Verdict.PROBE
+
+
+def test_a_passed_check_is_not_run_again_in_the_study(tmp_path: Path) -> None:
+    compiled = cfg(128, 1).replace(torch_compile=True, batching="packed")
+    assert know().checks(compiled) == Checks(gate=True, boundaries=True)
+    k = know(checked(compiled, gate={"ok": True}, boundaries={"ok": True}))
+    later = compiled.replace(micro_batch_size=2)
+    assert k.checks(later) == Checks(gate=False, boundaries=False)
+    assert k.checks(later.replace(batching="padding_free")) == Checks(gate=False, boundaries=True)
+    assert k.checks(later.replace(gradient_checkpointing="on")) == Checks(gate=True, boundaries=False)
+    with Runner(Target(), tmp_path, standby=0, dataset={"path": "d.jsonl"}) as runner:
+        model = resolve_model("tiny-llama")
+        req = runner.request(later, model, tmp_path / "r.json", k.checks(later))
+        assert (req.gate, req.boundaries) == (False, False)
+        fresh = runner.request(later, model, tmp_path / "r.json")  # autofit probe, regress: every check
+        assert (fresh.gate, fresh.boundaries) == (True, True)
+        assert runner.request(cfg(128, 1), model, tmp_path / "r.json").gate is False  # stock kernels
+    assert Runner(Target(), tmp_path, standby=0).request(later, model, tmp_path / "r.json").boundaries is False
+
+
+def test_a_mismatched_skip_is_pruned_and_counted(tmp_path: Path) -> None:
+    s = settings(tmp_path)
+    search = Search(s)
+    study = search.prepare()
+    packed = cfg(128, 1).replace(batching="packed")
+    trial = study.ask({k: DIST[k] for k in SPACE.dimensions})
+    search._tell_skip(study, trial, packed, Verdict.MISMATCHED, "trial 0: packed leaked", know())
+    (told,) = [t for t in study.get_trials() if t.number == trial.number]
+    assert told.state is TrialState.PRUNED and told.user_attrs["detail"] == "trial 0: packed leaked"
+    assert skipped_counts(study) == {"mismatched": 1}
+    assert EventKind(Verdict.MISMATCHED.value).skipped()
 
 
 # ----------------------------------------------------------------------------- the study

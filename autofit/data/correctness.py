@@ -10,6 +10,9 @@ Tolerances on a sample's mean loss (nats), from the floating-point noise measure
 and well below what a leak shifts (0.05-0.5 nats there): fp32 `TOLERANCE[fp32]`, bf16/fp16 the
 larger `TOLERANCE[bf16]`. Flattened and packed layouts reorder the reductions, so bitwise
 equality is not expected.
+
+One verdict covers every config with the same `boundary_key`: the search runs the check once per
+key and study (issue 11: "once per search"), and a key that failed skips its other configs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ from .collate import IGNORE, collate, model_inputs
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2}
 
+BOUNDARY_KEY = ("batching", "attn_implementation", "precision", "liger")
+"""What the check's outcome depends on: the strategy's layout, the attention implementation that
+honours or ignores its boundaries, the precision (the tolerance), and Liger, which patches the
+model's RoPE and norms before the check when its gate ran. Micro-batch, length, accumulation and
+checkpointing do not enter: the check runs its own small batch without gradients; quantization
+and the LoRA settings change the weights' rounding, never which tokens attend to which."""
+
+
+def boundary_key(cfg: Any) -> str:
+    """The settings one loss-check verdict covers (no torch: the search computes it)."""
+    return ";".join(f"{n}={getattr(cfg, n, None)}" for n in BOUNDARY_KEY)
+
 
 @dataclass(frozen=True)
 class BoundaryCheck:
@@ -30,6 +45,10 @@ class BoundaryCheck:
     max_loss_diff: float
     tolerance: float
     reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "max_loss_diff": self.max_loss_diff, "tolerance": self.tolerance,
+                "reason": self.reason}
 
 
 def per_sample_losses(model: Any, batch: dict[str, Any]) -> dict[int, float]:

@@ -12,6 +12,9 @@ The objective is trained tokens per second: label-bearing, non-pad tokens of eac
 micro-batches (`MicroBatch.trained_tokens`), scaled to the config's accumulation where the probe
 runs fewer micro-steps.
 
+The loss check runs where the request asks for it (`ProbeRequest.boundaries`: the search skips it
+once the study holds a passing verdict for the config's `boundary_key`).
+
 `LEAKY_ENV` is for tests only: set in the probe's environment, it makes `packed` lay its rows out
 without boundaries (`collate.packed_rows(boundaries=False)`: one running position, an all-ones
 mask), the deliberately leaking strategy that the loss check must turn into `mismatch`.
@@ -26,7 +29,7 @@ from typing import Any
 
 from ..data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
 from ..data.collate import collate, model_inputs, packed_rows
-from ..data.correctness import BoundaryCheck, check_batch
+from ..data.correctness import BoundaryCheck, boundary_key, check_batch
 from ..data.stats import cut
 from ..protocol import ProbeRequest
 from ..result import Outcome, ProbeResult
@@ -134,7 +137,12 @@ def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryChe
                           f"{getattr(model.config, '_attn_implementation', '?')}: {first[:300]}") from e
 
 
+def boundary_verdict(req: ProbeRequest, check: BoundaryCheck) -> dict[str, Any]:
+    """The check's key and verdict, as every probe that ran it reports them (`res.extra`): the search
+    learns from them which strategies need no check again and which can never win."""
+    return {"boundary_key": boundary_key(req.config), "boundaries": check.to_dict()}
+
+
 def mismatch(req: ProbeRequest, check: BoundaryCheck) -> ProbeResult:
     return ProbeResult(Outcome.MISMATCH, req.config.to_dict(), reason=check.reason,
-                       extra={"batching": req.config.batching, "max_loss_diff": check.max_loss_diff,
-                              "tolerance": check.tolerance})
+                       extra={"batching": req.config.batching, **boundary_verdict(req, check)})

@@ -59,7 +59,7 @@ def with_attention(model: Any, impl: str) -> Any:
 
 def run_gate(req: ProbeRequest, state: ProbeState, model: Any) -> kernels.GateResult | None:
     """Stock kernels vs the config's kernels on one fixed batch, on this model's weights (None: not
-    gated: stock kernels, or the run already has a passing verdict for this gate_key)."""
+    gated: stock kernels, or the study already holds a passing verdict for this gate_key)."""
     cfg = req.config
     if not (req.gate and kernels.needs_gate(cfg)):
         return None
