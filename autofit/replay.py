@@ -29,6 +29,7 @@ from .errors import UsageError
 from .models import ModelSource
 from .objective import best_of, speed
 from .policy import Policy
+from .protocol import Checks
 from .result import Outcome, ProbeResult
 from .search import Search, SearchSettings
 from .space import Space
@@ -167,9 +168,10 @@ class ReplayRunner:
         pass
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
-            cancel: Callable[[], bool] | None = None) -> ProbeResult:
+            cancel: Callable[[], bool] | None = None, checks: Checks = Checks()) -> ProbeResult:
         """The recorded result of cfg, the clock moved on by its wall time; a probe longer than
-        `timeout` ends as a timeout at `timeout`, as the real runner's would."""
+        `timeout` ends as a timeout at `timeout`, as the real runner's would (`checks`, the Runner's
+        argument, changes nothing: a recorded result holds the checks its probe ran)."""
         res = self.landscape.result(cfg.key())
         wall = res.wall_seconds or 0.0
         repeat = any(p.key == cfg.key() for p in self.probed)
