@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .data import DatasetRef, RefState
+from .data import DatasetRef, stored_dataset
 from .envinfo import collect
 from .errors import CannotWrite, RegressionFound, UsageError
 from .export.common import Best, BestEntry, read_best, read_env
@@ -141,28 +141,9 @@ def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = N
     best = read_best(run_dir)
     target = choose_target(targets_of(spec)[0], gpu, device, memory_limit)
     check_gpu(best.target, target, allow_gpu_change)
-    ref = stored_dataset(spec, dataset)
+    ref = stored_dataset(spec, dataset, "the baseline was measured on", "this is not a regression: ")
     return Plan(run_dir, str(spec.get("run_id", run_dir.name)), model_of(spec), dict(spec.get("probe") or {}),
                 best, best.entries[:top], target, read_env(run_dir), ref)
-
-
-def stored_dataset(spec: dict[str, Any], path: str | None = None) -> DatasetRef | None:
-    """The run's dataset, read again (from `path` where it moved): a changed file is said as such, not
-    measured as a regression; a missing one names the stored path and --dataset."""
-    if not spec.get("dataset"):
-        if path:
-            raise UsageError("--dataset: this run was searched on random tokens; it has no dataset to replace.")
-        return None
-    ref = DatasetRef.from_dict(spec["dataset"])
-    state, data = ref.load(path)
-    if state is RefState.MISSING:
-        raise UsageError(f"--dataset: the run's dataset {path or ref.path} is missing; give its new place with "
-                         "--dataset PATH.")
-    if state is RefState.CHANGED or data is None:
-        raise UsageError(f"dataset changed since the run: {path or ref.path} no longer has the content the "
-                         f"baseline was measured on (hash {ref.content_hash[:12]}); this is not a regression. "
-                         "Restore the file, or search again on the new data.")
-    return DatasetRef.of(data, ref.text_field, ref.messages_field) if path else ref
 
 
 def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None) -> Target:

@@ -388,6 +388,34 @@ def test_regress_reads_the_stored_dataset_and_follows_a_moved_file(tmp_path: Pat
     assert p.dataset is not None and p.dataset.path == str(moved.resolve())
 
 
+def test_export_names_a_moved_dataset_and_refuses_a_changed_or_missing_one(tmp_path: Path, capsys) -> None:
+    import yaml
+
+    from autofit.cli import main
+    from autofit.export import export_run
+
+    run, copy = _moved_run(tmp_path)
+    moved = tmp_path / "elsewhere.jsonl"
+    copy.rename(moved)
+    text = export_run(run, "axolotl").text  # without --dataset: the stored path, the file need not be here
+    assert str(copy.resolve()) in text
+    for fmt in ("hf-trainer", "axolotl", "trl"):
+        text = export_run(run, fmt, dataset=str(moved)).text
+        assert str(moved.resolve()) in text and str(copy.resolve()) not in text, fmt
+    moved.write_text(moved.read_text().replace("the", "a"))
+    assert main(["export", str(run), "--dataset", str(moved)]) == 2
+    err = capsys.readouterr().err
+    assert "dataset changed since the run" in err and "the winner was measured on" in err and "Traceback" not in err
+    assert main(["export", str(run), "--dataset", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert "nowhere.jsonl is missing" in capsys.readouterr().err
+    plain = _data_run(tmp_path, "pad_max")
+    doc = yaml.safe_load((plain / "spec.yaml").read_text())
+    del doc["dataset"]  # a run searched without --dataset
+    (plain / "spec.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["export", str(plain), "--dataset", str(D1)]) == 2
+    assert "searched on random tokens" in capsys.readouterr().err
+
+
 def test_regress_on_a_changed_dataset_exits_2_and_says_so_not_a_regression(tmp_path: Path, capsys) -> None:
     run, copy = _moved_run(tmp_path)
     copy.write_text(copy.read_text().replace("the", "a"))

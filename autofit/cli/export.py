@@ -12,7 +12,7 @@ from ..export import SCRIPTS, export_run, write_recipe
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    rendered = export_run(args.run, args.format)
+    rendered = export_run(args.run, args.format, args.dataset)
     for item in rendered.unexpressed:
         print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
     if not args.output:
@@ -36,12 +36,17 @@ def add_parser(sub: Any, fmt: Any) -> None:
                               autofit export runs/<id> -o train.py && python train.py --dataset data.jsonl
                               autofit export runs/<id> --format trl -o train_trl.py
                               autofit export runs/<id> --format axolotl -o axolotl.yaml
+                              autofit export runs/<id> --dataset /data/moved/train.jsonl -o train.py
 
                             exit codes: 0 written, 2 usage error (not a run folder, a corrupt best.json,
-                            an existing -o without --force, an -o path that cannot be written)
+                            an existing -o without --force, an -o path that cannot be written, a --dataset
+                            that is missing or not the measured content)
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
     ex.add_argument("-o", "--output", help="output file (default: stdout); an existing one needs --force")
     ex.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+    ex.add_argument("--dataset", metavar="PATH",
+                    help="where the run's dataset is now, if it moved since the search (its content must be "
+                         "the one measured: a changed file exits 2); the recipe names this path")
     ex.set_defaults(func=cmd_export)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
 from .lengths import LengthTable, length_table
 from .loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
-from .reference import DatasetRef, RefState
+from .reference import DatasetRef, RefState, stored_dataset
 from .stats import Cut, LengthStats, format_stats, histogram_png, length_stats
 from .summary import DataSummary, summarize
 from .tokenizer import TextTokenizer, tokenizer_for
@@ -38,6 +38,7 @@ __all__ = [
     "length_table",
     "load_samples",
     "plan",
+    "stored_dataset",
     "summarize",
     "tokenizer_for",
 ]

@@ -55,3 +55,29 @@ class DatasetRef:
         except UsageError:
             return RefState.CHANGED, None
         return (RefState.SAME if data.content_hash == self.content_hash else RefState.CHANGED), data
+
+    def found(self, path: str | None = None, measured: str = "the run was measured on", note: str = "") -> DatasetRef:
+        """This reference, read again (from `path` where the file moved): the same content, else a
+        UsageError that says what changed and what to do (a changed file is not a regression)."""
+        state, data = self.load(path)
+        if state is RefState.MISSING:
+            raise UsageError(f"--dataset: the run's dataset {path or self.path} is missing; give its new place "
+                             "with --dataset PATH.")
+        if state is RefState.CHANGED or data is None:
+            raise UsageError(f"dataset changed since the run: {path or self.path} no longer has the content "
+                             f"{measured} (hash {self.content_hash[:12]}); {note}restore the file, or search again "
+                             "on the new data.")
+        return DatasetRef.of(data, self.text_field, self.messages_field) if path else self
+
+
+def stored_dataset(spec: dict[str, Any], path: str | None = None, measured: str = "the run was measured on",
+                   note: str = "") -> DatasetRef | None:
+    """The dataset a run's spec names, read again (from `path` where it moved); None for a run searched
+    on random tokens, where a `path` is a usage error."""
+    if not spec.get("dataset"):
+        if path:
+            raise UsageError("--dataset: this run was searched on random tokens; it has no dataset to replace. "
+                             "Search with --dataset to measure on your data.")
+        return None
+    return DatasetRef.from_dict(spec["dataset"]).found(path, measured, note)
+

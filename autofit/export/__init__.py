@@ -23,11 +23,12 @@ SCRIPTS = ("hf-trainer", "trl")
 """Formats that write a Python script (made executable)."""
 
 
-def export_run(run: str | Path, fmt: str) -> Rendered:
-    """The run's winner rendered in `fmt`; a bad format or run folder is a UsageError."""
+def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendered:
+    """The run's winner rendered in `fmt` (on its dataset, from `dataset` where the file moved); a bad
+    format, run folder or dataset is a UsageError."""
     if fmt not in RENDERERS:
         raise UsageError(f"--format: {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
-    return RENDERERS[fmt](load_run(run))
+    return RENDERERS[fmt](load_run(run, dataset))
 
 
 __all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",

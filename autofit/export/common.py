@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from ..data import stored_dataset
 from ..errors import UsageError
 from ..rundir import read_spec
 from ..spec import TrialConfig
@@ -196,12 +197,16 @@ class Rendered:
     """Settings the target cannot express: written as comments and reported on stderr."""
 
 
-def load_run(run: str | Path) -> ExportRun:
+def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
+    """The run's winner; `dataset`: where the run's dataset is now, if it moved (the same content:
+    `DatasetRef.found`), so the recipe names the file that is there. Without it the stored path is
+    written as it is (the file need not be on this machine)."""
     run_dir = Path(run)
     spec = read_spec(run_dir)
     best = read_best(run_dir)
+    ref = stored_dataset(spec, dataset, "the winner was measured on") if dataset else None
     return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir),
-                     spec.get("dataset"))
+                     ref.to_dict() if ref else spec.get("dataset"))
 
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
