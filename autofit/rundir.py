@@ -96,6 +96,8 @@ class ProbeSettings:
     confirm: int = CONFIRM
     train_tokens: int = TRAIN_TOKENS
     """The planned training length: a compiled config's compile seconds are amortised over it."""
+    train_steps: int | None = None
+    """--train-steps: the planned length in optimizer steps instead (each config's own tokens per step)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProbeSettings:

@@ -257,6 +257,7 @@ class Runner:
                  warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
                  max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
                  hold_while_timing: bool = True, train_tokens: int | None = None,
+                 train_steps: int | None = None,
                  dataset: dict[str, Any] | None = None, data_cache: Path | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
@@ -273,6 +274,7 @@ class Runner:
         self.data_cache = str(Path(data_cache).resolve()) if data_cache is not None else None
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self.train_tokens = train_tokens
+        self.train_steps = train_steps
         """The planned training length, stamped on each result (compile time is amortised over it)."""
         self._pool: list[Standby] = []
         self._seq = 0
@@ -460,7 +462,7 @@ class Runner:
 
     def _finish(self, res: ProbeResult, asked: float, log_path: Path, worker: str) -> ProbeResult:
         res.wall_seconds = time.monotonic() - asked
-        res.train_tokens = self.train_tokens
+        res.train_tokens = planned_tokens(TrialConfig.from_dict(res.config), self.train_tokens, self.train_steps)
         res.log_path = str(log_path)
         res.worker = worker
         if not res.device:
@@ -507,3 +509,13 @@ def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:
         lines = [ln for ln in text.splitlines() if "out of memory" in ln.lower() or "OutOfMemory" in ln]
         res.reason = (lines[-1].strip()[:300] if lines else res.reason)
     return res
+
+
+def planned_tokens(cfg: TrialConfig, train_tokens: int | None, train_steps: int | None) -> int | None:
+    """The planned training length in tokens that a compile is amortised over: `train_steps` optimizer
+    steps of this config (its effective batch x max_length tokens each; with a dataset an upper bound),
+    else `train_tokens`."""
+    if train_steps:
+        return train_steps * cfg.effective_batch * cfg.max_length
+    return train_tokens
+

@@ -75,6 +75,8 @@ class SearchSettings:
     guided: bool = True
     """Alternate the sampler's proposals with the most promising untried config."""
     train_tokens: int | None = None
+    train_steps: int | None = None
+    """The planned training length in optimizer steps (replaces train_tokens, per config)."""
     """The planned training length, stamped on each result (compile time amortised over it)."""
     confirm: int = 1
     """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
@@ -197,6 +199,7 @@ class Search:
         return Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
                       warmup_steps=self.s.warmup_steps, timed_steps=self.s.timed_steps,
                       max_probe_accumulation=self.s.max_probe_accumulation, train_tokens=self.s.train_tokens,
+                      train_steps=self.s.train_steps,
                       dataset=self.s.dataset, data_cache=self.s.data_cache)
 
     def _start_worker(self, target: Target) -> threading.Thread:

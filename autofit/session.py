@@ -281,6 +281,7 @@ def search_settings(session: Session, standby: int | None = None) -> SearchSetti
         max_probe_accumulation=probe.max_probe_accumulation,
         standby=standby if standby is not None else (2 if on_gpu else 1),
         local_storage=session.local_storage, confirm=probe.confirm, train_tokens=probe.train_tokens,
+        train_steps=probe.train_steps,
         dataset=spec.dataset.to_dict() if spec.dataset else None, data_cache=RunDir(session.run_dir).data,
         policy=Policy(spec.policy))
 

@@ -6,6 +6,7 @@ with a deliberately wrong kernel injected at the process boundary (`TEST_LOSS_SC
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -224,6 +225,23 @@ def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path)
         main(["search", "--help"])
     assert "default 50,000,000" in " ".join(capsys.readouterr().out.split())
     assert ProbeSettings().train_tokens == 50_000_000
+
+
+def test_train_steps_amortise_over_each_configs_own_tokens_per_step(capsys, tmp_path) -> None:
+    from autofit.cli import build_parser
+    from autofit.cli.common import probe_settings
+    from autofit.runner import planned_tokens
+
+    cfg = TrialConfig(max_length=2048, global_batch=16, micro_batch_size=3)  # 6 x 3 = 18 sequences a step
+    assert planned_tokens(cfg, 50_000_000, None) == 50_000_000
+    assert planned_tokens(cfg, 50_000_000, 1000) == 1000 * 18 * 2048
+    args = build_parser().parse_args(["search", "--model", "tiny-llama", "--train-steps", "1000"])
+    settings = probe_settings(args)
+    assert (settings.train_steps, settings.train_tokens) == (1000, 50_000_000)
+    assert ProbeSettings.from_dict(dataclasses.asdict(settings)) == settings
+    assert main(["search", "--model", "tiny-llama", "--device", "cpu", "--train-steps", "1000", "--train-tokens",
+                 "5000000", "--out", str(tmp_path)]) == 2
+    assert "give one" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 def test_the_gate_reference_runs_stock_attention_on_the_same_weights() -> None:

@@ -102,7 +102,8 @@ def probe_settings(args: argparse.Namespace) -> ProbeSettings:
     return ProbeSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
                          max_probe_accumulation=args.max_probe_accumulation or None,
                          timeout_s=args.probe_timeout, confirm=getattr(args, "confirm", ProbeSettings.confirm),
-                         train_tokens=getattr(args, "train_tokens", ProbeSettings.train_tokens))
+                         train_tokens=getattr(args, "train_tokens", None) or ProbeSettings.train_tokens,
+                         train_steps=getattr(args, "train_steps", None))
 
 
 def check_shared_flags(args: argparse.Namespace) -> None:
@@ -112,8 +113,13 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first step).")
     if getattr(args, "timed_steps", TIMED_STEPS) < TIMED_STEPS:
         problems.append(f"--timed-steps: at least {TIMED_STEPS} timed steps give a median worth reporting.")
-    if getattr(args, "train_tokens", 1) < 1:
+    tokens, steps = getattr(args, "train_tokens", None), getattr(args, "train_steps", None)
+    if tokens is not None and tokens < 1:
         problems.append("--train-tokens: a positive number of tokens (the planned training length).")
+    if steps is not None and steps < 1:
+        problems.append("--train-steps: a positive number of optimizer steps (the planned training length).")
+    if steps is not None and tokens is not None:
+        problems.append("--train-tokens and --train-steps both give the planned training length; give one.")
     if getattr(args, "max_probe_accumulation", 0) < 0:
         problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
     for flag in ("timeout", "probe_timeout"):

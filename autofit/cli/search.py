@@ -195,7 +195,11 @@ def add_parser(sub: Any, fmt: Any) -> None:
                          "called the winner (its tokens/s: the median of the runs); time for one is kept "
                          "in the budget; a best that a repeat leaves unmeasured-again is measured too "
                          f"(default {CONFIRM}; 0: none)")
-    se.add_argument("--train-tokens", type=int, metavar="N", default=TRAIN_TOKENS,
+    se.add_argument("--train-steps", type=int, metavar="N", default=None,
+                    help="the planned training length in optimizer steps instead of tokens: each config's "
+                         "global batch x max_length tokens per step (with --dataset an upper bound: samples "
+                         "are shorter)")
+    se.add_argument("--train-tokens", type=int, metavar="N", default=None,
                     help="tokens the real training run will process: a compiled config's compile time is "
                          "amortised over them when configs are ranked, so a 90 s compile does not win a "
                          f"short job (default {TRAIN_TOKENS:,}: about 8k samples x 2048 tokens x 3 epochs)")
