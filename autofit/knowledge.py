@@ -202,7 +202,7 @@ class Knowledge:
         if self.usable and self.memory.hopeless(cfg, self.usable):
             return Verdict.PREDICTED, (f"predicted peak {format_size(self.memory.predict(cfg))} exceeds the "
                                        f"usable {format_size(self.usable)} by more than the model's error "
-                                       f"({self.memory.margin():.0%})")
+                                       f"({self.memory.margin(cfg):.0%})")
         if self.dominated_in_speed(cfg) is not None:
             return Verdict.SLOWER, "a fit with less recomputation or no quantization differs only there"
         return self._speed_verdict(cfg, best_len)

@@ -179,6 +179,9 @@ class MemoryModel:
     errors: list[float] = field(default_factory=list)
     fit_errors: int = 0
     """How many of `errors` come from measured peaks (the others: out-of-memory lower bounds)."""
+    by_kernels: dict[tuple[bool, bool], list[tuple[float, bool]]] = field(default_factory=dict)
+    """The same samples (error, from a measured peak) per kernel combination (liger, torch_compile):
+    the prior's kernel terms are the least certain, so a combination's own errors set its margin."""
     ratios: list[float] = field(default_factory=list)
 
     def observe(self, cfg: TrialConfig, peak: int, predicted: int | None = None) -> None:
@@ -186,8 +189,7 @@ class MemoryModel:
         self.points.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, peak))
         self.ratios.append(peak / max(prior(cfg, self.shape, self.on_gpu).total(), 1))
         if predicted:
-            self.errors.append(abs(predicted - peak) / peak)
-            self.fit_errors += 1
+            self._sample(cfg, abs(predicted - peak) / peak, fit=True)
 
     def observe_bound(self, cfg: TrialConfig, lower_bound: int, predicted: int | None = None) -> None:
         """Record what an out-of-memory probe proved: its peak is at least `lower_bound`. A prediction
@@ -195,7 +197,12 @@ class MemoryModel:
         consistent with it (an error sample of zero)."""
         self.bounds.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, lower_bound))
         if predicted:
-            self.errors.append(max(lower_bound - predicted, 0) / lower_bound)
+            self._sample(cfg, max(lower_bound - predicted, 0) / lower_bound, fit=False)
+
+    def _sample(self, cfg: TrialConfig, error: float, fit: bool) -> None:
+        self.errors.append(error)
+        self.fit_errors += fit
+        self.by_kernels.setdefault(_kernels(cfg), []).append((error, fit))
 
     def predict(self, cfg: TrialConfig) -> int:
         """The peak: the group's affine fit (two measured peaks), else one peak and the prior's slope,
@@ -227,10 +234,14 @@ class MemoryModel:
         """Measured peaks over the prior's, the median so far (1 before any)."""
         return statistics.median(self.ratios) if self.ratios else 1.0
 
-    def margin(self) -> float:
+    def margin(self, cfg: TrialConfig | None = None) -> float:
         """Relative error to allow before calling a prediction hopeless: 1.5 x the largest of the
         last 8 errors once three samples, one of them a measured peak, checked the model (an
-        out-of-memory bound only shows predictions that were too low), else the prior's 25%."""
+        out-of-memory bound only shows predictions that were too low), else the prior's 25%. For a
+        config, its kernel combination's own samples where they are enough, else the model's."""
+        own = self.by_kernels.get(_kernels(cfg), []) if cfg is not None else []
+        if len(own) >= 3 and any(fit for _, fit in own):
+            return max(0.05, 1.5 * max(e for e, _ in own[-8:]))
         if len(self.errors) < 3 or not self.fit_errors:
             return self.prior_margin
         return max(0.05, 1.5 * max(self.errors[-8:]))
@@ -249,7 +260,7 @@ class MemoryModel:
         been measured the model is unchecked, and nothing is skipped on its word alone."""
         if not self.ratios:
             return False
-        return self.predict(cfg) > usable * (1 + self.margin())
+        return self.predict(cfg) > usable * (1 + self.margin(cfg))
 
     def max_saving(self, oom: TrialConfig, cfg: TrialConfig, reserved_free: int | None = None) -> int | None:
         """The most memory cfg can save against the out-of-memory config `oom`: each of the prior's
@@ -263,9 +274,14 @@ class MemoryModel:
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
-        grow = max(self.scale(), 1.0) * (1 + self.margin())
+        grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
         saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in ("weights", "trainable", "activations", "logits"))
         slack = max(po.allocator - pc.allocator, 0) * grow
         if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
             slack = reserved_free if reserved_free is not None else po.allocator * grow
         return int(saved * grow + slack)
+
+
+def _kernels(cfg: TrialConfig | None) -> tuple[bool, bool]:
+    return (bool(cfg.liger), bool(cfg.torch_compile)) if cfg is not None else (False, False)
+

@@ -66,7 +66,7 @@ def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
     if not know.usable:
         return 1.0
     predicted = know.memory.predict(cfg)
-    z = (know.usable - predicted) / (max(know.memory.margin(), 0.05) * know.usable)
+    z = (know.usable - predicted) / (max(know.memory.margin(cfg), 0.05) * know.usable)
     return 1.0 / (1.0 + math.exp(-3.0 * z))
 
 

@@ -164,3 +164,14 @@ def test_the_policy_flag_is_stored_with_the_run_and_a_bad_one_is_a_usage_error(t
     assert RunSpec.from_dict(old).policy == Policy.EDGE.value
     with pytest.raises(UsageError, match="spec.yaml is not a complete autofit run spec"):
         RunSpec.from_dict({**old, "policy": "nonsense"})
+
+
+def test_a_kernel_combination_with_its_own_evidence_gets_its_own_margin() -> None:
+    m = MemoryModel(SHAPE)
+    stock, liger = cfg(1, "on"), cfg(1, "on", liger=True)
+    for mb in (1, 2, 4):  # the stock prior checked within 2%
+        m.observe(cfg(mb, "on"), int(15 * GIB), predicted=int(15.3 * GIB))
+    assert m.margin(stock) == m.margin(liger) == m.margin() == pytest.approx(0.05)  # Liger: the model's
+    for mb in (1, 2, 4):  # Liger's terms 20% off
+        m.observe(cfg(mb, "on", liger=True), int(10 * GIB), predicted=int(12 * GIB))
+    assert m.margin(liger) == pytest.approx(0.3) and m.margin(stock) == pytest.approx(0.05)
