@@ -6,6 +6,7 @@ from installed metadata, GPUs and driver from NVML, torch's CUDA build from its 
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 from dataclasses import dataclass
@@ -23,6 +24,12 @@ class Gpu:
     memory_bytes: int
     used_bytes: int
     other_processes: int
+
+
+def cache_dir() -> Path:
+    """autofit's cache (random-weight presets, the exporters' field names): $AUTOFIT_CACHE, else
+    ~/.cache/autofit."""
+    return Path(os.environ.get("AUTOFIT_CACHE") or Path.home() / ".cache" / "autofit")
 
 
 def package_versions() -> dict[str, str]:

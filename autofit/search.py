@@ -440,7 +440,7 @@ class Search:
         while True:
             pick = know.to_confirm(len(repeated), self.s.confirm)
             if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
-                return
+                break
             t, r, must = pick
             cfg = TrialConfig.from_dict(r.config)
             left = self.deadline - self.clock()
@@ -449,7 +449,8 @@ class Search:
                 if must:
                     self._finish_note(f"the best fit was measured once: measuring it again needs about "
                                       f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
-                return
+                    return
+                break
             res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
                              timeout=min(self.s.probe_timeout_s, left), checks=know.checks(cfg))
             repeated.add(t.number)
@@ -458,6 +459,9 @@ class Search:
             merged = next(m for u, m in know.probes if u.number == t.number)
             self._event(t.number, target, cfg, EventKind.AGAIN, merged, t.user_attrs.get("predicted_peak"),
                         know.best())
+        best = know.best()
+        if best is not None and len(best.measurements) < 2:  # its repeat failed (a timeout at the budget's end)
+            self._finish_note("the best fit was measured once: its repeat did not finish as a fit")
 
     # ----------------------------------------------------------------------- stopping and progress
 

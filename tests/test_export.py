@@ -106,10 +106,36 @@ def test_what_a_target_cannot_express_is_a_comment_and_a_warning(tiny_run: Path,
 
 
 def test_a_renamed_field_fails_at_export() -> None:
-    from transformers import TrainingArguments
+    from autofit.export.fields import installed_fields
 
     with pytest.raises(UsageError, match="no field.*gradient_checkpointing_every"):
-        check_fields(TrainingArguments, {"learning_rate", "gradient_checkpointing_every"}, "TrainingArguments")
+        check_fields(installed_fields()["TrainingArguments"], {"learning_rate", "gradient_checkpointing_every"},
+                     "TrainingArguments")
+
+
+def test_the_installed_field_names_are_cached_by_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import peft
+    import trl
+    from transformers import TrainingArguments
+
+    from autofit.export import fields
+
+    monkeypatch.setenv("AUTOFIT_CACHE", str(tmp_path))
+    first = fields.installed_fields()
+    assert first["TrainingArguments"] == set(fields.names_of(TrainingArguments))
+    assert first["LoraConfig"] == set(fields.names_of(peft.LoraConfig)) and "r" in first["LoraConfig"]
+    assert first["SFTConfig"] == set(fields.names_of(trl.SFTConfig)) and "packing" in first["SFTConfig"]
+    (cached,) = tmp_path.glob("fields-*.json")
+    doc = json.loads(cached.read_text())
+    assert doc["versions"] == fields.versions() and doc["versions"]["transformers"]
+    doc["fields"]["LoraConfig"] = ["only_this"]  # what the cache says is what an export checks against
+    cached.write_text(json.dumps(doc))
+    assert fields.installed_fields()["LoraConfig"] == {"only_this"}
+    doc["versions"]["peft"] = "0.0.1"  # another version's names are never used: read afresh
+    cached.write_text(json.dumps(doc))
+    assert fields.installed_fields()["LoraConfig"] == first["LoraConfig"]
 
 
 def test_bad_export_input_exits_2(tmp_path: Path) -> None:

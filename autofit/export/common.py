@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -221,12 +219,9 @@ def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
         raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
 
 
-def check_fields(cls: Any, keys: list[str] | set[str], what: str) -> None:
-    """Fail at export, not at training time, when an installed library renamed an argument."""
-    if dataclasses.is_dataclass(cls):
-        names = {f.name for f in dataclasses.fields(cls)}
-    else:
-        names = set(inspect.signature(cls.__init__).parameters)
+def check_fields(names: set[str], keys: list[str] | set[str] | dict[str, Any], what: str) -> None:
+    """Fail at export, not at training time, when an installed library renamed an argument
+    (`names`: the installed argument names, `fields.installed_fields()`)."""
     missing = sorted(set(keys) - names)
     if missing:
         raise UsageError(f"export: the installed {what} has no field(s) {', '.join(missing)}; "

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .common import ExportRun, Rendered, check_fields, quiet_bitsandbytes
+from .common import ExportRun, Rendered, check_fields
 from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
+from .fields import installed_fields, versions
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 MAIN = '''
@@ -21,17 +22,12 @@ def main():
 
 
 def render(r: ExportRun) -> Rendered:
-    quiet_bitsandbytes()
-    # Deferred: transformers and peft import torch (seconds); only this check needs them.
-    import peft
-    import transformers
-
-    names = checked_names(r)
-    check_fields(transformers.TrainingArguments, names["training"], f"transformers {transformers.__version__} "
-                 "TrainingArguments")
-    check_fields(peft.LoraConfig, names["lora"], f"peft {peft.__version__} LoraConfig")
-    check_fields(transformers.BitsAndBytesConfig, names["quant"], "transformers BitsAndBytesConfig")
-    check_fields(peft.prepare_model_for_kbit_training, names["kbit"], "peft prepare_model_for_kbit_training")
+    names, have, v = checked_names(r), installed_fields(), versions()
+    check_fields(have["TrainingArguments"], names["training"], f"transformers {v['transformers']} TrainingArguments")
+    check_fields(have["LoraConfig"], names["lora"], f"peft {v['peft']} LoraConfig")
+    check_fields(have["BitsAndBytesConfig"], names["quant"], f"transformers {v['transformers']} BitsAndBytesConfig")
+    check_fields(have["prepare_model_for_kbit_training"], names["kbit"],
+                 f"peft {v['peft']} prepare_model_for_kbit_training")
     if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
         cfg = r.config
         return Rendered(data_header(header(r, "train.py"), cfg.batching) + settings(r)

@@ -7,8 +7,9 @@ packing off, packing strategy `bfd` which needs FlashAttention): every setting i
 from __future__ import annotations
 
 from ..errors import UsageError
-from .common import ExportRun, Rendered, check_fields, comment_block, quiet_bitsandbytes
+from .common import ExportRun, Rendered, check_fields, comment_block
 from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
+from .fields import installed_fields, trl_installed, versions
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
@@ -39,23 +40,20 @@ def main():
 
 
 def render(r: ExportRun) -> Rendered:
-    quiet_bitsandbytes()
-    try:  # deferred: TRL imports torch (seconds) and is optional; only this check needs it
-        import trl
-    except ImportError:
+    if not trl_installed():
         raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
-                         "trl`) and export again.") from None
-    names = checked_names(r)
-    check_fields(trl.SFTConfig, set(names["training"]) | TRL_ARGS, f"trl {trl.__version__} SFTConfig")
+                         "trl`) and export again.")
+    names, sft, version = checked_names(r), installed_fields()["SFTConfig"], versions()["trl"]
+    check_fields(sft, set(names["training"]) | TRL_ARGS, f"trl {version} SFTConfig")
     notes = []
     if r.config.liger:
-        notes.append(f"liger=on: trl {trl.__version__} SFTTrainer applies Liger's layer kernels only "
+        notes.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only "
                      "(use_liger_kernel is deprecated there) and its own fused LM head instead of Liger's "
                      "fused cross-entropy: speed and peak differ from the probe's Trainer run")
     if r.dataset is not None:  # searched with --dataset: the measured batching in SFTConfig's terms
         cfg = r.config
         trl_args, differs = trl_batching(cfg.batching, cfg.micro_batch_size, cfg.max_length)
-        check_fields(trl.SFTConfig, set(trl_args), f"trl {trl.__version__} SFTConfig")
+        check_fields(sft, set(trl_args), f"trl {version} SFTConfig")
         comment = comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs]) + "\n" if differs else ""
         return Rendered(data_header(header(r, "train_trl.py"), cfg.batching) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)

@@ -8,12 +8,13 @@ import tempfile
 from typing import Any
 
 from .. import recipe
+from ..envinfo import cache_dir
 from ..models import ModelSource
 from ..spec import TrialConfig
 
 
 def _cache_dir() -> str:
-    return os.environ.get("AUTOFIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "autofit")
+    return str(cache_dir())
 
 
 def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:

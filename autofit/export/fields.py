@@ -1,0 +1,91 @@
+"""The argument names of the installed libraries that a recipe writes (TrainingArguments, LoraConfig,
+BitsAndBytesConfig, prepare_model_for_kbit_training, SFTConfig), so an export fails when a library
+renamed one, not the training run an hour later.
+
+Reading them imports transformers, peft and TRL (seconds, most of an export's time), so they are
+cached by the libraries' installed versions (`envinfo.cache_dir()/fields-<versions>.json`): a new
+version of any of them is read afresh. A cache that cannot be written is only slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+from ..envinfo import cache_dir
+from .common import quiet_bitsandbytes
+
+LIBRARIES = ("transformers", "peft", "trl", "accelerate")
+"""Their versions key the cache (accelerate: TrainingArguments' fields depend on it too)."""
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for lib in LIBRARIES:
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            out[lib] = None
+    return out
+
+
+def trl_installed() -> bool:
+    return util.find_spec("trl") is not None
+
+
+def names_of(obj: Any) -> list[str]:
+    """A dataclass's fields, or a callable's parameters."""
+    if dataclasses.is_dataclass(obj):
+        return sorted(f.name for f in dataclasses.fields(obj))
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    return sorted(inspect.signature(target).parameters)
+
+
+def _read_installed() -> dict[str, list[str]]:
+    quiet_bitsandbytes()
+    # Deferred: transformers and peft import torch (seconds); only a cache miss needs them.
+    import peft
+    import transformers
+
+    out = {"TrainingArguments": names_of(transformers.TrainingArguments),
+           "BitsAndBytesConfig": names_of(transformers.BitsAndBytesConfig),
+           "LoraConfig": names_of(peft.LoraConfig),
+           "prepare_model_for_kbit_training": names_of(peft.prepare_model_for_kbit_training)}
+    if trl_installed():
+        import trl
+
+        out["SFTConfig"] = names_of(trl.SFTConfig)
+    return out
+
+
+def _cache_file(v: dict[str, str | None]) -> Path:
+    digest = hashlib.sha1(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"fields-{digest}.json"
+
+
+def installed_fields() -> dict[str, set[str]]:
+    """Argument names by class or function, for the installed versions (cached)."""
+    v = versions()
+    path = _cache_file(v)
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("versions") == v:
+            return {k: set(n) for k, n in doc["fields"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    fields = _read_installed()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"versions": v, "fields": fields}, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # not cached: the next export reads them again
+    return {k: set(n) for k, n in fields.items()}
