@@ -76,11 +76,7 @@ class Knowledge:
         k.probes = probe_results(trials, repeats, superseded)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
-            cfg, predicted = TrialConfig.from_dict(res.config), t.user_attrs.get("predicted_peak")
-            if res.tokens_per_s is not None and res.peak_memory_bytes:  # ran to the end: a measured peak
-                k.memory.observe(cfg, res.peak_memory_bytes, predicted)
-            elif res.outcome.is_memory() and (bound := res.peak_lower_bound()):
-                k.memory.observe_bound(cfg, bound, predicted)
+            k.memory.learn(res, t.user_attrs.get("predicted_peak"))
             k.learn_checks(t.number, res)
         return k
 
@@ -248,14 +244,16 @@ class Knowledge:
         timed = [r for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
         if not timed:
             return None
-        same = [r for r in timed if _cost_class(r.config) == _cost_class(cfg.to_dict())] or timed
+        mine = _cost_class(cfg.to_dict())
+
+        def same_class(results: list[ProbeResult]) -> list[ProbeResult]:
+            return [r for r in results if _cost_class(r.config) == mine] or results
+
         rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
-                for r in same]
+                for r in same_class(timed)]
         per_token = max(w / t for w, t in rows)
-        later = [r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds]
-        overheads = [r.wall_seconds - r.train_seconds for r in later
-                     if _cost_class(r.config) == _cost_class(cfg.to_dict())] or \
-                    [r.wall_seconds - r.train_seconds for r in later]
+        later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
+        overheads = [r.wall_seconds - r.train_seconds for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
         return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
 

@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .result import ProbeResult
 from .spec import TrialConfig
 
 GIB = 2**30
@@ -199,6 +200,15 @@ class MemoryModel:
         if predicted:
             self._sample(cfg, max(lower_bound - predicted, 0) / lower_bound, fit=False)
 
+    def learn(self, res: ProbeResult, predicted: int | None = None) -> None:
+        """What a probe shows about memory: its measured peak (it ran to the end, also one judged over
+        the headroom), or a lower bound (it ran out of memory)."""
+        cfg = TrialConfig.from_dict(res.config)
+        if res.tokens_per_s is not None and res.peak_memory_bytes:
+            self.observe(cfg, res.peak_memory_bytes, predicted)
+        elif res.outcome.is_memory() and (bound := res.peak_lower_bound()):
+            self.observe_bound(cfg, bound, predicted)
+
     def _sample(self, cfg: TrialConfig, error: float, fit: bool) -> None:
         self.errors.append(error)
         self.fit_errors += fit
@@ -242,14 +252,18 @@ class MemoryModel:
         own = self.by_kernels.get(_kernels(cfg), []) if cfg is not None else []
         if len(own) >= 3 and any(fit for _, fit in own):
             return max(0.05, 1.5 * max(e for e, _ in own[-8:]))
-        if len(self.errors) < 3 or not self.fit_errors:
+        if not self.checked():
             return self.prior_margin
         return max(0.05, 1.5 * max(self.errors[-8:]))
+
+    def checked(self) -> bool:
+        """Three error samples, one of them a measured peak: the model's own error is known."""
+        return len(self.errors) >= 3 and self.fit_errors > 0
 
     def describe(self) -> str:
         """The margin and its evidence, for a person."""
         bounds = len(self.errors) - self.fit_errors
-        if len(self.errors) < 3 or not self.fit_errors:
+        if not self.checked():
             return (f"memory model margin {self.margin():.0%} (the prior's: {self.fit_errors} measured "
                     f"peak(s), {bounds} out-of-memory bound(s) checked so far)")
         return (f"memory model margin {self.margin():.0%} from {self.fit_errors} measured peak(s) and "

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .memory import Shape, prior
+from .memory import MemoryModel, Shape, prior
 from .objective import best_of, best_per_length, ranked_fits
 from .protocol import HEADROOM, usable_bytes
 from .result import Outcome, ProbeResult
@@ -237,7 +237,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     lines += _memory_section(spec, results, best)
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", ""]
-    lines += prediction_errors(rows, results)
+    lines += prediction_errors(spec, rows, results)
     lines += _all_probes(rows, results)
     return "\n".join(lines) + "\n"
 
@@ -362,9 +362,13 @@ def kernel_label(cfg: dict[str, Any]) -> str:
             f", attn={cfg.get('attn_implementation', 'sdpa')}")
 
 
-def prediction_errors(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
+def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
     """The memory model's error on the probes that ran to the end, one row per kernel combination
-    (the fused loss and compile change the peak in ways the prior only estimates)."""
+    (the fused loss and compile change the peak in ways the prior only estimates), and the margin it
+    ended the search with (fits and out-of-memory bounds learned in the search's order)."""
+    model = MemoryModel(Shape.from_config(spec["model"]["config"]), on_gpu=spec["targets"][0]["device"] == "cuda")
+    for row, r in zip(rows, results, strict=True):
+        model.learn(r, row.get("predicted_peak"))
     by: dict[str, list[float]] = {}
     for row, r in zip(rows, results, strict=True):
         if r.tokens_per_s and r.peak_memory_bytes and row.get("predicted_peak"):
@@ -375,7 +379,7 @@ def prediction_errors(rows: list[dict[str, Any]], results: list[ProbeResult]) ->
     lines = ["## Memory prediction error by kernels", "", "| kernels | median | max | probes |", "|---|---|---|---|"]
     for label, errs in sorted(by.items()):
         lines.append(f"| {label} | {statistics.median(errs):.0%} | {max(errs):.0%} | {len(errs)} |")
-    return [*lines, ""]
+    return [*lines, "", f"At the end of the search: {model.describe()}.", ""]
 
 
 def _all_probes(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:

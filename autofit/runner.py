@@ -274,8 +274,9 @@ class Runner:
         self.data_cache = str(Path(data_cache).resolve()) if data_cache is not None else None
         """False only to measure what the hold removes (bench/noise_bench.py): imports run on."""
         self.train_tokens = train_tokens
-        self.train_steps = train_steps
         """The planned training length, stamped on each result (compile time is amortised over it)."""
+        self.train_steps = train_steps
+        """The same in optimizer steps, when given instead (`planned_tokens`)."""
         self._pool: list[Standby] = []
         self._seq = 0
         self._ours_killed: set[int] = set()
@@ -518,4 +519,3 @@ def planned_tokens(cfg: TrialConfig, train_tokens: int | None, train_steps: int 
     if train_steps:
         return train_steps * cfg.effective_batch * cfg.max_length
     return train_tokens
-

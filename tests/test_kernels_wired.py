@@ -22,7 +22,7 @@ from autofit.errors import UsageError
 from autofit.export import export_run
 from autofit.knowledge import Knowledge, Verdict
 from autofit.memory import Shape, group_key, prior
-from autofit.models import resolve_model
+from autofit.models import PRESETS, resolve_model
 from autofit.objective import best_of, speed
 from autofit.probe.errors import Unsupported
 from autofit.probe.gate import TEST_LOSS_SCALE_ENV
@@ -176,9 +176,13 @@ def test_the_report_gives_the_prediction_error_per_kernel_combination() -> None:
         return {"predicted_peak": predicted}, r
 
     pairs = [row(100, 110), row(100, 90), row(100, 150, liger=True)]
-    lines = prediction_errors([p[0] for p in pairs], [p[1] for p in pairs])
+    spec = {"model": {"config": PRESETS["tiny-llama"]}, "targets": [{"device": "cuda"}]}
+    lines = prediction_errors(spec, [p[0] for p in pairs], [p[1] for p in pairs])
     assert "| liger=off, torch_compile=off, attn=sdpa | 10% | 10% | 2 |" in lines
     assert "| liger=on, torch_compile=off, attn=sdpa | 50% | 50% | 1 |" in lines
+    # three measured peaks checked the model: its margin is 1.5 x the largest error, and it is said
+    assert lines[-2] == ("At the end of the search: memory model margin 75% from 3 measured peak(s) and "
+                         "0 out-of-memory bound(s).")
 
 
 # ----------------------------------------------------------------------------- export
