@@ -50,8 +50,7 @@ def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float) -> float
 
 def differences(a: TrialConfig, b: TrialConfig) -> int:
     """How many keys two configs differ in (the fewer, the better one predicts the other)."""
-    da, db = a.to_dict(), b.to_dict()
-    return sum(1 for k in da if da[k] != db.get(k) and k not in ("gradient_accumulation_steps", "effective_batch"))
+    return len(a.differing_keys(b))
 
 
 def uncertainty(n_differences: int) -> float:

@@ -282,9 +282,7 @@ class MemoryModel:
         and by the model's margin; turning expandable_segments on gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
         model (attention kernel, batching, dropout): then nothing is known."""
-        a, b = oom.to_dict(), cfg.to_dict()
-        changed = {k for k in a if k in b and a[k] != b[k]} - NO_MEMORY - {
-            "gradient_accumulation_steps", "effective_batch"}
+        changed = oom.differing_keys(cfg) - NO_MEMORY
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)

@@ -56,10 +56,6 @@ class Score:
     seconds: float | None
     value: float
 
-    def why(self) -> str:
-        cost = f", ~{self.seconds:.0f} s" if self.seconds else ""
-        return f"P(fit) {self.p_fit:.2f}, expected {self.speed:,.0f} tokens/s (+{self.gain:,.0f}){cost}"
-
 
 def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
     """How likely cfg's peak is under the usable memory, by the memory model and its margin."""
@@ -70,16 +66,19 @@ def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
     return 1.0 / (1.0 + math.exp(-3.0 * z))
 
 
-def expected_speed(know: Knowledge, cfg: TrialConfig) -> tuple[float, float]:
+def measured(know: Knowledge) -> list[tuple[TrialConfig, float]]:
+    """The fits' configs and tokens/s (the objective's speed), the references of `expected_speed`."""
+    return [(TrialConfig.from_dict(r.config), speed(r)) for r in know.fits() if r.tokens_per_s]
+
+
+def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig) -> tuple[float, float]:
     """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone."""
-    fits = [r for r in know.fits() if r.tokens_per_s]
     if not fits:
         mu = effects.factor(cfg)
         return mu, mu * 0.3
-    ref = min(fits, key=lambda r: (effects.differences(cfg, TrialConfig.from_dict(r.config)), -speed(r)))
-    ref_cfg = TrialConfig.from_dict(ref.config)
-    mu = effects.estimate(cfg, ref_cfg, speed(ref))
-    return mu, mu * effects.uncertainty(effects.differences(cfg, ref_cfg))
+    n, ref, tps = min(((effects.differences(cfg, f), f, t) for f, t in fits), key=lambda x: (x[0], -x[2]))
+    mu = effects.estimate(cfg, ref, tps)
+    return mu, mu * effects.uncertainty(n)
 
 
 def expected_improvement(mu: float, sigma: float, best: float) -> float:
@@ -100,11 +99,12 @@ def cost_weight(typical_seconds: float | None, left: float) -> float:
     return min(1.0, 4.0 * typical_seconds / left)
 
 
-def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: float) -> Score:
+def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: float,
+          fits: list[tuple[TrialConfig, float]], best: float | None) -> Score:
+    """`fits` (`measured`) and `best` (the best fit's speed) are the study's, the same for every candidate."""
     p = fit_probability(know, cfg)
-    mu, sigma = expected_speed(know, cfg)
-    best = know.best()
-    gain = expected_improvement(mu, sigma, speed(best)) if best is not None else mu
+    mu, sigma = expected_speed(fits, cfg)
+    gain = expected_improvement(mu, sigma, best) if best is not None else mu
     value = p * gain / max(seconds or 1.0, 1.0) ** weight
     return Score(cfg, p, mu, gain, seconds, value)
 
@@ -117,7 +117,9 @@ def edge_chooser(know: Knowledge, estimate: Callable[[TrialConfig], float | None
         seconds = {c.key(): estimate(c) for c in timely}
         known = [s for s in seconds.values() if s]
         weight = cost_weight(statistics.median(known) if known else None, left)
-        scores = [score(know, c, seconds[c.key()], weight) for c in timely]
+        fits, best = measured(know), know.best()
+        best_speed = speed(best) if best is not None else None
+        scores = [score(know, c, seconds[c.key()], weight, fits, best_speed) for c in timely]
         return max(scores, key=lambda s: (s.value, s.p_fit, s.speed)).cfg
 
     return choose

@@ -192,6 +192,10 @@ class TrialConfig:
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.max_length
 
+    def differing_keys(self, other: TrialConfig) -> set[str]:
+        """The keys (not the derived figures) in which two configs differ."""
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
