@@ -70,9 +70,7 @@ class Landscape:
         return ModelSource.from_dict(self.model)
 
     def search_space(self) -> Space:
-        d = self.space
-        return Space(d["name"], dict(d.get("fixed") or {}), dict(d.get("dimensions") or {}),
-                     d.get("source", ""), bool(d.get("divisors_only", False)))
+        return Space.from_dict(self.space)
 
     def target(self) -> Target:
         """A GPU target with the scenario's limit, so the memory model uses GPU terms."""

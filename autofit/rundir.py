@@ -211,9 +211,7 @@ def local_storage(run_dir: Path, storage: str) -> str:
 
 
 def space_of(spec: dict[str, Any]) -> Space:
-    s = spec["space"]
-    space = Space(s["name"], dict(s["fixed"]), {k: list(v) for k, v in s["dimensions"].items()},
-                  s.get("source", ""), bool(s.get("divisors_only", False)))
+    space = Space.from_dict(spec["space"])
     validate(space)
     return space
 

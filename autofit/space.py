@@ -85,6 +85,12 @@ class Space:
         return {"name": self.name, "source": self.source, "fixed": self.fixed,
                 "dimensions": self.dimensions, "divisors_only": self.divisors_only}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Space:
+        """The inverse of `to_dict` (not validated: `validate` says what is wrong)."""
+        return cls(d["name"], dict(d["fixed"]), {k: list(v) for k, v in d["dimensions"].items()},
+                   d.get("source", ""), bool(d.get("divisors_only", False)))
+
     def replaced(self, **dims: list[Any]) -> Space:
         """The space with some dimensions replaced (--max-length, --global-batch)."""
         fixed, dimensions = dict(self.fixed), dict(self.dimensions)

@@ -18,6 +18,7 @@ any other point is out of memory at 24 GiB:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -40,7 +41,7 @@ GRID_ONLY = ("key", "peak_gib", "config")
 def full_results(grid: dict[str, Any]) -> tuple[Space, dict[str, ProbeResult]]:
     """The grid's space and every point as a ProbeResult with its full config."""
     d = grid["space"]
-    space = Space(d["name"], d["fixed"], d["dimensions"], "bench/spaces/s1-grid.yaml", d.get("divisors_only", False))
+    space = dataclasses.replace(Space.from_dict(d), source="bench/spaces/s1-grid.yaml")
     configs = {c.key(): c for c in space.candidates()}
     out = {}
     for pt in grid["points"]:
