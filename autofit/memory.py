@@ -281,10 +281,13 @@ class MemoryModel:
         terms that cfg shrinks, at its full size, scaled by how far measured peaks exceed the prior
         and by the model's margin; turning expandable_segments on gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
-        model (attention kernel, batching, dropout): then nothing is known."""
+        model (attention kernel, batching, dropout), or in length under eager attention: then nothing
+        is known."""
         changed = oom.differing_keys(cfg) - NO_MEMORY
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
+        if "max_length" in changed and "eager" in (oom.attn_implementation, cfg.attn_implementation):
+            return None  # eager attention's scores grow with length squared: a term the prior lacks
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
         grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
         saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in ("weights", "trainable", "activations", "logits"))

@@ -90,6 +90,16 @@ def test_a_change_that_could_save_enough_is_still_probed() -> None:
         assert k.verdict(variant)[0] is not Verdict.DOMINATED, variant.key()
 
 
+def test_a_shorter_length_under_eager_attention_is_never_pruned_by_the_prior() -> None:
+    eager = {"attn_implementation": "eager"}
+    k = know(fit(cfg(1, "on", **eager), 6800, 15.2), oom(cfg(2, "off", **eager)))
+    # twice the micro-batch at half the length: the same tokens, but a quarter of the attention scores
+    shorter = cfg(4, "off", max_length=1024, **eager)
+    assert k.memory.max_saving(cfg(2, "off", **eager), shorter) is None
+    assert k.verdict(shorter)[0] is not Verdict.DOMINATED
+    assert k.verdict(cfg(4, "off", **eager))[0] is Verdict.DOMINATED  # same length, more tokens: proved
+
+
 def test_a_near_miss_in_the_headroom_is_a_memory_point_and_bounds_its_variants() -> None:
     near = fit(cfg(3, "every_2"), 11000, 23.17)
     near.outcome, near.memory_limit_bytes, near.headroom_bytes = Outcome.OOM, LIMIT, LIMIT - USABLE
