@@ -154,14 +154,3 @@ def oom_figures(text: str) -> OomFigures:
     return OomFigures(request=_find(_TRIED, msg), free=_find(_FREE, msg), in_use=_find(_IN_USE, msg),
                       allowed=_find(_ALLOWED, msg), allocated=_find(_ALLOCATED, msg),
                       reserved_unallocated=_find(_UNALLOCATED, msg))
-
-
-def oom_shortfall(text: str) -> int | None:
-    """From torch's allocator message: bytes asked for beyond what was free (`OomFigures.shortfall`).
-
-    "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 39.4 GiB of which 1.5 GiB is
-    free" gives 0.5 GiB. Under a per-process cap ("23.40 GiB allowed;") the room is what was
-    left of the cap; where the device had more room than was asked for, the request itself is
-    the best bound we have.
-    """
-    return oom_figures(text).shortfall

@@ -15,25 +15,20 @@ import inspect
 import json
 import os
 import tempfile
-from importlib import metadata, util
+from importlib import util
 from pathlib import Path
 from typing import Any
 
-from ..envinfo import cache_dir
+from ..envinfo import cache_dir, package_versions
 from .common import quiet_bitsandbytes
 
 LIBRARIES = ("transformers", "peft", "trl", "accelerate")
 """Their versions key the cache (accelerate: TrainingArguments' fields depend on it too)."""
 
 
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for lib in LIBRARIES:
-        try:
-            out[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            out[lib] = None
-    return out
+def versions() -> dict[str, str]:
+    installed = package_versions()
+    return {lib: installed[lib] for lib in LIBRARIES}
 
 
 def trl_installed() -> bool:
@@ -65,7 +60,7 @@ def _read_installed() -> dict[str, list[str]]:
     return out
 
 
-def _cache_file(v: dict[str, str | None]) -> Path:
+def _cache_file(v: dict[str, str]) -> Path:
     digest = hashlib.sha1(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / f"fields-{digest}.json"
 
