@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import kernels
+from . import distributed, kernels
 from .spec import TrialConfig
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -55,7 +55,8 @@ def training_arguments(
         "tf32": False,
     }
     args.update(kernels.training_arguments(cfg))  # use_liger_kernel, torch_compile (+ backend)
-    if every > 0:
+    args.update(distributed.training_arguments(cfg))  # fsdp / fsdp_config or deepspeed
+    if every > 0 and args["activation_checkpointing"]:
         args["activation_checkpointing_kwargs"] = {
             "use_reentrant": False,  # needed for every_n_layers and with frozen inputs
             "every_n_layers": every,  # 1 = every decoder layer

@@ -37,6 +37,15 @@ OPTIMIZERS = (
     "lion_8bit",
     "paged_lion_8bit",
 )
+ENGINES = ("none", "fsdp2", "zero2", "zero3")
+"""How a probe spanning several GPUs (`gpus`) splits the work: none (plain data parallel, DDP, one
+whole replica per GPU), fsdp2 (PyTorch FSDP2 through Trainer's fsdp_config), zero2 / zero3
+(DeepSpeed ZeRO stage 2 / 3 through a generated DeepSpeed JSON, where deepspeed is installed)."""
+CPU_OFFLOADS = ("off", "optimizer", "all")
+"""What the engine keeps in host memory: the optimizer state (ZeRO), or parameters, gradients and
+optimizer state (FSDP2's CPUOffloadPolicy, ZeRO-3's offload_param)."""
+OFFLOADS_BY_ENGINE = {"none": ("off",), "fsdp2": ("off", "all"), "zero2": ("off", "optimizer"),
+                      "zero3": ("off", "optimizer", "all")}
 _CKPT_RE = re.compile(r"^(off|on|every_([1-9][0-9]*))(\+offload)?$")
 
 
@@ -131,9 +140,14 @@ class TrialConfig:
     lora_targets: str = "q_proj,v_proj"
     lora_dropout: str = "0.0"
     batching: str = "pad_max"
+    gpus: int = 1
+    engine: str = "none"
+    reshard_after_forward: bool = True
+    cpu_offload: str = "off"
 
     def __post_init__(self) -> None:
         problems = [p for k in KEYS.values() if (p := k.problem(getattr(self, k.name)))]
+        problems += self._engine_problems() if not problems else []
         if self.quantization != "none" and self.method == "full":
             problems.append(
                 f"quantization={self.quantization} needs method=lora: a quantized base cannot be "
@@ -141,6 +155,22 @@ class TrialConfig:
             )
         if problems:
             raise UsageError(problems)
+
+    def _engine_problems(self) -> list[str]:
+        """The distributed settings' rules (each combination the engines cannot run)."""
+        out = []
+        if self.cpu_offload not in OFFLOADS_BY_ENGINE[self.engine]:
+            out.append(f"cpu_offload={self.cpu_offload} is not available with engine={self.engine} (it allows "
+                       f"{', '.join(OFFLOADS_BY_ENGINE[self.engine])})")
+        if not self.reshard_after_forward and self.engine != "fsdp2":
+            out.append("reshard_after_forward=off is an FSDP2 setting; it needs engine=fsdp2")
+        if self.engine == "fsdp2" and self.gradient_checkpointing not in ("off", "on"):
+            out.append(f"gradient_checkpointing={self.gradient_checkpointing} with engine=fsdp2: FSDP's own "
+                       "activation_checkpointing wraps every layer; use off or on")
+        if self.engine != "none" and self.quantization != "none":
+            out.append(f"quantization={self.quantization} with engine={self.engine}: a quantized base is not "
+                       "sharded by autofit; use engine=none (plain data parallel) or quantization=none")
+        return out
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "--set") -> TrialConfig:
@@ -173,11 +203,17 @@ class TrialConfig:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        return math.ceil(self.global_batch / self.micro_batch_size)
+        """Micro-steps per optimizer step on each GPU: the global batch is kept across the `gpus` ranks."""
+        return math.ceil(self.global_batch / (self.micro_batch_size * self.gpus))
 
     @property
     def effective_batch(self) -> int:
-        """Sequences per optimizer step actually trained (>= global_batch)."""
+        """Sequences per optimizer step actually trained, over every rank (>= global_batch)."""
+        return self.gradient_accumulation_steps * self.micro_batch_size * self.gpus
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences per optimizer step on one rank (its share of `effective_batch`)."""
         return self.gradient_accumulation_steps * self.micro_batch_size
 
     @property
@@ -265,10 +301,20 @@ KEYS: dict[str, Key] = {
         Key("batching", str, "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped "
             "by length), padding_free (a token budget of micro_batch_size x max_length) or packed (best-fit "
             "decreasing rows, boundaries kept)", BATCHINGS),
+        Key("gpus", int, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes "
+            "with the gloo backend); the global batch is kept: accumulation = ceil(global_batch / "
+            "(micro_batch_size x gpus))", check=_positive, expected="an integer >= 1"),
+        Key("engine", str, "with gpus > 1: none (plain data parallel), fsdp2 (Trainer fsdp_config, "
+            "fsdp_version 2), zero2 or zero3 (DeepSpeed ZeRO, where deepspeed is installed)", ENGINES),
+        Key("reshard_after_forward", bool, "engine=fsdp2: free each layer's gathered parameters after its "
+            "forward (off: keep them to the backward, more memory, fewer all-gathers)"),
+        Key("cpu_offload", str, "engine state in host memory: off, optimizer (ZeRO) or all (parameters, "
+            "gradients and optimizer: FSDP2's CPUOffloadPolicy, ZeRO-3 offload_param)", CPU_OFFLOADS),
     ]
 }
 
-LATE_KEYS = frozenset({"liger", "torch_compile", "batching"})
+LATE_KEYS = frozenset({"liger", "torch_compile", "batching", "gpus", "engine", "reshard_after_forward",
+                       "cpu_offload"})
 """Keys added after studies were stored: `TrialConfig.key()` omits them at their default."""
 
 

@@ -1,0 +1,102 @@
+"""Probes spanning several GPUs: the engines' settings as plain data, and what a machine can run.
+
+A config with `gpus` > 1 is one probe launched with torchrun: every rank trains its share of the
+global batch (accumulation = ceil(global_batch / (micro_batch_size x gpus))), memory is the largest
+rank's peak and tokens/s the whole group's. `engine` says how the ranks split the model:
+
+- `none`: plain data parallel (Trainer's DDP): every rank holds the whole model;
+- `fsdp2`: PyTorch FSDP2 through Trainer's `fsdp` / `fsdp_config` (transformers 5.x builds accelerate's
+  FSDP plugin from it): parameters, gradients and optimizer state sharded over the ranks, each decoder
+  layer (the model's `_no_split_modules`) a unit; `reshard_after_forward`, `cpu_offload` and FSDP's own
+  `activation_checkpointing` (instead of Trainer's, which would all-gather twice);
+- `zero2` / `zero3`: DeepSpeed ZeRO stage 2 (gradients and optimizer sharded) or 3 (parameters too)
+  through a generated DeepSpeed JSON (`deepspeed_config`), where deepspeed is installed.
+
+No torch import here: the exporters and the search read these dicts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from .spec import TrialConfig
+
+GLOO_NOTE = ("on --device cpu the ranks are processes with the gloo backend (tests; nothing to shard "
+             "device memory for)")
+
+
+def training_arguments(cfg: TrialConfig) -> dict[str, Any]:
+    """TrainingArguments keys (transformers 5.24) for the engine; empty for one rank without an engine."""
+    if cfg.engine == "fsdp2":
+        return {
+            "fsdp": True,
+            "fsdp_config": {
+                "version": 2,
+                "reshard_after_forward": cfg.reshard_after_forward,
+                "cpu_offload": cfg.cpu_offload == "all",
+                "activation_checkpointing": cfg.checkpoint_every > 0,
+                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's _no_split_modules: decoder layers
+                "state_dict_type": "FULL_STATE_DICT",
+            },
+            # FSDP's activation_checkpointing replaces Trainer's (which would all-gather a second time)
+            "activation_checkpointing": False,
+        }
+    if cfg.engine in ("zero2", "zero3"):
+        return {"deepspeed": deepspeed_config(cfg)}
+    return {}
+
+
+def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON for a ZeRO engine; "auto" values are filled by Trainer from its arguments."""
+    stage = 2 if cfg.engine == "zero2" else 3
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if cfg.cpu_offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.cpu_offload == "all":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+    }
+
+
+def support(cfg: TrialConfig, device: str) -> str | None:
+    """None when this machine can run the config's engine, else why not (an `unsupported` outcome)."""
+    if cfg.engine in ("zero2", "zero3"):
+        if importlib.util.find_spec("deepspeed") is None:
+            return (f"engine={cfg.engine}: deepspeed is not installed (pip install deepspeed); "
+                    "engine=fsdp2 shards the same state with PyTorch alone")
+        if device != "cuda":
+            return f"engine={cfg.engine}: DeepSpeed ZeRO trains on GPUs only"
+    if cfg.cpu_offload != "off" and device != "cuda":
+        return f"cpu_offload={cfg.cpu_offload}: on --device cpu there is no device memory to offload from"
+    return None
+
+
+def launch_command(cfg: TrialConfig, script: str, args: str = "") -> str:
+    """How to start an exported script: python for one rank, torchrun for several."""
+    tail = f" {args}" if args else ""
+    if cfg.gpus > 1:
+        return f"torchrun --standalone --nproc-per-node {cfg.gpus} {script}{tail}"
+    return f"python {script}{tail}"
+
+
+def describe(cfg: TrialConfig) -> str:
+    """`2 GPUs, fsdp2 (reshard after forward, offload all)` for reports; '' for one GPU, no engine."""
+    if cfg.gpus == 1 and cfg.engine == "none":
+        return ""
+    parts = [f"{cfg.gpus} GPU{'s' if cfg.gpus > 1 else ''}", "data parallel" if cfg.engine == "none" else cfg.engine]
+    extra = []
+    if cfg.engine == "fsdp2":
+        extra.append("reshard after forward" if cfg.reshard_after_forward else "no reshard after forward")
+    if cfg.cpu_offload != "off":
+        extra.append(f"offload {cfg.cpu_offload}")
+    return ", ".join(parts) + (f" ({', '.join(extra)})" if extra else "")
