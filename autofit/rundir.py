@@ -225,4 +225,6 @@ def targets_of(spec: dict[str, Any]) -> list[Target]:
 
 
 def target_dict(t: Target) -> dict[str, Any]:
-    return dataclasses.asdict(t)
+    d = dataclasses.asdict(t)
+    d["gpu_indices"] = list(t.gpu_indices)  # YAML has lists, not tuples
+    return d
