@@ -14,7 +14,7 @@ import ctypes
 import json
 import os
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .models import ModelSource
@@ -106,6 +106,8 @@ class ProbeRequest:
     """Where the tokenizer stand-in and the length table are cached (the run folder's data/)."""
     data_seed: int = 0
     """Seeds the micro-batch plan: every config of a search sees the same samples in the same order."""
+    nvml_indices: list[int] = field(default_factory=list)
+    """A probe spanning several GPUs: the physical index of each local rank's GPU (rank k: entry k)."""
 
     @property
     def usable_bytes(self) -> int | None:
@@ -129,6 +131,12 @@ class ProbeRequest:
         d["config"] = TrialConfig.from_dict(d["config"])
         d["model"] = ModelSource.from_dict(d["model"])
         return cls(**d)
+
+
+def rank_result_path(result_path: str, rank: int) -> str:
+    """Where rank `rank` of a probe spanning several GPUs writes its own result (the runner merges them)."""
+    base = result_path.removesuffix(".result.json")
+    return f"{base}.rank{rank}.result.json"
 
 
 def die_with_parent(parent_pid: int | None) -> None:

@@ -13,6 +13,7 @@ log, its exit code. Children die with the process that started them (protocol.py
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -28,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from . import kernels
+import psutil
+
+from . import distributed, group, kernels
 from .kills import SAMPLE_EVERY_S, KillWatch
 from .models import ModelSource
 from .protocol import (
@@ -41,6 +44,7 @@ from .protocol import (
     WARMUP_STEPS,
     Checks,
     ProbeRequest,
+    rank_result_path,
 )
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_figures
@@ -147,12 +151,14 @@ def _alive(pid: int) -> bool:
 
 
 class Standby:
-    """One child process that has imported the training stack and waits for a request."""
+    """One child process that has imported the training stack and waits for a request; or, with
+    `cmd`, the launcher of a probe spanning several ranks (it reads its request from a file)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], seq: int) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str], seq: int, cmd: list[str] | None = None) -> None:
         self.log_fd, self._named_log = _open_log(log_dir, seq)
-        cmd = shlex.split(os.environ[CHILD_ENV]) if os.environ.get(CHILD_ENV) else [
-            sys.executable, "-m", "autofit.probe", "--standby"]
+        if cmd is None:
+            cmd = shlex.split(os.environ[CHILD_ENV]) if os.environ.get(CHILD_ENV) else [
+                sys.executable, "-m", "autofit.probe", "--standby"]
         self.proc = _SPAWNER.submit(
             subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_fd,
             env=env, start_new_session=True,  # its own process group: a timeout or Ctrl-C stops all of it
@@ -223,9 +229,15 @@ class Standby:
         self._named_log = path
 
     def kill(self) -> None:
+        """SIGKILL its process group and every process below it (torchrun's ranks have sessions of
+        their own: they are found by ancestry, before the launcher dies)."""
         HOLD.discard(self)
+        below = _descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.signal(signal.SIGKILL)
+        for p in below:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         self.wait()
 
     def wait(self) -> None:
@@ -240,6 +252,13 @@ class Standby:
         """A standby never used: its named log (where logs cannot be nameless) goes."""
         if self._named_log is not None:
             self._named_log.unlink(missing_ok=True)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _close(f: IO[bytes] | None) -> None:
@@ -295,7 +314,7 @@ class Runner:
 
     # -- standby pool -------------------------------------------------------------------
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, gpus: int = 1) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env[PARENT_ENV] = str(os.getpid())
@@ -304,7 +323,7 @@ class Runner:
         env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         if self.target.device == "cuda":
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # same numbering as nvidia-smi and NVML
-            env["CUDA_VISIBLE_DEVICES"] = str(self.target.gpu_index)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.target.gpus[:gpus]))
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
         pkg_root = str(Path(__file__).resolve().parent.parent)
@@ -369,11 +388,19 @@ class Runner:
             gate=checks.gate and kernels.needs_gate(cfg),
             boundaries=checks.boundaries and self.dataset is not None,
             dataset=self.dataset, data_cache=self.data_cache,
+            nvml_indices=list(t.gpus[:cfg.gpus]) if cfg.gpus > 1 else [],
         )
 
     def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:
-        """An outcome known without a child: kernels this machine cannot run (`unsupported`)."""
-        why = kernels.kernel_support(cfg, self.target.device)
+        """An outcome known without a child: kernels, engines or a number of GPUs this machine cannot
+        run (`unsupported`)."""
+        why = kernels.kernel_support(cfg, self.target.device) or distributed.support(cfg, self.target.device)
+        if not why and self.target.device == "cuda" and cfg.gpus > len(self.target.gpus):
+            why = (f"gpus={cfg.gpus}: this worker has {len(self.target.gpus)} GPU(s) attached; "
+                   f"give --gpus {cfg.gpus} with enough GPUs in --gpu")
+        if not why and cfg.gpus > 1 and self.dataset is not None:
+            why = (f"gpus={cfg.gpus} with --dataset: each rank's share of the dataset's micro-batches is not "
+                   "measured yet; search the data with gpus=1")
         if why:
             return ProbeResult(Outcome.UNSUPPORTED, cfg.to_dict(), reason=f"autofit: unsupported: {why}")
         return None
@@ -392,6 +419,8 @@ class Runner:
         if known is not None:
             return self._finish(known, asked, log_path, "")
         req = self.request(cfg, model, result_path, checks)
+        if cfg.gpus > 1:
+            return self._run_group(req, name, asked, deadline, timeout, cancel)
         child = self._take(deadline)
         if child is None:
             return self._finish(ProbeResult(Outcome.TIMEOUT, cfg.to_dict(),
@@ -411,11 +440,58 @@ class Runner:
         finally:
             self._current = None
 
+    def _run_group(self, req: ProbeRequest, name: str, asked: float, deadline: float, timeout: float,
+                   cancel: Callable[[], bool] | None) -> ProbeResult:
+        """A probe spanning `gpus` ranks: torchrun started now (no standby: ranks import on demand),
+        the request in a file, every rank's result merged (`group.merge`)."""
+        n = req.config.gpus
+        log_path = self.log_dir / f"{name}.log"
+        request_file = self.log_dir / f"{name}.request.json"
+        request_file.write_text(req.to_json())
+        for r in range(n):
+            Path(rank_result_path(req.result_path, r)).unlink(missing_ok=True)
+        self._seq += 1
+        child = Standby(self.log_dir, self._env(n), self._seq,
+                        cmd=[sys.executable, "-m", "autofit.probe.launch", str(n), str(request_file)])
+        child.hold_while_timing = False  # nothing imports ahead beside a group
+        self._current = child
+        try:
+            child.name_log(log_path)
+            ended = self._drive(child, req, deadline, cancel, send=False)
+            res = self._judge_group(child, ended, timeout, req, log_path.read_text(errors="replace"))
+            request_file.unlink(missing_ok=True)
+            return self._finish(res, asked, log_path, f"pid {child.proc.pid} ({n} ranks)")
+        except KeyboardInterrupt:
+            child.kill()
+            self.close()
+            raise
+        finally:
+            self._current = None
+
+    def _judge_group(self, child: Standby, ended: Ended, timeout: float, req: ProbeRequest,
+                     text: str) -> ProbeResult:
+        cfg = req.config.to_dict()
+        results = {}
+        for r in range(req.config.gpus):
+            path = Path(rank_result_path(req.result_path, r))
+            if path.is_file():
+                results[r] = _read_result(path, cfg, text[-4000:])
+                path.unlink()
+        if ended.cancelled:
+            return ProbeResult(Outcome.CANCELLED, cfg, reason="cancelled: another worker probes this config")
+        if ended.timed_out and not any(not r.outcome.is_fit() for r in results.values()):
+            return ProbeResult(Outcome.TIMEOUT, cfg, error_tail=text[-4000:],
+                               reason=(f"no result after {timeout:.0f} s from ranks "
+                                       f"{sorted(set(range(req.config.gpus)) - set(results))}; every rank "
+                                       "of the group was stopped"))
+        return group.merge(results, req.config.gpus, cfg, text)
+
     def _drive(self, child: Standby, req: ProbeRequest, deadline: float,
-               cancel: Callable[[], bool] | None) -> Ended:
+               cancel: Callable[[], bool] | None, send: bool = True) -> Ended:
         """Send the request and wait for the child to end, our deadline, or a cancellation."""
         ended = Ended(KillWatch.start())
-        child.send(req.to_json() + "\n")  # if it died before the request: judged from what it left
+        if send:
+            child.send(req.to_json() + "\n")  # if it died before the request: judged from what it left
         last_cancel = last_sample = 0.0
         while child.proc.poll() is None:
             now = time.monotonic()

@@ -57,6 +57,8 @@ class SearchRequest:
     device: str | None = None
     memory_limit: str | None = None
     headroom: float = HEADROOM
+    gpus: int = 1
+    """--gpus: GPUs one probe spans (the `gpus` key is fixed to it unless the space searches it)."""
     budget: str | None = None
     """None: DEFAULT_BUDGET for a new search, the spec's budget on resume."""
     max_length: str | None = None
@@ -116,7 +118,7 @@ def _resumed(req: SearchRequest) -> Session:
     spec = load_spec(run_dir, "--resume")
     check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
     if req.gpu is not None or req.device is not None:
-        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom)))
+        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus)))
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
     if spec.dataset is not None:
@@ -138,7 +140,7 @@ def _joined(req: SearchRequest) -> Session | None:
     if stored is None:
         return None
     spec = RunSpec.from_dict(stored, f"--study-name {req.study_name}: the study's spec")
-    targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom))
+    targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus))
     spec = spec.replace(run_id=f"{spec.run_id}-worker-{req.worker}", targets=targets)
     return Session(Mode.JOIN, spec, req.out / spec.run_id, local_storage=False)
 
@@ -147,9 +149,11 @@ def _new(req: SearchRequest) -> Session:
     model, space, targets, budget, dims = gather(
         lambda: resolve_model(req.model) if req.model else _missing("--model"),
         lambda: load_space(req.space),
-        lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom),
+        lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus),
         lambda: parse_duration(req.budget or DEFAULT_BUDGET),
         lambda: space_dimensions(req.max_length, req.global_batch))
+    if req.gpus > 1 and "gpus" not in space.dimensions:
+        dims = {**dims, "gpus": [req.gpus]}
     if dims:
         space = space.replaced(**dims)
     space, ref, notes = data_space(space, model, req)

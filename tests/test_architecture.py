@@ -4,7 +4,7 @@ Layers, bottom to top (a module imports its own layer or lower ones, never a cyc
   0 foundation   errors, protocol, units, result, envinfo, spec, models, signatures, objective
   1 domain       space, memory, recipe, target, kills (evidence of the OOM killer), data (datasets,
                  lengths, batching), kernels (what kernels can run, the correctness gate), distributed
-                 (the engines of a probe spanning several GPUs)
+                 (the engines of a probe spanning several GPUs), group (its ranks judged as one)
   2 run & probes rundir (the run folder), runner (the parent side of the process boundary), report,
                  study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
   3 workflows    search (and its parts), regress, export
@@ -28,7 +28,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "autofit"
 LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
-    1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels", "distributed"),
+    1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels", "distributed", "group"),
     2: ("rundir", "runner", "report", "study", "knowledge", "policy"),
     3: ("search", "regress", "export", "replay"),
     4: ("session",),

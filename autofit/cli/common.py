@@ -51,7 +51,12 @@ def warn(msg: str) -> None:
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where")
-    g.add_argument("--gpu", help="GPU index, or a comma list for one worker per GPU (default: 0 if any)")
+    g.add_argument("--gpu", help="GPU index, or a comma list for one worker per GPU (default: 0 if any); "
+                                 "with --gpus N, the list is cut into groups of N, one worker per group")
+    g.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="GPUs one probe spans (default 1): its ranks are launched with torchrun and share the "
+                        "global batch; --gpu 0,1 alone runs two single-GPU workers side by side instead. "
+                        "On --device cpu: N processes with the gloo backend")
     g.add_argument("--device", choices=None, help="cpu to run on the CPU even where a GPU exists")
     g.add_argument("--memory-limit", metavar="SIZE",
                    help="emulate a smaller card: 24GiB (RTX 3090/4090), 40GiB (A100-40G), 80GiB; "

@@ -21,8 +21,11 @@ from .common import add_data_flags, add_probe_flags, add_target_flags, console, 
 def cmd_probe(args: argparse.Namespace) -> int:
     cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping(parse_sets(args.set or [])),
                                       lambda: resolve_model(args.model),
-                                      lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom),
+                                      lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom,
+                                                              args.gpus),
                                       lambda: dataset_ref(args))
+    if args.gpus > 1 and "gpus" not in parse_sets(args.set or []):
+        cfg = cfg.replace(gpus=args.gpus)
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
                          "to batch by; give a dataset or leave batching at pad_max.")
@@ -55,6 +58,8 @@ examples:
   autofit probe --model llama2-7b --memory-limit 24GiB --set gradient_checkpointing=on \\
       --set quantization=nf4 --json
   autofit probe --model ./my-model --set gradient_checkpointing=every_2+offload
+  autofit probe --model llama2-7b --gpus 2 --memory-limit 40GiB --set method=full --set engine=fsdp2
+  autofit probe --model tiny-llama --device cpu --gpus 2 --set engine=fsdp2   # 2 gloo processes
   autofit probe --model tiny-llama --device cpu --dataset train.jsonl --set max_length=256 \\
       --set batching=padding_free   # trained tokens/s on the data's own micro-batches
 

@@ -97,7 +97,7 @@ class Progress:
 def request(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(
         model=args.model, space=args.space, gpu=args.gpu, device=args.device, memory_limit=args.memory_limit,
-        headroom=args.headroom, budget=args.budget, max_length=args.max_length, global_batch=args.global_batch,
+        gpus=args.gpus, headroom=args.headroom, budget=args.budget, max_length=args.max_length, global_batch=args.global_batch,
         out=Path(args.out), storage=args.storage, study_name=args.study_name,
         resume=Path(args.resume) if args.resume else None, seed=args.seed, policy=args.policy,
         probe=probe_settings(args),
@@ -154,6 +154,7 @@ examples:
   autofit search --model llama2-7b --gpu 0 --memory-limit 40GiB --budget 30m
   autofit search --model llama2-7b --memory-limit 24GiB --space qlora --max-length 4096,2048,1024
   autofit search --model ./my-model --gpu 0,1 --budget 1h           # one worker per GPU, one study
+  autofit search --model llama2-7b --gpus 2 --memory-limit 40GiB --space distributed   # each probe spans 2 GPUs
   autofit search --resume runs/20261202T101500Z-llama2-7b            # after Ctrl-C or a crash
   autofit search --model tiny-llama --space cpu-demo --device cpu --dataset train.jsonl --max-length 256
       # --dataset: probes train on the data's micro-batches (objective: trained tokens/s); the space

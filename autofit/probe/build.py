@@ -69,7 +69,7 @@ def build_model(cfg: TrialConfig, src: ModelSource, device: str, path: str) -> A
             quant["bnb_4bit_compute_dtype"] = getattr(torch, quant["bnb_4bit_compute_dtype"])
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-            quantization_config=BitsAndBytesConfig(**quant), device_map={"": 0 if device == "cuda" else "cpu"},
+            quantization_config=BitsAndBytesConfig(**quant), device_map={"": _device_index(device)},
         )
     if src.random_weights:
         config = AutoConfig.for_model(**src.config)
@@ -79,8 +79,15 @@ def build_model(cfg: TrialConfig, src: ModelSource, device: str, path: str) -> A
             )
     return AutoModelForCausalLM.from_pretrained(
         src.ref, dtype=dtype, attn_implementation=cfg.attn_implementation,
-        device_map={"": 0 if device == "cuda" else "cpu"},
+        device_map={"": _device_index(device)},
     )
+
+
+def _device_index(device: str) -> int | str:
+    """Where from_pretrained puts the weights: this rank's GPU (prepare_device set it current), or the CPU."""
+    import torch
+
+    return torch.cuda.current_device() if device == "cuda" else "cpu"
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -90,7 +97,11 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def checkpointed_layers(model: Any) -> list[int]:
-    return [i for i, m in enumerate(decoder_layers(model)) if getattr(m, "gradient_checkpointing", False)]
+    """Decoder layers that recompute in backward: transformers' flag, or wrapped by FSDP's own activation
+    checkpointing (engine=fsdp2: a CheckpointWrapper around the layer)."""
+    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+    return [i for i, m in enumerate(decoder_layers(model))
+            if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
 
 
 def expected_checkpointed(cfg: TrialConfig, n_layers: int) -> list[int]:

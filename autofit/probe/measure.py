@@ -102,6 +102,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
     if not torch.cuda.is_available():
         raise Unsupported("CUDA was asked for but torch sees no GPU")
     state.pinned_cpus = pin_to_gpu(req.nvml_index)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # a rank of a group: its own GPU
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # create the context now, so it is measured as overhead
     if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -109,7 +110,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
     if req.memory_limit_bytes:
         # The cap covers the PyTorch allocator only: take off what lives outside it (the
         # CUDA context now; cuBLAS/NCCL handles are counted in the peak afterwards).
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         state.outside_at_start = max(mem.added() - torch.cuda.memory_reserved(), 0)
         torch.cuda.set_per_process_memory_fraction(
             max(req.memory_limit_bytes - state.outside_at_start, 1) / total)
@@ -167,11 +168,14 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
                                        gradient_accumulation_steps=ga)
         kw.update(batches.trainer_arguments() if batches is not None else {})
         args = TrainingArguments(output_dir=out, logging_steps=1, disable_tqdm=True, **kw)
+        if cfg.engine == "fsdp2" and req.device == "cpu":
+            shard_on_cpu()
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
                           data_collator=batches.collator if batches is not None else None)
         cb.trainer = trainer
         trainer.train()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+        engine = engine_figures(trainer) if cfg.gpus > 1 or cfg.engine != "none" else {}
     cb.stop_timing()
     hook.remove()
     sync()
@@ -179,8 +183,29 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     return Trained(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                    total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
                    train_seconds=time.perf_counter() - state.t_start,
-                   optimizer=describe_optimizer(optimizer),
+                   optimizer={**describe_optimizer(optimizer), **engine},
                    bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
+
+
+def shard_on_cpu() -> None:
+    """accelerate takes its FSDP path only for accelerator device types: on the CPU (MULTI_CPU) Trainer
+    would silently train plain DDP. Marking the process state multi-device makes Trainer shard with
+    FSDP2 over gloo (the CPU tests; on GPUs accelerate's own path is taken). Call it after
+    TrainingArguments (which resets the state) and before Trainer."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def engine_figures(trainer: Any) -> dict[str, Any]:
+    """What Trainer really ran: accelerate's distributed type and how many modules FSDP sharded."""
+    wrapped = trainer.model_wrapped
+    fsdp = sum(type(m).__name__.startswith("FSDP") for m in wrapped.modules())
+    return {"distributed_type": str(getattr(trainer.accelerator.distributed_type, "value", "")),
+            "wrapped_class": type(wrapped).__name__, "fsdp_modules": fsdp}
 
 
 def describe_optimizer(opt: Any) -> dict[str, Any]:
@@ -227,7 +252,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     # micro-steps (each extra micro-step costs the mean micro-step of its step).
     real = cb.real_seconds()
     window = real[-req.timed_steps:]
-    tps = [cfg.effective_batch * cfg.max_length / t for t in window]
+    tps = [cfg.rank_batch * cfg.max_length / t for t in window]  # this rank's share (a group sums them)
     first = len(cb.steps) - len(window)
     if batches is not None:  # trained (label-bearing, non-pad) tokens of the steps' own micro-batches
         tps = batches.tokens_per_s(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)

@@ -148,7 +148,7 @@ class ProbeCallback:
                            "optimizer": self._opt, "reserved": self._step_reserved})
         if len(self.steps) == self.plan.warmup:
             self._start_timing()
-        elif self.timing and timing_done(self.spread_basis(), self.plan.timed, self.plan.extra):
+        elif self.timing and all_ranks(timing_done(self.spread_basis(), self.plan.timed, self.plan.extra)):
             self.stop_timing()
             control.should_training_stop = True
 
@@ -163,6 +163,22 @@ class ProbeCallback:
         if self.timing:
             self.timing = False
             self.plan.announce("end")
+
+
+def all_ranks(flag: bool) -> bool:
+    """`flag` where every rank of a group says so (one rank alone: `flag`). The ranks of a group must
+    stop at the same step: a rank that times more steps than its peers would wait in a collective for
+    peers that have left."""
+    import torch.distributed as dist  # the probe child's import
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    import torch
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def make_callback(mem: Memory, sync: Callable[[], Any], plan: TimingPlan) -> ProbeCallback:

@@ -1,0 +1,117 @@
+"""A probe spanning several ranks, judged as one: the worst rank's outcome, the group's figures.
+
+Each rank writes its own `ProbeResult` (`protocol.rank_result_path`); a rank that died without one
+is judged from the group's log, where torchrun names the first rank that failed ("Root Cause").
+The group's outcome is the worst rank's, by `SEVERITY`: one rank out of memory makes the config
+`oom`, whatever the other ranks saw afterwards (a peer's death breaks their collectives: a `crash`
+that is a consequence, not a cause). A group that fits reports the largest rank's peak (the card
+that must hold it) and the whole group's tokens/s (the sum of the ranks' shares).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .result import Outcome, ProbeResult
+from .signatures import classify_text, oom_figures
+
+SEVERITY = (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.MISMATCH, Outcome.UNSTABLE,
+            Outcome.CRASH, Outcome.TIMEOUT, Outcome.CANCELLED, Outcome.FIT)
+"""Which rank's outcome is the group's: the first in this order that any rank has."""
+
+_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_MAX = ("peak_memory_bytes", "max_memory_allocated", "max_memory_reserved", "memory_outside_allocator",
+        "memory_after_load", "memory_growth_bytes", "num_alloc_retries")
+"""Figures where the group's is the largest rank's."""
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """The first rank torchrun saw fail, and how it ended (a negative code: the signal)."""
+
+    rank: int
+    exitcode: int
+
+
+def root_cause(text: str) -> RootCause | None:
+    """torchrun's summary of a failed group (`ChildFailedError`), if the log has one."""
+    m = _ROOT.search(text)
+    return RootCause(int(m.group(1)), int(m.group(2))) if m else None
+
+
+def worst(results: dict[int, ProbeResult], cause: RootCause | None = None) -> tuple[int, ProbeResult]:
+    """The rank whose outcome is the group's; among equals the rank torchrun saw fail first (the
+    others' failures are its consequences), then the lowest."""
+    first = cause.rank if cause is not None else -1
+    return min(results.items(), key=lambda kv: (SEVERITY.index(kv[1].outcome), kv[0] != first, kv[0]))
+
+
+def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text: str) -> ProbeResult:
+    """The group's result from the ranks' results (`rank -> result`, possibly missing ranks) and the
+    group's log `text`; `world` is the number of ranks launched."""
+    missing = [r for r in range(world) if r not in results]
+    judged = dict(results)
+    if missing:
+        judged.update(_missing_ranks(missing, cfg, text))
+    rank, res = worst(judged, root_cause(text))
+    ranks = [_rank_summary(r, judged[r]) for r in sorted(judged)]
+    if not res.outcome.is_fit():
+        out = replace(res, reason=f"rank {rank}: {res.reason}" if res.reason else f"rank {rank}")
+    else:
+        out = _fit_of_group(judged)
+    out.extra = {**out.extra, "ranks": ranks, "world_size": world}
+    out.extra.pop("rank", None)
+    return out
+
+
+def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[int, ProbeResult]:
+    """Ranks that wrote no result: torchrun's root cause is the failed rank, judged from the log."""
+    cause = root_cause(text)
+    tail = text[-4000:]
+    out = {}
+    for r in missing:
+        if cause is not None and cause.rank == r:
+            outcome = classify_text(text) or Outcome.CRASH
+            how = f"signal {-cause.exitcode}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
+            res = ProbeResult(outcome, cfg, error_tail=tail, reason=f"{_last_error(text) or 'failed'} ({how})")
+            if outcome is Outcome.OOM:
+                figs = oom_figures(text)
+                res.oom_shortfall_bytes, res.oom_request_bytes = figs.shortfall, figs.request
+                res.oom_in_use_bytes = figs.in_use_with()
+                res.oom_reserved_unallocated_bytes = figs.reserved_unallocated
+        else:
+            res = ProbeResult(Outcome.CRASH, cfg, error_tail=tail, reason="ended without a result "
+                              "(stopped by torchrun after another rank failed)")
+        out[r] = res
+    return out
+
+
+def _last_error(text: str) -> str:
+    """The last line that looks like a raised error (what a person reads first)."""
+    lines = [ln.strip() for ln in text.splitlines()
+             if re.match(r"^\s*[\w.]*(Error|Exception)\b", ln) or "out of memory" in ln.lower()]
+    lines = [ln for ln in lines if "ChildFailedError" not in ln]
+    return lines[-1][:300] if lines else ""
+
+
+def _fit_of_group(results: dict[int, ProbeResult]) -> ProbeResult:
+    """Every rank fits: rank 0's result, with the group's tokens/s and the largest rank's memory."""
+    base = results[min(results)]
+    out = replace(base, extra=dict(base.extra))
+    for name in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max"):
+        vals = [getattr(r, name) for r in results.values()]
+        setattr(out, name, sum(vals) if all(v is not None for v in vals) else None)
+    for name in _MAX:
+        vals = [getattr(r, name) for r in results.values() if getattr(r, name) is not None]
+        setattr(out, name, max(vals) if vals else None)
+    out.noisy = any(r.noisy for r in results.values())
+    reasons = sorted({f"rank {k}: {r.reason}" for k, r in results.items() if r.reason})
+    out.reason = "; ".join(reasons)
+    return out
+
+
+def _rank_summary(rank: int, res: ProbeResult) -> dict[str, Any]:
+    return {"rank": rank, "outcome": res.outcome.value, "tokens_per_s": res.tokens_per_s,
+            "peak_memory_bytes": res.peak_memory_bytes, "reason": res.reason[:300]}

@@ -1,0 +1,66 @@
+"""One rank of a probe spanning several GPUs (or CPU processes), and the launcher that starts them.
+
+`python -m autofit.probe.launch N REQUEST_FILE` is the process the runner starts for a config with
+`gpus` = N > 1: it ties itself to the runner (it dies with it) and runs torchrun in-process
+(`torch.distributed.run.main`, standalone rendezvous on a free port, no restarts), which starts N
+ranks of `python -m autofit.probe --rank REQUEST_FILE`. Each rank reads the request from the file
+(torchrun gives the ranks no stdin of their own), trains its share of the global batch through
+Trainer (which joins the process group torchrun prepared: NCCL on GPUs, gloo on the CPU), writes
+its own result (`rank_result_path`) and exits; a rank whose outcome is not a fit exits with code 1,
+so that torchrun stops the others at once instead of leaving them waiting in a collective. Rank 0
+alone speaks the protocol (the timed phase's start and end). The runner merges the ranks' results
+(`autofit.group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ..protocol import PARENT_ENV, ProbeRequest, die_with_parent, rank_result_path
+from .child import ProtocolPipe, handle, silence_known_noise
+from .child_io import write_json_atomic
+
+RANK_ENV = "AUTOFIT_RANK_COMMAND"
+"""Tests replace what torchrun starts for each rank with a program that follows the same protocol
+(a rank that raises, hangs or prints a CUDA OOM); nothing else should set this."""
+
+
+def launch(argv: list[str]) -> int:
+    """`N REQUEST_FILE`: torchrun with N ranks of the probe, tied to the runner's life."""
+    nproc, request = argv
+    parent = os.environ.get(PARENT_ENV)
+    die_with_parent(int(parent) if parent else None)
+    from torch.distributed.run import main as torchrun  # the heavy import, after the tie to the runner
+
+    rank = shlex.split(os.environ[RANK_ENV]) if os.environ.get(RANK_ENV) else ["-m", "autofit.probe"]
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *rank, "--rank", request])
+    return 0
+
+
+def rank_main(request_file: str) -> int:
+    """One rank: the request from the file, the probe, this rank's result."""
+    die_with_parent(None)  # the launcher is the parent: a rank never outlives its group
+    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    pipe = ProtocolPipe(os.fdopen(os.dup(1), "w"))
+    os.dup2(2, 1)  # what the libraries print goes to the log
+    silence_known_noise()
+    req = ProbeRequest.from_json(Path(request_file).read_text())
+    req = dataclasses.replace(
+        req, result_path=rank_result_path(req.result_path, rank),
+        nvml_index=req.nvml_indices[local] if req.nvml_indices else req.nvml_index)
+    print(f"autofit probe rank {rank}: {json.dumps(req.config.to_dict())}", file=sys.stderr, flush=True)
+    res = handle(req, pipe if rank == 0 else _silent)
+    res.extra["rank"] = rank
+    write_json_atomic(req.result_path, res.to_dict())
+    print(f"autofit probe rank {rank}: {res.outcome.value} {res.reason}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os._exit(0 if res.outcome.is_fit() else 1)  # not a fit: torchrun stops the other ranks now
+
+
+def _silent(event: str) -> None:
+    """Ranks other than 0 say nothing on the protocol pipe (rank 0 speaks for the group)."""

@@ -1,0 +1,28 @@
+"""A stand-in for one rank of a probe spanning several ranks (started by the real torchrun).
+
+The rank named by FAKE_RANK (default 1) does what FAKE_RANK_MODE says: `raise` (a Python error, exit
+1), `oom` (print the real CUDA out-of-memory text and exit 1, what cannot happen on a CPU machine) or
+`hang` (sleep, never joining the group). Every other rank is the real probe rank.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from oom_text import CUDA_OOM  # noqa: E402
+
+if os.environ.get("RANK") != os.environ.get("FAKE_RANK", "1"):
+    from autofit.probe.ranks import rank_main
+
+    sys.exit(rank_main(sys.argv[2]))
+with open(sys.argv[2] + f".fake-rank-{os.environ['RANK']}.pid", "w") as f:
+    f.write(str(os.getpid()))
+mode = os.environ.get("FAKE_RANK_MODE", "raise")
+if mode == "raise":
+    raise RuntimeError("autofit test: this rank failed on purpose")
+if mode == "oom":
+    sys.stderr.write(CUDA_OOM)
+    sys.exit(1)
+time.sleep(3600)  # hang
