@@ -427,9 +427,9 @@ def _wider_table(wider: list[TrialConfig], model: MemoryModel, ranks: int, usabl
     if not wider:
         return []
     where = f"{ranks} attached" if model.on_gpu else f"{ranks} rank(s) per probe"
-    judged = f"per-rank peak within the usable {_size(usable)}" if usable else "no memory limit: not judged"
-    lines = [f"Not probed: configurations of the space that need more GPUs than the {where} "
-             f"(predicted {judged}).", "",
+    judged = (f"predicted to fit: the per-rank peak within the usable {_size(usable)}" if usable
+              else "no memory limit: whether they fit is not judged")
+    lines = [f"Not probed: configurations of the space that need more GPUs than the {where} ({judged}).", "",
              "| GPUs | configs | predicted to fit | per-rank peak | for example |", "|---|---|---|---|---|"]
     for n in sorted({c.gpus for c in wider}):
         peaks = [(c, model.predict(c)) for c in wider if c.gpus == n]

@@ -201,7 +201,8 @@ def test_the_report_says_what_more_gpus_would_fit() -> None:
     text = report_markdown(spec(2), rows, failed, None, 40 * GIB, USABLE, "no remaining configuration can win")
     section = text.split("## More GPUs", 1)[1].split("\n## ", 1)[0]
     # on 4 GPUs: 8 configs (2 micro-batches x 2 checkpointing x 2 engines); fsdp2 with checkpointing fits
-    assert "need more GPUs than the 2 attached (predicted per-rank peak within the usable 38.00 GiB)" in section
+    assert ("need more GPUs than the 2 attached (predicted to fit: the per-rank peak within the usable "
+            "38.00 GiB)") in section
     assert "| 4 | 8 | 2 | 30.67 GiB - 32.15 GiB | L=2048 mb=2 ga=2 bf16 ckpt=on adamw_torch_fused full " \
            "gpus=4 fsdp2 |" in section
     # each config out of memory here: the fewest GPUs at which fsdp2 is predicted to fit
@@ -216,3 +217,12 @@ def test_the_report_has_no_gpus_section_when_nothing_needs_more_gpus() -> None:
                        .to_dict(), tokens_per_s=1000.0, peak_memory_bytes=30 * GIB, device="cuda:0")
     text = report_markdown(spec(4), [{"trial": 0, **fits.to_dict()}], [fits], fits, 40 * GIB, USABLE, "")
     assert "## More GPUs" not in text
+
+
+def test_without_a_memory_limit_the_report_lists_the_wider_configs_unjudged() -> None:
+    failed = [oom(SPACE.config({"gradient_checkpointing": "on", "gpus": 1, "engine": "none"}))]
+    text = report_markdown(spec(1), [{"trial": 0, **failed[0].to_dict()}], failed, None, None, None, "")
+    section = text.split("## More GPUs", 1)[1].split("\n## ", 1)[0]
+    assert "need more GPUs than the 1 attached (no memory limit: whether they fit is not judged)" in section
+    assert "| 2 | 8 | - |" in section and "| 4 | 8 | - |" in section
+    assert "fsdp2 fits on" not in section  # nothing to fit under
