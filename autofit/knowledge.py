@@ -46,6 +46,9 @@ class Verdict(StrEnum):
     """It cannot beat a measured fit on speed."""
     MISMATCHED = "mismatched"
     """A probe with the same correctness-check key failed the check: it trains differently."""
+    NEEDS_GPUS = "needs_gpus"
+    """It spans more GPUs (`gpus`) than a worker has attached: reported (with its predicted per-rank
+    peak), not probed."""
 
     def probes(self) -> bool:
         return self is Verdict.PROBE
@@ -67,12 +70,15 @@ class Knowledge:
     """Correctness checks a probe of the study passed: (GATE or BOUNDARIES, the check's key)."""
     failed: dict[tuple[str, str], int] = field(default_factory=dict)
     """Correctness checks a probe failed -> the first such trial's number."""
+    ranks: int = 1
+    """GPUs a worker has attached (Target.ranks; on the CPU, its gloo processes): a config with more
+    `gpus` is not probed."""
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
               repeats: dict[int, list[dict[str, Any]]] | None = None,
-              superseded: frozenset[int] = frozenset()) -> Knowledge:
-        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu))
+              superseded: frozenset[int] = frozenset(), ranks: int = 1) -> Knowledge:
+        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu), ranks=ranks)
         k.probes = probe_results(trials, repeats, superseded)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
@@ -143,6 +149,19 @@ class Knowledge:
                     f">= {format_size(short)}; the changes from it save at most {format_size(saving)}")
         return None
 
+    def needs_gpus(self, cfg: TrialConfig) -> str | None:
+        """Why cfg cannot be probed here: it spans more GPUs than attached; with the memory model's
+        per-rank peak against the usable memory, so a person learns whether more GPUs would do."""
+        if cfg.gpus <= self.ranks:
+            return None
+        peak = self.memory.predict(cfg)
+        fit = ""
+        if self.usable:
+            fit = f" ({'fits' if peak <= self.usable else 'over'} {format_size(self.usable)} usable)"
+        what = "GPUs" if self.memory.on_gpu else "ranks (gloo processes)"
+        return (f"needs {cfg.gpus} {what}, {self.ranks} attached; predicted per-rank peak "
+                f"{format_size(peak)}{fit}")
+
     def dominated_in_speed(self, cfg: TrialConfig) -> ProbeResult | None:
         """A fit that differs only by cheaper checkpointing or quantization: never slower."""
         ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else None
@@ -184,6 +203,8 @@ class Knowledge:
 
     def verdict(self, cfg: TrialConfig) -> tuple[Verdict, str]:
         """(PROBE, '') or why the config need not be probed, with the detail for a person."""
+        if (why := self.needs_gpus(cfg)) is not None:
+            return Verdict.NEEDS_GPUS, why
         seen = self.by_key.get(cfg.key())
         if seen is not None:
             return Verdict.DUPLICATE, f"same as trial {seen.number}"

@@ -19,6 +19,12 @@ from .spec import TrialConfig
 GIB = 2**30
 CUDA_CONTEXT = int(0.75 * GIB)  # measured on an H200 (CUDA 13): context + cuBLAS handles
 ALLOCATOR_SLACK = 0.05  # reserved over allocated, typical of the caching allocator
+NCCL_BUFFERS = 384 * 2**20
+"""Per rank, outside PyTorch, when a probe spans several GPUs: NCCL's communicator (its channels'
+send/receive buffers, NCCL_BUFFSIZE 4 MiB each, and kernel workspace). A stated estimate, a few hundred
+MiB on a host of NVLink GPUs; the fitted groups absorb the difference."""
+ZERO_BUCKET = 500_000_000
+"""DeepSpeed's default reduce_bucket_size in elements (the generated JSON leaves it unset)."""
 OPTIMIZER_STATE_BYTES = {  # bytes of optimizer state per fp32 trainable parameter
     "adamw_torch": 8, "adamw_torch_fused": 8,  # two fp32 moments
     "adamw_8bit": 2, "paged_adamw_8bit": 2, "adamw_bnb_8bit": 2,  # two 8-bit moments
@@ -68,23 +74,51 @@ class Shape:
 
 @dataclass
 class Breakdown:
-    """Where the bytes of a peak go, by the prior (all in bytes)."""
+    """Where the bytes of one rank's peak go, by the prior (all in bytes)."""
 
     weights: int
+    """The model's parameters this rank holds (its shard under fsdp2 / zero3; none offloaded)."""
     trainable: int
-    """Adapter (or all) parameters + gradients + optimizer state."""
+    """Adapter (or all) parameters + gradients + optimizer state (this rank's share, on the device)."""
     activations: int
     logits: int
     allocator: int
     outside: int
+    gathered: int = 0
+    """fsdp2 / zero3: the unsharded parameters gathered at a time (and one layer's gradients before
+    their reduce-scatter)."""
+    buffers: int = 0
+    """Engine buffers: DDP's gradient buckets, ZeRO's reduce buckets, offload staging."""
 
     def total(self) -> int:
-        return self.weights + self.trainable + self.activations + self.logits + self.allocator + self.outside
+        return (self.weights + self.trainable + self.activations + self.logits + self.allocator + self.outside
+                + self.gathered + self.buffers)
 
     def as_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "adapter/trainable params + grads + optimizer": self.trainable,
-                "activations": self.activations, "logits and loss": self.logits,
+        """The terms by name for a person; the engine's terms only where there are some (one GPU: none)."""
+        out = {"weights": self.weights, "adapter/trainable params + grads + optimizer": self.trainable}
+        if self.gathered:
+            out[GATHERED] = self.gathered
+        if self.buffers:
+            out[BUFFERS] = self.buffers
+        return {**out, "activations": self.activations, "logits and loss": self.logits,
                 "allocator overhead": self.allocator, "outside PyTorch": self.outside}
+
+
+GATHERED = "gathered layers (FSDP2 / ZeRO-3)"
+BUFFERS = "engine buffers (DDP / ZeRO buckets, offload staging)"
+TERMS = ("weights", "trainable", "gathered", "buffers", "activations", "logits")
+"""The allocated terms (allocator and outside are derived from them, or constant)."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's share of the model's state, in bytes (the terms that the engine and `gpus` split)."""
+
+    weights: int
+    trainable: int
+    gathered: int
+    buffers: int
 
 
 def compute_bytes(cfg: TrialConfig) -> int:
@@ -92,26 +126,11 @@ def compute_bytes(cfg: TrialConfig) -> int:
 
 
 def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
-    """The analytic estimate of a configuration's peak, term by term."""
+    """The analytic estimate of a configuration's peak on its largest rank, term by term. The model's
+    state splits by engine and `gpus` (rank_state); activations and logits are per rank and do not
+    shrink with more ranks (each trains micro_batch_size x max_length tokens at a time)."""
     b = compute_bytes(cfg)
-    weight_b = 4 if cfg.precision == "fp32" or (cfg.method == "full" and cfg.precision == "fp16") else 2
-    lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
-    if cfg.quantization == "nf4":
-        weights = int(lin * 0.5 * 1.03) + emb * b  # 4-bit linear layers + double-quantised scales
-    elif cfg.quantization == "8bit":
-        weights = int(lin * 1.02) + emb * b  # int8 + per-row scales
-    else:
-        weights = (lin + emb) * weight_b
-    state = OPTIMIZER_STATE_BYTES.get(cfg.optimizer, 8)
-    if cfg.method == "lora":
-        dims = shape.module_dims()
-        n = shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1])
-                               for t in cfg.lora_targets.split(",") if t in dims)
-        trainable = n * (4 + 4 + state)  # fp32 adapter weights + fp32 grads + optimizer state
-    else:
-        # grads in the weights' dtype; torch's AdamW keeps its moments in the parameter dtype
-        moments = state if state <= 2 else 2 * weight_b
-        trainable = (lin + emb) * (weight_b + moments)
+    st = rank_state(cfg, shape)
     tokens = cfg.tokens_per_micro_batch
     # Kept for backward; Liger's SwiGLU keeps gate and up only (silu(gate) * up recomputed): 2 x I
     # fewer per token (S1 on the H200: stock 33.4 vs Liger 26.6 GiB at mb2, 5.6 GiB of it this term).
@@ -126,9 +145,95 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
         # a compiled backward with checkpointed blocks can hold more, not less).
         activations = int(activations * 0.75)
     logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
-    allocated = weights + trainable + activations + logits
-    return Breakdown(weights, trainable, activations, logits, int(allocated * ALLOCATOR_SLACK),
-                     CUDA_CONTEXT if on_gpu else 0)
+    allocated = st.weights + st.trainable + st.gathered + st.buffers + activations + logits
+    outside = (CUDA_CONTEXT + (NCCL_BUFFERS if cfg.gpus > 1 else 0)) if on_gpu else 0
+    return Breakdown(st.weights, st.trainable, activations, logits, int(allocated * ALLOCATOR_SLACK), outside,
+                     st.gathered, st.buffers)
+
+
+def rank_state(cfg: TrialConfig, shape: Shape) -> RankState:
+    """Parameters, gradients and optimizer state on one rank of `cfg.gpus`, by engine:
+
+    - none (one GPU, or DDP): every rank holds everything; DDP adds its gradient buckets, about one
+      more copy of the trainable gradients (Trainer leaves gradient_as_bucket_view off);
+    - zero2: gradients and optimizer state / N (DeepSpeed keeps fp32 master weights and fp32 moments
+      beside 16-bit weights: 4 + 8 bytes a parameter with Adam), plus two reduce buckets;
+    - fsdp2 and zero3: parameters, gradients and optimizer state / N, plus the unsharded layers
+      gathered at a time (`gathered`); fsdp2 under bf16/fp16 keeps fp32 trainable shards (accelerate
+      upcasts them; the compute copy is gathered in 16 bits);
+    - cpu_offload: optimizer (ZeRO-Offload: the optimizer state and the gradient partitions) or all
+      (parameters too) leave the device; a unit's fp32 shard in flight is kept as staging."""
+    weight_b = 4 if cfg.precision == "fp32" or (cfg.method == "full" and cfg.precision == "fp16") else 2
+    lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
+    state = OPTIMIZER_STATE_BYTES.get(cfg.optimizer, 8)
+    if cfg.method == "lora":
+        frozen, n_train = _base_bytes(cfg, lin, emb, weight_b), adapter_params(cfg, shape)
+        param_b, grad_b, opt_b = 4, 4, state  # fp32 adapter weights + fp32 grads + optimizer state
+    else:
+        # grads in the weights' dtype; torch's AdamW keeps its moments in the parameter dtype
+        frozen, n_train = 0, lin + emb
+        param_b = grad_b = weight_b
+        opt_b = state if state <= 2 else 2 * weight_b
+        if cfg.engine == "fsdp2" and weight_b < 4:
+            param_b = grad_b = 4
+            opt_b = state if state <= 2 else 8
+        elif cfg.engine in ("zero2", "zero3") and weight_b < 4:
+            opt_b = 4 + (state if state <= 2 else 8)
+    n, engine = cfg.gpus, cfg.engine
+    p_div = n if engine in ("fsdp2", "zero3") else 1
+    s_div = n if engine != "none" else 1
+    base, own = frozen // p_div, n_train * param_b // p_div
+    grads, opt = n_train * grad_b // s_div, n_train * opt_b // s_div
+    if cfg.cpu_offload != "off":
+        grads = opt = 0
+    if cfg.cpu_offload == "all":
+        base = own = 0
+    weights, trainable = (base, own + grads + opt) if cfg.method == "lora" else (own, grads + opt)
+    return RankState(weights, trainable, _gathered(cfg, shape, n_train),
+                     _buffers(cfg, shape, n_train, grad_b))
+
+
+def adapter_params(cfg: TrialConfig, shape: Shape) -> int:
+    """LoRA's trainable parameters: r x (in + out) per targeted linear layer."""
+    dims = shape.module_dims()
+    return shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1]) for t in cfg.lora_targets.split(",") if t in dims)
+
+
+def _base_bytes(cfg: TrialConfig, lin: int, emb: int, weight_b: int) -> int:
+    b = compute_bytes(cfg)
+    if cfg.quantization == "nf4":
+        return int(lin * 0.5 * 1.03) + emb * b  # 4-bit linear layers + double-quantised scales
+    if cfg.quantization == "8bit":
+        return int(lin * 1.02) + emb * b  # int8 + per-row scales
+    return (lin + emb) * weight_b
+
+
+def _gathered(cfg: TrialConfig, shape: Shape, n_train: int) -> int:
+    """fsdp2 / zero3: the root unit (embeddings, final norm, head: FSDP2 keeps the root gathered from
+    forward to backward), two decoder layers (the one computing and the one prefetched), or every layer
+    with reshard_after_forward off (kept from forward to backward: ~the full unsharded weights), all in
+    the compute dtype; plus one layer's unsharded gradients before their reduce-scatter."""
+    if cfg.engine not in ("fsdp2", "zero3") or not shape.layers:
+        return 0
+    b = compute_bytes(cfg)
+    layer = shape.linear_params() // shape.layers + 2 * shape.hidden
+    root = shape.embedding_params() + shape.hidden
+    units = shape.layers if cfg.engine == "fsdp2" and not cfg.reshard_after_forward else min(2, shape.layers)
+    return (root + units * layer) * b + n_train // shape.layers * b
+
+
+def _buffers(cfg: TrialConfig, shape: Shape, n_train: int, grad_b: int) -> int:
+    """DDP's gradient buckets (a copy of the trainable gradients); DeepSpeed's two reduce buckets of
+    ZERO_BUCKET elements (overlap_comm); with cpu_offload, a unit's fp32 shard (parameters and
+    gradients) in flight between host and device."""
+    out = 0
+    if cfg.engine == "none" and cfg.gpus > 1:
+        out += n_train * grad_b
+    elif cfg.engine in ("zero2", "zero3"):
+        out += 2 * min(ZERO_BUCKET, n_train) * grad_b
+    if cfg.cpu_offload != "off" and shape.layers:
+        out += 2 * (shape.linear_params() // shape.layers) * 4 // cfg.gpus
+    return out
 
 
 def fused_loss_bytes(tokens: int, shape: Shape, b: int) -> int:
@@ -144,7 +249,9 @@ def fused_loss_bytes(tokens: int, shape: Shape, b: int) -> int:
 
 def group_key(cfg: TrialConfig) -> str:
     """Settings that change the peak other than through tokens per micro-batch (every key not popped
-    here: the kernel keys liger and torch_compile too, each combination its own fit)."""
+    here: the kernel keys liger and torch_compile too, each combination its own fit; gpus, engine,
+    reshard_after_forward and cpu_offload too, so a DDP fit never teaches an FSDP2 prediction, nor a
+    2-rank fit a 4-rank one)."""
     d = cfg.to_dict()
     # expandable_segments changes fragmentation, not the peak (the H200 grid measured the same
     # peaks with and without it), so it shares its group's points.
@@ -159,7 +266,7 @@ def group_key(cfg: TrialConfig) -> str:
 
 MODELED = frozenset({"method", "max_length", "micro_batch_size", "precision", "gradient_checkpointing",
                      "quantization", "optimizer", "liger", "torch_compile", "expandable_segments",
-                     "lora_r", "lora_targets"})
+                     "lora_r", "lora_targets", "gpus", "engine", "reshard_after_forward", "cpu_offload"})
 """Keys whose effect on the peak the prior's terms model."""
 NO_MEMORY = frozenset({"global_batch", "lora_alpha"})
 """Keys that do not change the peak (accumulation steps, a scale factor)."""
@@ -290,7 +397,7 @@ class MemoryModel:
             return None  # eager attention's scores grow with length squared: a term the prior lacks
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
         grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
-        saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in ("weights", "trainable", "activations", "logits"))
+        saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in (*TERMS, "outside"))
         slack = max(po.allocator - pc.allocator, 0) * grow
         if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
             slack = reserved_free if reserved_free is not None else po.allocator * grow

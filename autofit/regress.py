@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .data import DatasetRef, stored_dataset
-from .envinfo import collect
+from .envinfo import collect, gpus
 from .errors import CannotWrite, RegressionFound, UsageError
 from .export.common import Best, BestEntry, read_best, read_env
 from .models import ModelSource
@@ -139,25 +139,58 @@ def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = N
         raise UsageError("--top: at least 1 (the winner).")
     spec = read_spec(run_dir)
     best = read_best(run_dir)
-    target = choose_target(targets_of(spec)[0], gpu, device, memory_limit)
+    configs = best.entries[:top]
+    need = max(c.config.gpus for c in configs)
+    stored = targets_of(spec)[0]
+    check_attached(run_dir, configs, stored, gpu, device)
+    target = choose_target(stored, gpu, device, memory_limit, per_probe=need)
     check_gpu(best.target, target, allow_gpu_change)
     ref = stored_dataset(spec, dataset, "the baseline was measured on", "this is not a regression: ")
     return Plan(run_dir, str(spec.get("run_id", run_dir.name)), model_of(spec), dict(spec.get("probe") or {}),
-                best, best.entries[:top], target, read_env(run_dir), ref)
+                best, configs, target, read_env(run_dir), ref)
 
 
-def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None) -> Target:
+def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None,
+                  per_probe: int = 1) -> Target:
     """The stored target unless flags say otherwise; a GPU is read again (its name now), and the
-    stored memory limit holds unless --memory-limit replaces it."""
+    stored memory limit holds unless --memory-limit replaces it. The target spans `per_probe` GPUs
+    (the checked configs' largest `gpus`): the stored group's first ones, or the first of --gpu."""
     if gpu is None and device is None:
         if stored.device == "cuda":
-            gpu = str(stored.gpu_index)
+            group = stored.gpus[:per_probe]
+            gpu = ",".join(map(str, group)) if len(group) == per_probe else None
+            device = "cuda"
         elif not memory_limit:
-            return stored
+            return stored if stored.ranks >= per_probe else replace(stored, ranks=per_probe)
         else:
             device = "cpu"
-    target = resolve_targets(gpu, device, memory_limit, stored.headroom)[0]
+    elif gpu is not None and per_probe > 1:
+        gpu = ",".join(gpu.split(",")[:per_probe])
+    target = resolve_targets(gpu, device, memory_limit, stored.headroom, per_probe)[0]
     return target if memory_limit else replace(target, memory_limit_bytes=stored.memory_limit_bytes)
+
+
+def check_attached(run_dir: Path, configs: Sequence[BestEntry], stored: Target, gpu: str | None,
+                   device: str | None) -> None:
+    """A config measured on N GPUs is re-measured on N: fewer attached (or named with --gpu) is a usage
+    error naming the run, N and what is here. On the CPU (--device cpu, or a run stored there) the
+    ranks are gloo processes, any number of them."""
+    need = max(configs, key=lambda c: c.config.gpus)
+    n = need.config.gpus
+    if n <= 1 or device == "cpu" or (gpu is None and device is None and stored.device == "cpu"):
+        return
+    try:
+        attached = len([int(x) for x in gpu.split(",") if x.strip()]) if gpu is not None else len(gpus())
+    except ValueError:
+        return  # not a GPU list: target.resolve_targets names the --gpu problem
+    if attached >= n:
+        return
+    here = f"--gpu {gpu} names {attached}" if gpu is not None else f"{attached} {'is' if attached == 1 else 'are'} attached here"
+    first = configs.index(need)
+    fewer = f", or --top {first} to check only the configs before it" if first else ""
+    raise UsageError(f"RUN: {run_dir}: the {need.name} was measured on {n} GPUs (gpus={n}) and {here}: a "
+                     f"probe spans as many GPUs as it was stored with. Run `autofit regress` on a host with "
+                     f"{n} GPUs of the baseline's model (--gpu with {n} indices to choose them){fewer}.")
 
 
 def check_gpu(measured_on: dict[str, Any], target: Target, allow_change: bool) -> None:

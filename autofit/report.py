@@ -7,10 +7,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .errors import UsageError
+from .knowledge import promise
 from .memory import MemoryModel, Shape, prior
 from .objective import best_of, best_per_length, ranked_fits
 from .protocol import HEADROOM, usable_bytes
 from .result import Outcome, ProbeResult
+from .space import Space
 from .spec import KEYS, TrialConfig
 from .units import format_duration, format_size
 
@@ -32,6 +35,12 @@ def config_brief(cfg: dict[str, Any]) -> str:
         parts.append("full")
     if cfg.get("batching", "pad_max") != "pad_max":
         parts.append(str(cfg["batching"]))
+    if cfg.get("gpus", 1) > 1 or cfg.get("engine", "none") != "none":
+        parts.append(f"gpus={cfg.get('gpus', 1)} {cfg.get('engine', 'none')}")
+        if not cfg.get("reshard_after_forward", True):
+            parts.append("no-reshard")
+        if cfg.get("cpu_offload", "off") != "off":
+            parts.append(f"offload={cfg['cpu_offload']}")
     return " ".join(parts)
 
 
@@ -113,7 +122,7 @@ def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     pr = prior(cfg, shape, on_gpu)
     parts = pr.as_dict()
     if res.max_memory_allocated and res.outcome.is_fit() and on_gpu:
-        fixed = pr.weights + pr.trainable + pr.logits
+        fixed = pr.weights + pr.trainable + pr.gathered + pr.buffers + pr.logits
         parts["activations"] = max(res.max_memory_allocated - fixed, 0)
         parts["allocator overhead"] = max((res.max_memory_reserved or 0) - res.max_memory_allocated, 0)
         parts["outside PyTorch"] = res.memory_outside_allocator or 0
@@ -220,7 +229,11 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
 def _describe_target(t: dict[str, Any]) -> str:
     lim = f"{format_size(t['memory_limit_bytes'])} limit on " if t.get("memory_limit_bytes") else ""
     if t["device"] == "cpu":
-        return f"{lim}the CPU (no GPU: memory is host RSS added by each probe)"
+        procs = f", {t['ranks']} gloo processes per probe" if t.get("ranks", 1) > 1 else ""
+        return f"{lim}the CPU (no GPU: memory is host RSS added by each probe{procs})"
+    if t.get("ranks", 1) > 1:
+        gpus = ",".join(map(str, t.get("gpu_indices") or [t.get("gpu_index")]))
+        return f"{lim}{t['ranks']}x {t.get('gpu_name') or 'GPU'} per probe (GPUs {gpus}; memory per rank)"
     return f"{lim}{t.get('gpu_name') or 'GPU'} (GPU {t.get('gpu_index')})"
 
 
@@ -235,6 +248,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     if data is not None:
         lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
+    lines += gpus_section(spec, rows, results, usable)
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", ""]
     lines += prediction_errors(spec, rows, results)
@@ -348,8 +362,9 @@ def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: Prob
     lines += ["| term | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
               "|---|" + "---|" * len(explained)]
     parts = [explain_memory(r, shape) for _, r in explained]
-    for term in parts[0]:
-        lines.append(f"| {term} | " + " | ".join(_size(p[term]) for p in parts) + " |")
+    terms = list(dict.fromkeys(t for p in parts for t in p))  # an engine's terms where either has them
+    for term in terms:
+        lines.append(f"| {term} | " + " | ".join(_size(p.get(term, 0)) for p in parts) + " |")
     lines.append("| **measured peak** | " + " | ".join(
         _size(r.peak_memory_bytes) + (f" (short {_size(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
                                      else "") for _, r in explained) + " |")
@@ -366,9 +381,7 @@ def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results:
     """The memory model's error on the probes that ran to the end, one row per kernel combination
     (the fused loss and compile change the peak in ways the prior only estimates), and the margin it
     ended the search with (fits and out-of-memory bounds learned in the search's order)."""
-    model = MemoryModel(Shape.from_config(spec["model"]["config"]), on_gpu=spec["targets"][0]["device"] == "cuda")
-    for row, r in zip(rows, results, strict=True):
-        model.learn(r, row.get("predicted_peak"))
+    model = learned_model(spec, rows, results)
     by: dict[str, list[float]] = {}
     for row, r in zip(rows, results, strict=True):
         if r.tokens_per_s and r.peak_memory_bytes and row.get("predicted_peak"):
@@ -380,6 +393,79 @@ def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results:
     for label, errs in sorted(by.items()):
         lines.append(f"| {label} | {statistics.median(errs):.0%} | {max(errs):.0%} | {len(errs)} |")
     return [*lines, "", f"At the end of the search: {model.describe()}.", ""]
+
+
+def learned_model(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult]) -> MemoryModel:
+    """The memory model as the search ended it: the prior, taught every probe in the search's order."""
+    model = MemoryModel(Shape.from_config(spec["model"]["config"]), on_gpu=spec["targets"][0]["device"] == "cuda")
+    for row, r in zip(rows, results, strict=True):
+        model.learn(r, row.get("predicted_peak"))
+    return model
+
+
+GPU_COUNTS = (2, 4, 8)
+"""The group sizes a config that did not fit is tried at (fsdp2), for the report."""
+
+
+def gpus_section(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
+                 usable: int | None) -> list[str]:
+    """What more GPUs would do: the space's configs that span more GPUs than attached (not probed), by
+    GPU count, with how many the memory model predicts to fit (per-rank peak vs usable); and, where
+    the space has an engine dimension, the fewest GPUs at which fsdp2 is predicted to fit each
+    configuration that ran out of memory here."""
+    ranks = int(spec["targets"][0].get("ranks", 1))
+    space = Space.from_dict(spec["space"])
+    model = learned_model(spec, rows, results)
+    wider = [c for c in space.candidates() if c.gpus > ranks]
+    lines = _wider_table(wider, model, ranks, usable)
+    if "engine" in space.dimensions and usable:
+        lines += _fewest_gpus(results, model, ranks, usable)
+    return ["## More GPUs", "", *lines] if lines else []
+
+
+def _wider_table(wider: list[TrialConfig], model: MemoryModel, ranks: int, usable: int | None) -> list[str]:
+    if not wider:
+        return []
+    where = f"{ranks} attached" if model.on_gpu else f"{ranks} rank(s) per probe"
+    judged = (f"predicted to fit: the per-rank peak within the usable {_size(usable)}" if usable
+              else "no memory limit: whether they fit is not judged")
+    lines = [f"Not probed: configurations of the space that need more GPUs than the {where} ({judged}).", "",
+             "| GPUs | configs | predicted to fit | per-rank peak | for example |", "|---|---|---|---|---|"]
+    for n in sorted({c.gpus for c in wider}):
+        peaks = [(c, model.predict(c)) for c in wider if c.gpus == n]
+        fit = [(c, p) for c, p in peaks if usable is None or p <= usable]
+        span = f"{_size(min(p for _, p in fit))} - {_size(max(p for _, p in fit))}" if fit else "-"
+        example = config_brief(max(fit, key=lambda cp: promise(cp[0]))[0].to_dict()) if fit else "-"
+        lines.append(f"| {n} | {len(peaks)} | {len(fit) if usable else '-'} | {span} | {example} |")
+    return [*lines, ""]
+
+
+def _fewest_gpus(results: list[ProbeResult], model: MemoryModel, ranks: int, usable: int) -> list[str]:
+    """Each distinct configuration that ran out of memory here: the fewest GPUs (GPU_COUNTS) at which
+    the memory model predicts it fits with fsdp2 (the rest of the config unchanged)."""
+    seen: dict[str, TrialConfig] = {}
+    for r in results:
+        cfg = TrialConfig.from_dict(r.config)
+        if r.outcome.is_memory() and cfg.gpus <= ranks:
+            seen.setdefault(cfg.key(), cfg)
+    rows = []
+    for cfg in sorted(seen.values(), key=promise, reverse=True)[:5]:
+        rows.append(f"| {config_brief(cfg.to_dict())} | {_fsdp2_fit(cfg, model, usable)} |")
+    if not rows:
+        return []
+    return [f"Out of memory here; the fewest GPUs at which fsdp2 is predicted to fit (per-rank peak within "
+            f"the usable {_size(usable)}):", "", "| configuration | fsdp2 fits on |", "|---|---|", *rows, ""]
+
+
+def _fsdp2_fit(cfg: TrialConfig, model: MemoryModel, usable: int) -> str:
+    for n in GPU_COUNTS:
+        try:
+            wide = cfg.replace(gpus=n, engine="fsdp2", cpu_offload="off", reshard_after_forward=True)
+        except UsageError as e:  # a setting fsdp2 does not take (a quantized base, every_N checkpointing)
+            return f"- ({e.problems[0].split(':')[0]})"
+        if (peak := model.predict(wide)) <= usable:
+            return f"{n} GPUs ({_size(peak)} per rank)"
+    return f"not on {GPU_COUNTS[-1]} GPUs"
 
 
 def _all_probes(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from autofit import regress
+from autofit import envinfo, regress
 from autofit.cli import main
 from autofit.errors import CannotWrite, RegressionFound, UsageError
 from autofit.export.common import BestEntry
@@ -451,3 +451,61 @@ def test_regress_of_a_folder_that_is_not_a_run_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stderr == (
         f"autofit: error: RUN: {tmp_path} is not an autofit run (it has no spec.yaml); give a folder made by "
         "`autofit search`.\n")
+
+
+# --------------------------------------------------------------------------- several GPUs per probe, in-process
+
+
+def multi_gpu_run(run_dir: Path, n: int, on_runner_up: bool = False) -> Path:
+    """A run stored on an H200 group of n GPUs whose winner (or first runner-up) spans n GPUs (fsdp2)."""
+    h200 = {"device": "cuda", "gpu_index": 0, "gpu_name": "NVIDIA H200", "memory_limit_bytes": None,
+            "ranks": n, "gpu_indices": list(range(n))}
+    wide = BASE.config.replace(gpus=n, engine="fsdp2").to_dict()
+    if on_runner_up:
+        entry = {"outcome": "fit", "config": wide, "tokens_per_s": 800.0, "peak_memory_bytes": 100 * MIB}
+        run = write_run(run_dir, target=h200, runners_up=[entry])
+    else:
+        run = write_run(run_dir, target=h200, config=wide)
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["targets"] = [target_dict(Target("cuda", 0, "NVIDIA H200", None, ranks=n, gpu_indices=tuple(range(n))))]
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return run
+
+
+def test_a_run_stored_for_more_gpus_than_attached_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    n = max(2, len(envinfo.gpus()) + 1)  # more than this machine has (none on a CPU-only machine)
+    run = multi_gpu_run(tmp_path / "run", n)
+    have = len(envinfo.gpus())
+    attached = f"{have} {'is' if have == 1 else 'are'} attached here"
+    with pytest.raises(UsageError) as e:
+        regress.plan(run, top=1)
+    assert e.value.problems == [
+        f"RUN: {run}: the winner was measured on {n} GPUs (gpus={n}) and {attached}: a probe spans as many "
+        f"GPUs as it was stored with. Run `autofit regress` on a host with {n} GPUs of the baseline's model "
+        f"(--gpu with {n} indices to choose them)."]
+    with pytest.raises(UsageError, match=r"and --gpu 0 names 1: a probe spans"):
+        regress.plan(run, top=1, gpu="0")
+    xml = tmp_path / "r.xml"
+    assert main(["regress", str(run), "--junit", str(xml)]) == 2
+    assert ET.parse(xml).getroot().find("testcase/error").text == e.value.problems[0]
+
+
+def test_a_runner_up_on_more_gpus_names_top_to_check_only_those_before_it(tmp_path: Path) -> None:
+    n = max(2, len(envinfo.gpus()) + 1)
+    run = multi_gpu_run(tmp_path / "run", n, on_runner_up=True)
+    with pytest.raises(UsageError, match=rf"the runner-up 1 was measured on {n} GPUs .*, or --top 1 to check "
+                                         r"only the configs before it\.$"):
+        regress.plan(run, top=2)
+    if not envinfo.gpus():  # the winner alone spans one GPU: today's check of the stored GPU remains
+        with pytest.raises(UsageError, match="GPU 0 does not exist here"):
+            regress.plan(run, top=1)
+
+
+def test_on_the_cpu_any_number_of_ranks_runs_as_gloo_processes(tmp_path: Path) -> None:
+    run = multi_gpu_run(tmp_path / "run", 4)
+    p = regress.plan(run, top=1, device="cpu", allow_gpu_change=True)
+    assert (p.target.device, p.target.ranks) == ("cpu", 4) and p.configs[0].config.gpus == 4
+    stored = Target("cpu", None, "", 90 * MIB, 0.05, ranks=2)
+    assert regress.choose_target(stored, None, None, None, per_probe=2) is stored
+    assert regress.choose_target(stored, None, None, "2GiB", per_probe=2).ranks == 2
+    assert regress.choose_target(Target("cpu", None, "", None), None, None, None, per_probe=3).ranks == 3

@@ -58,7 +58,8 @@ def add_parser(sub: Any, fmt: Any) -> None:
 
                             exit codes: 0 within tolerance, 1 regression (slower, heavier, or no longer
                             fits), 2 usage error (a bad flag, a run folder or best.json that cannot be
-                            read, a different GPU model without --allow-gpu-change), 4 a result file
+                            read, a different GPU model without --allow-gpu-change, a config stored
+                            for N GPUs (gpus=N) with fewer attached or named by --gpu), 4 a result file
                             that could not be written after measuring. The --json and --junit files are
                             written first with an error ("did not finish") and replaced at the end: with
                             the checks, or with the error that stopped the job (a JUnit <error>).
