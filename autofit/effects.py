@@ -27,6 +27,14 @@ SPEED: dict[str, dict[Any, float]] = {
     "attn_implementation": {"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05, "flash_attention_3": 1.05,
                             "flex_attention": 1.0},
     "optimizer": {"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
+    # Several GPUs (not yet measured by autofit; rough, from the engines' published scaling on one
+    # NVLink host): the group's tokens/s grows a little under linearly with the ranks; sharding adds
+    # communication (ZeRO-3 / FSDP all-gather the weights in forward and backward); host offload
+    # moves the optimizer step (and for `all`, the weights) across PCIe.
+    "gpus": {1: 1.0, 2: 1.9, 4: 3.7, 8: 7.2},
+    "engine": {"none": 1.0, "zero2": 0.95, "fsdp2": 0.92, "zero3": 0.88},
+    "reshard_after_forward": {True: 1.0, False: 1.04},
+    "cpu_offload": {"off": 1.0, "optimizer": 0.6, "all": 0.35},
 }
 HALF_TOKENS = 512
 """Tokens per micro-batch at which a GPU reaches half its matrix-product throughput: tokens/s rises

@@ -100,6 +100,7 @@ class EventKind(StrEnum):
     PREDICTED = Verdict.PREDICTED.value
     SLOWER = Verdict.SLOWER.value
     MISMATCHED = Verdict.MISMATCHED.value
+    NEEDS_GPUS = Verdict.NEEDS_GPUS.value
 
     def skipped(self) -> bool:
         return self not in (EventKind.PROBE, EventKind.AGAIN)
@@ -421,7 +422,7 @@ class Search:
 
     def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
         return Knowledge.build(study.get_trials(deepcopy=False), self.shape, target.device == "cuda",
-                               target.usable_bytes, repeats_of(study), superseded_of(study))
+                               target.usable_bytes, repeats_of(study), superseded_of(study), ranks=target.ranks)
 
     def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
         return self.time.in_time(know, cfg, self.deadline - self.clock())
