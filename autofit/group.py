@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .result import Outcome, ProbeResult
-from .signatures import classify_text, oom_figures
+from .signatures import classify_text, communication_failure, oom_figures
 
 SEVERITY = (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.MISMATCH, Outcome.UNSTABLE,
             Outcome.CRASH, Outcome.TIMEOUT, Outcome.CANCELLED, Outcome.FIT)
@@ -42,10 +42,16 @@ def root_cause(text: str) -> RootCause | None:
 
 
 def worst(results: dict[int, ProbeResult], cause: RootCause | None = None) -> tuple[int, ProbeResult]:
-    """The rank whose outcome is the group's; among equals the rank torchrun saw fail first (the
-    others' failures are its consequences), then the lowest."""
+    """The rank whose outcome is the group's; among equals a failure that is not in the collectives
+    (NCCL, gloo: a peer's death breaks them), then the rank torchrun saw fail first, then the lowest."""
     first = cause.rank if cause is not None else -1
-    return min(results.items(), key=lambda kv: (SEVERITY.index(kv[1].outcome), kv[0] != first, kv[0]))
+
+    def key(kv: tuple[int, ProbeResult]) -> tuple[int, bool, bool, int]:
+        rank, res = kv
+        heard = communication_failure(f"{res.reason}\n{res.error_tail}") is not None
+        return SEVERITY.index(res.outcome), heard, rank != first, rank
+
+    return min(results.items(), key=key)
 
 
 def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text: str) -> ProbeResult:
@@ -58,7 +64,9 @@ def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text
     rank, res = worst(judged, root_cause(text))
     ranks = [_rank_summary(r, judged[r]) for r in sorted(judged)]
     if not res.outcome.is_fit():
-        out = replace(res, reason=f"rank {rank}: {res.reason}" if res.reason else f"rank {rank}")
+        comm = communication_failure(f"{res.reason}\n{res.error_tail}")
+        why = f"{comm}: {res.reason}" if comm and comm not in res.reason else res.reason
+        out = replace(res, reason=f"rank {rank}: {why}" if why else f"rank {rank}")
     else:
         out = _fit_of_group(judged)
     out.extra = {**out.extra, "ranks": ranks, "world_size": world}

@@ -52,6 +52,21 @@ UNSUPPORTED = (
     "requires a CUDA or other accelerator backend",
 )
 
+# A rank's collectives failing, in the words of NCCL, gloo and torch.distributed: mostly a consequence of
+# another rank's failure (a probe spanning several ranks is judged by the rank that failed first).
+COMMUNICATION = (
+    ("Watchdog caught collective operation timeout", "a collective timed out (NCCL watchdog)"),
+    ("ncclRemoteError", "NCCL: a remote rank failed"),
+    ("ncclUnhandledCudaError", "NCCL: a CUDA error inside NCCL"),
+    ("ncclSystemError", "NCCL: a system error (network, shared memory)"),
+    ("ncclInternalError", "NCCL: an internal error"),
+    ("NCCL error", "NCCL error"),
+    ("Connection closed by peer", "a peer rank closed its connection (gloo)"),
+    ("Connection reset by peer", "a peer rank reset its connection"),
+    ("DistNetworkError", "the rendezvous of the ranks failed"),
+    ("DistBackendError", "the process group's backend failed"),
+)
+
 # Sizes as c10's format_size prints them: "512 bytes", "3.06 MiB", "2.00 GiB" (two decimals).
 _SIZE = r"([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)"
 _TRIED = re.compile(r"[Tt]ried to allocate " + _SIZE)
@@ -73,6 +88,11 @@ def is_host_oom(text: str) -> bool:
 
 def is_unsupported(text: str) -> bool:
     return any(s in text for s in UNSUPPORTED)
+
+
+def communication_failure(text: str) -> str | None:
+    """What a rank's failure text says about its collectives (None: not a communication failure)."""
+    return next((what for sig, what in COMMUNICATION if sig in text), None)
 
 
 def classify_text(text: str) -> Outcome | None:

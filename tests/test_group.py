@@ -143,6 +143,10 @@ def test_merge_takes_the_worst_rank_and_names_the_root_cause() -> None:
     crash = ProbeResult(Outcome.CRASH, cfg, reason="Connection closed by peer")
     oom = ProbeResult(Outcome.OOM, cfg, reason="CUDA out of memory")
     assert merge({0: crash, 1: oom}, 2, cfg, "").reason == "rank 1: CUDA out of memory"
+    boom = ProbeResult(Outcome.CRASH, cfg, reason="RuntimeError: boom")
+    assert merge({0: crash, 1: boom}, 2, cfg, "").reason == "rank 1: RuntimeError: boom"  # not the consequence
+    nccl = ProbeResult(Outcome.CRASH, cfg, reason="ProcessGroupNCCL: Watchdog caught collective operation timeout")
+    assert "a collective timed out (NCCL watchdog)" in merge({0: nccl, 1: fit}, 2, cfg, "").reason
     assert root_cause(TORCHRUN_SUMMARY).rank == 3 and root_cause(TORCHRUN_SUMMARY).exitcode == -9
     missing = merge({0: fit, 1: fit, 2: fit}, 4, cfg, TORCHRUN_SUMMARY)
     assert missing.outcome is Outcome.CRASH and missing.reason.startswith("rank 3: ") and "signal 9" in missing.reason
