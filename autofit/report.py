@@ -71,6 +71,8 @@ def probe_summary(res: ProbeResult) -> str:
         lines.append(f"oom          {oom}")
     if res.checkpointed_layers is not None:
         lines.append(f"checkpointed {len(res.checkpointed_layers)} of {res.n_layers} layers")
+    if res.extra.get("ranks"):
+        lines.append(ranks_line(res))
     if res.wall_seconds is not None:
         train = f" (training {res.train_seconds:.1f} s)" if res.train_seconds else ""
         lines.append(f"wall time    {res.wall_seconds:.1f} s{train}")
@@ -79,6 +81,18 @@ def probe_summary(res: ProbeResult) -> str:
         lines.append("error tail   " + "\n             ".join(tail))
     lines.append(f"log          {res.log_path}")
     return "\n".join(lines)
+
+
+def ranks_line(res: ProbeResult) -> str:
+    """A group's ranks in one line: how Trainer ran them, then each rank's outcome, speed and peak."""
+    how = res.extra.get("distributed_type")
+    how = f"{how}, {res.extra.get('fsdp_modules')} FSDP modules" if res.extra.get("fsdp_modules") else how
+    each = []
+    for r in res.extra["ranks"]:
+        figs = [f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "",
+                format_size(r["peak_memory_bytes"]) if r.get("peak_memory_bytes") else ""]
+        each.append(f"rank {r['rank']} {r['outcome']}" + "".join(f" {f}" for f in figs if f))
+    return f"ranks        {len(res.extra['ranks'])}" + (f" ({how})" if how else "") + ": " + "; ".join(each)
 
 
 def oom_brief(res: ProbeResult) -> str:

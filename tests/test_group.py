@@ -20,6 +20,7 @@ from autofit.errors import UsageError
 from autofit.group import merge, root_cause
 from autofit.models import resolve_model
 from autofit.probe.ranks import RANK_ENV
+from autofit.report import ranks_line
 from autofit.result import Outcome, ProbeResult
 from autofit.runner import Runner
 from autofit.spec import TrialConfig
@@ -153,6 +154,7 @@ def test_merge_takes_the_worst_rank_and_names_the_root_cause() -> None:
     both = merge({0: fit, 1: ProbeResult(Outcome.FIT, cfg, tokens_per_s=90.0, peak_memory_bytes=7)}, 2, cfg, "")
     assert both.tokens_per_s == 190.0 and both.peak_memory_bytes == 7
     assert json.dumps(both.to_dict())  # the stored form
+    assert ranks_line(both) == "ranks        2: rank 0 fit 100 tokens/s 0 MiB; rank 1 fit 90 tokens/s 0 MiB"
 
 
 def test_the_probe_help_says_how_gpus_and_gpu_differ() -> None:
