@@ -426,13 +426,23 @@ class Runner:
             return self._finish(ProbeResult(Outcome.TIMEOUT, cfg.to_dict(),
                                             reason=f"no probe process was ready within {timeout:.0f} s"),
                                 asked, log_path, "")
+        return self._supervise(child, req, log_path, asked, deadline, timeout, cancel)
+
+    def _supervise(self, child: Standby, req: ProbeRequest, log_path: Path, asked: float, deadline: float,
+                   timeout: float, cancel: Callable[[], bool] | None) -> ProbeResult:
+        """Drive one started child (a standby, or a group's launcher) to its end and judge it; Ctrl-C
+        stops it first."""
+        group = req.config.gpus > 1
         self._current = child
         try:
             child.name_log(log_path)
-            ended = self._drive(child, req, deadline, cancel)
+            ended = self._drive(child, req, deadline, cancel, send=not group)
             text = log_path.read_text(errors="replace")
-            res = self._judge(child, ended, timeout, req, text)
-            return self._finish(res, asked, log_path, f"pid {child.proc.pid}")
+            if group:
+                res = self._judge_group(ended, timeout, req, text)
+                return self._finish(res, asked, log_path, f"pid {child.proc.pid} ({req.config.gpus} ranks)")
+            return self._finish(self._judge(child, ended, timeout, req, text), asked, log_path,
+                                f"pid {child.proc.pid}")
         except KeyboardInterrupt:
             child.kill()
             self.close()
@@ -454,22 +464,12 @@ class Runner:
         child = Standby(self.log_dir, self._env(n), self._seq,
                         cmd=[sys.executable, "-m", "autofit.probe.launch", str(n), str(request_file)])
         child.hold_while_timing = False  # nothing imports ahead beside a group
-        self._current = child
         try:
-            child.name_log(log_path)
-            ended = self._drive(child, req, deadline, cancel, send=False)
-            res = self._judge_group(child, ended, timeout, req, log_path.read_text(errors="replace"))
-            request_file.unlink(missing_ok=True)
-            return self._finish(res, asked, log_path, f"pid {child.proc.pid} ({n} ranks)")
-        except KeyboardInterrupt:
-            child.kill()
-            self.close()
-            raise
+            return self._supervise(child, req, log_path, asked, deadline, timeout, cancel)
         finally:
-            self._current = None
+            request_file.unlink(missing_ok=True)
 
-    def _judge_group(self, child: Standby, ended: Ended, timeout: float, req: ProbeRequest,
-                     text: str) -> ProbeResult:
+    def _judge_group(self, ended: Ended, timeout: float, req: ProbeRequest, text: str) -> ProbeResult:
         cfg = req.config.to_dict()
         results = {}
         for r in range(req.config.gpus):
