@@ -243,10 +243,10 @@ def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool)
                           for p in in_the_way])
     if out.exists() and not force:  # checked before any companion is written
         raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
+    write_recipe(rendered.text, out, force, executable)  # first: an -o that cannot be written is named as such
     for path, text in beside.items():
         write_recipe(text, path, force=True, executable=False)
-    write_recipe(rendered.text, out, force, executable)
-    lines = [f"wrote {p}" for p in (*beside, out)]
+    lines = [f"wrote {p}" for p in (out, *beside)]
     if rendered.launch:
         here = out.parent.resolve() == Path.cwd().resolve()
         recipe = str(out) if here or not beside else out.name

@@ -16,7 +16,7 @@ HEADER = '''#!/usr/bin/env python3
 {provenance}
 """Fine-tune with the configuration autofit measured as the fastest that fits.
 
-    {launch} [--model PATH_OR_HUB_ID] [--max-steps N]
+    {usage}
 {distributed}
 --dataset: JSONL with a "text" field per line, or a plain text file. The text is tokenized,
 joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
@@ -338,9 +338,11 @@ def settings(r: ExportRun, max_steps: int = 1000) -> str:
 
 
 def header(r: ExportRun, name: str) -> str:
+    launch = distributed.launch_command(r.config, name, "--dataset data.jsonl --output-dir out")
+    options = "[--model PATH_OR_HUB_ID] [--max-steps N]"
+    usage = f"{launch} {options}" if len(launch) + len(options) < 96 else f"{launch}\n    also: {options}"
     return HEADER.format(provenance=comment_block(r.provenance()), allocator=recipe.allocator_env(r.config),
-                         launch=distributed.launch_command(r.config, name, "--dataset data.jsonl --output-dir out"),
-                         distributed=script_doc(r.config))
+                         usage=usage, distributed=script_doc(r.config))
 
 
 def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:
