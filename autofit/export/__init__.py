@@ -12,7 +12,18 @@ from pathlib import Path
 
 from ..errors import UsageError
 from . import axolotl, hf_trainer, llama_factory, trl
-from .common import Best, BestEntry, ExportRun, Rendered, load_run, read_best, read_env, write_recipe
+from .common import (
+    Best,
+    BestEntry,
+    ExportRun,
+    Rendered,
+    load_run,
+    read_best,
+    read_env,
+    stdout_notes,
+    write_recipe,
+    write_rendered,
+)
 
 RENDERERS: dict[str, Callable[[ExportRun], Rendered]] = {
     "hf-trainer": hf_trainer.render, "trl": trl.render, "axolotl": axolotl.render,
@@ -32,4 +43,4 @@ def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendere
 
 
 __all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",
-           "read_best", "read_env", "write_recipe"]
+           "read_best", "read_env", "stdout_notes", "write_recipe", "write_rendered"]

@@ -6,8 +6,10 @@ from typing import Any
 
 from ..recipe import learning_rate
 from ..spec import TrialConfig
-from .common import ExportRun, Rendered, yaml_recipe
+from .common import ExportRun, Rendered, with_engine, yaml_recipe
 from .data_yaml import axolotl_batching
+from .multi_gpu import axolotl as engine_keys
+from .multi_gpu import yaml_intro
 from .yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 
 
@@ -72,9 +74,21 @@ def render(r: ExportRun) -> Rendered:
         out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
                             "field": r.dataset.get("text_field", "text")}]
     out["output_dir"] = "./autofit-out"
-    intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: axolotl train this.yaml"]
-    return yaml_recipe(r, out, AXOLOTL["keys"], intro, lost)
+    return with_gpus(r, out, lost)
 
+
+def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
+    """The recipe with its multi-GPU keys, the files they name, and how to launch it."""
+    cfg = r.config
+    engine, companions, launch = engine_keys(cfg)
+    if cfg.engine == "fsdp2":  # FSDP's activation_checkpointing (in fsdp_config) replaces axolotl's
+        out["gradient_checkpointing"] = False
+        out.pop("gradient_checkpointing_kwargs", None)
+    out.update(engine)
+    assert set(out.get("fsdp_config", {})) <= AXOLOTL["fsdp_config"]  # the versioned key list moves with this
+    run = launch.format(recipe="this.yaml") if launch else "axolotl train this.yaml"
+    intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: {run}", *yaml_intro(cfg, companions)]
+    return with_engine(yaml_recipe(r, out, AXOLOTL["keys"], intro, lost), companions, launch)
 
 def kernel_keys(cfg: TrialConfig) -> dict[str, Any]:
     """Liger through axolotl's plugin, the kernels Trainer's `use_liger_kernel` applies by default

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,13 @@ class Rendered:
     text: str
     unexpressed: list[str] = field(default_factory=list)
     """Settings the target cannot express: written as comments and reported on stderr."""
+    companions: dict[str, str] = field(default_factory=dict)
+    """Files the recipe names by a bare file name (a DeepSpeed JSON, an accelerate config), written beside it."""
+    launch: str = ""
+    """How to start the recipe on several GPUs, with `{recipe}` for its file; '' for one GPU."""
+
+    def launch_for(self, recipe: str) -> str:
+        return self.launch.format(recipe=recipe)
 
 
 def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
@@ -217,6 +224,52 @@ def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
             out.chmod(0o755)
     except OSError as e:
         raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
+
+
+def with_engine(rendered: Rendered, companions: dict[str, str], launch: str) -> Rendered:
+    """A YAML recipe with the files it names and its launch command (`multi_gpu`)."""
+    return replace(rendered, companions={**rendered.companions, **companions}, launch=launch)
+
+
+def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool) -> list[str]:
+    """Write the recipe to -o and its companions beside it; the lines to print (what was written, how to
+    launch it). Nothing is written when a file is in the way: an existing -o needs `force`, and so does an
+    existing companion with other content (one with the same content, from another format's export, is kept)."""
+    beside = {out.parent / name: text for name, text in rendered.companions.items()}
+    in_the_way = [p for p, text in beside.items() if p.exists() and not force and _content(p) != text]
+    if in_the_way:
+        raise UsageError([f"-o: {p} already exists with other content (the recipe {out} names it, so it is "
+                          "written beside it); pass --force to overwrite it, or give -o in another folder."
+                          for p in in_the_way])
+    if out.exists() and not force:  # checked before any companion is written
+        raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
+    write_recipe(rendered.text, out, force, executable)  # first: an -o that cannot be written is named as such
+    for path, text in beside.items():
+        write_recipe(text, path, force=True, executable=False)
+    lines = [f"wrote {p}" for p in (out, *beside)]
+    if rendered.launch:
+        here = out.parent.resolve() == Path.cwd().resolve()
+        recipe = str(out) if here or not beside else out.name
+        cd = "" if here or not beside else f"cd {out.parent} && "  # companions are named relative to it
+        lines.append(f"launch: {cd}{rendered.launch_for(recipe)}")
+    return lines
+
+
+def stdout_notes(rendered: Rendered, name: str = "RECIPE") -> list[str]:
+    """What to say when the recipe goes to stdout: the companions it names are not written, how to launch it
+    (`name`: the file the recipe is saved as)."""
+    lines = [f"the recipe names {n}, written beside it only with -o: export again with -o FILE to get it"
+             for n in rendered.companions]
+    if rendered.launch:
+        lines.append(f"launch: {rendered.launch_for(name)}")
+    return lines
+
+
+def _content(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def check_fields(names: set[str], keys: list[str] | set[str] | dict[str, Any], what: str) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import tempfile
 from importlib import util
 from pathlib import Path
@@ -24,6 +25,10 @@ from .common import quiet_bitsandbytes
 
 LIBRARIES = ("transformers", "peft", "trl", "accelerate")
 """Their versions key the cache (accelerate: TrainingArguments' fields depend on it too)."""
+
+
+READ = ("TrainingArguments", "fsdp_config", "BitsAndBytesConfig", "LoraConfig", "prepare_model_for_kbit_training")
+"""What `installed_fields` always holds (SFTConfig too where TRL is installed)."""
 
 
 def versions() -> dict[str, str]:
@@ -43,6 +48,24 @@ def names_of(obj: Any) -> list[str]:
     return sorted(inspect.signature(target).parameters)
 
 
+def documented_keys(doc: str, argument: str) -> list[str]:
+    """The keys a dict-valued argument documents: the `- name (`type`...)` items under `argument (` in a
+    docstring (TrainingArguments' fsdp_config is read with .get: an unknown key would be silently ignored)."""
+    lines = doc.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip().startswith(f"{argument} (")), None)
+    if start is None:
+        return []
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    keys = []
+    for ln in lines[start + 1:]:
+        if ln.strip() and len(ln) - len(ln.lstrip()) <= indent:
+            break
+        m = re.match(r"\s+- (\w+) \(`", ln)
+        if m:
+            keys.append(m.group(1))
+    return sorted(keys)
+
+
 def _read_installed() -> dict[str, list[str]]:
     quiet_bitsandbytes()
     # Deferred: transformers and peft import torch (seconds); only a cache miss needs them.
@@ -50,6 +73,7 @@ def _read_installed() -> dict[str, list[str]]:
     import transformers
 
     out = {"TrainingArguments": names_of(transformers.TrainingArguments),
+           "fsdp_config": documented_keys(transformers.TrainingArguments.__doc__ or "", "fsdp_config"),
            "BitsAndBytesConfig": names_of(transformers.BitsAndBytesConfig),
            "LoraConfig": names_of(peft.LoraConfig),
            "prepare_model_for_kbit_training": names_of(peft.prepare_model_for_kbit_training)}
@@ -71,7 +95,7 @@ def installed_fields() -> dict[str, set[str]]:
     path = _cache_file(v)
     try:
         doc = json.loads(path.read_text())
-        if doc.get("versions") == v:
+        if doc.get("versions") == v and set(READ) <= set(doc["fields"]):  # a cache of fewer names: read again
             return {k: set(n) for k, n in doc["fields"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .common import ExportRun, Rendered, check_fields
 from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
 from .fields import installed_fields, versions
+from .multi_gpu import script_launch, script_main
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 MAIN = '''
@@ -15,7 +16,9 @@ def main():
     a, tokenizer, blocks, model = prepare()
     data = [{"input_ids": b, "labels": list(b), "attention_mask": [1] * len(b)} for b in blocks]
     args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})
-    tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
+    # the whole group's tokens: every rank trains its micro-batches of each optimizer step
+    tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
+                       * args.world_size)
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[throughput_callback(tokens_per_step)])
 '''
@@ -24,13 +27,16 @@ def main():
 def render(r: ExportRun) -> Rendered:
     names, have, v = checked_names(r), installed_fields(), versions()
     check_fields(have["TrainingArguments"], names["training"], f"transformers {v['transformers']} TrainingArguments")
+    check_fields(have["fsdp_config"], names["training"].get("fsdp_config", {}),
+                 f"transformers {v['transformers']} TrainingArguments fsdp_config (its documented keys)")
     check_fields(have["LoraConfig"], names["lora"], f"peft {v['peft']} LoraConfig")
     check_fields(have["BitsAndBytesConfig"], names["quant"], f"transformers {v['transformers']} BitsAndBytesConfig")
     check_fields(have["prepare_model_for_kbit_training"], names["kbit"],
                  f"peft {v['peft']} prepare_model_for_kbit_training")
+    cfg = r.config
     if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
-        cfg = r.config
         return Rendered(data_header(header(r, "train.py"), cfg.batching) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS + DATA_HELPERS
-                        + HF_DATA_MAIN + TAIL)
-    return Rendered(header(r, "train.py") + settings(r) + HELPERS + MAIN + TAIL)
+                        + script_main(HF_DATA_MAIN, cfg) + TAIL, launch=script_launch(cfg))
+    return Rendered(header(r, "train.py") + settings(r) + HELPERS + script_main(MAIN, cfg) + TAIL,
+                    launch=script_launch(cfg))

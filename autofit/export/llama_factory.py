@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..recipe import learning_rate
-from .common import ExportRun, Rendered, yaml_recipe
+from .common import ExportRun, Rendered, with_engine, yaml_recipe
 from .data_yaml import llama_factory_batching
+from .multi_gpu import ACCELERATE_FSDP, yaml_intro
+from .multi_gpu import llama_factory as engine_keys
 from .yaml_targets import LLAMA_FACTORY
 
 
@@ -53,7 +57,11 @@ def render(r: ExportRun) -> Rendered:
         out["enable_liger_kernel"] = True  # apply_liger_kernel_to_<model_type>() before the model loads
     if cfg.torch_compile:
         out["torch_compile"] = True  # a TrainingArguments field, passed through
-    if cfg.method == "full" and cfg.precision == "bf16":
+    if cfg.method == "full" and cfg.precision == "bf16" and cfg.engine == "zero3":
+        lost.append(f"method=full with precision=bf16 and engine=zero3: LLaMA-Factory {LLAMA_FACTORY['version']} "
+                    "refuses pure_bf16 under ZeRO-3; written without it (DeepSpeed's bf16 mode keeps fp32 master "
+                    "weights of its own, as in the probe)")
+    elif cfg.method == "full" and cfg.precision == "bf16":
         out["pure_bf16"] = True  # autofit trained bf16 weights directly
     flash = LLAMA_FACTORY["flash_attn"].get(cfg.attn_implementation)
     if flash:
@@ -63,6 +71,19 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
-    intro = [(f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). "
-              "Run: llamafactory-cli train this.yaml"), "Register my_dataset in data/dataset_info.json first."]
-    return yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost)
+    return with_gpus(r, out, lost)
+
+
+def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
+    """The recipe with its multi-GPU keys, the files they name, and how to launch it."""
+    cfg = r.config
+    engine, companions, launch = engine_keys(cfg)
+    out.update(engine)
+    run = launch.format(recipe="this.yaml") if launch else "llamafactory-cli train this.yaml"
+    intro = [f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). Run: {run}",
+             "Register my_dataset in data/dataset_info.json first.", *yaml_intro(cfg, companions)]
+    if ACCELERATE_FSDP in companions:
+        intro += [f"FSDP2 through accelerate ({ACCELERATE_FSDP}, as LLaMA-Factory 0.9.4's "
+                  "examples/accelerate/fsdp2_config.yaml; src/train.py of a checkout runs the same as "
+                  "-m llamafactory.launcher); FSDP's activation checkpointing replaces LLaMA-Factory's."]
+    return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost), companions, launch)

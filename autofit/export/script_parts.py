@@ -8,15 +8,16 @@ from __future__ import annotations
 import pprint
 from typing import Any
 
-from .. import recipe
+from .. import distributed, recipe
 from .common import ExportRun, comment_block
+from .multi_gpu import script_doc
 
 HEADER = '''#!/usr/bin/env python3
 {provenance}
 """Fine-tune with the configuration autofit measured as the fastest that fits.
 
-    python {name} --dataset data.jsonl --output-dir out [--model PATH_OR_HUB_ID] [--max-steps N]
-
+    {usage}
+{distributed}
 --dataset: JSONL with a "text" field per line, or a plain text file. The text is tokenized,
 joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
 measured this configuration (its speed and memory hold for exactly that).
@@ -131,12 +132,33 @@ def packed_blocks(texts, tokenizer, length):
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
+def rank_device():
+    """This process's device: the GPU torchrun gave it (LOCAL_RANK), or the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def zero3_init():
+    """Under DeepSpeed ZeRO-3 transformers builds the model already sharded (deepspeed.zero.Init) while this
+    object lives (it reads it through a weak reference); None for any other engine."""
+    ds = TRAINING_ARGS.get("deepspeed")
+    if not ds or ds["zero_optimization"]["stage"] != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds)
+
+
 def build_model(model_ref):
-    """The base model in the measured dtype, quantization and attention kernel."""
+    """The base model in the measured dtype, quantization and attention kernel, on this rank's device."""
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = getattr(torch, WEIGHTS_DTYPE)
-    device_map = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
+    device = rank_device()
+    zero3 = zero3_init()  # kept alive while the model is built
+    device_map = None if zero3 else {"": device}
     quant = None
     if QUANTIZATION is not None:
         quant = dict(QUANTIZATION)
@@ -145,8 +167,7 @@ def build_model(model_ref):
         quant = BitsAndBytesConfig(**quant)
     if model_ref is None:
         config = AutoConfig.for_model(**MODEL_CONFIG)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        with torch.device(device):
+        with torch.device("cpu" if zero3 else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         if quant is None:
             return model
@@ -198,17 +219,27 @@ def throughput_callback(tokens_per_step):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
-            tokens = tokens_per_step() if callable(tokens_per_step) else tokens_per_step
+            if callable(tokens_per_step):  # this rank's tokens; the rate is the whole group's
+                tokens = all_ranks(tokens_per_step()) if args.world_size > 1 else tokens_per_step()
+            else:
+                tokens = tokens_per_step
             self.rates.append(tokens / self.times[-1])
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append((state.global_step, logs["loss"]))
 
-        def on_train_end(self, args, state, control, **kw):
+        def on_train_end(self, args, state, control, model=None, **kw):
+            if not state.is_world_process_zero:  # one summary for the group, from rank 0
+                return
+            from accelerate.state import AcceleratorState
+
             steady = self.rates[2:] or self.rates
             summary = {"steps": len(self.times), "tokens_per_s": statistics.median(steady),
-                       "losses": self.losses}
+                       "losses": self.losses, "world_size": args.world_size,
+                       # what Trainer really ran: FSDP, DEEPSPEED, MULTI_GPU (DDP), NO, ...
+                       "distributed_type": str(AcceleratorState().distributed_type.value),
+                       "sharded_parameters": sharded_parameters(model)}
             if torch.cuda.is_available():
                 summary["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -218,6 +249,22 @@ def throughput_callback(tokens_per_step):
             print("recipe-summary " + json.dumps(summary), flush=True)
 
     return Throughput()
+
+
+def all_ranks(count):
+    """The sum of a count over every rank (a collective: each rank calls it at the same step)."""
+    t = torch.tensor([count], device=rank_device())
+    torch.distributed.all_reduce(t)
+    return int(t.item())
+
+
+def sharded_parameters(model):
+    """How many of the model's parameters are shards (DTensor, as FSDP2 leaves them) on this rank."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return 0
+    return sum(isinstance(p, DTensor) for p in model.parameters()) if model is not None else 0
 
 
 def arguments():
@@ -291,8 +338,11 @@ def settings(r: ExportRun, max_steps: int = 1000) -> str:
 
 
 def header(r: ExportRun, name: str) -> str:
-    return HEADER.format(provenance=comment_block(r.provenance()), name=name,
-                         allocator=recipe.allocator_env(r.config))
+    launch = distributed.launch_command(r.config, name, "--dataset data.jsonl --output-dir out")
+    options = "[--model PATH_OR_HUB_ID] [--max-steps N]"
+    usage = f"{launch} {options}" if len(launch) + len(options) < 96 else f"{launch}\n    also: {options}"
+    return HEADER.format(provenance=comment_block(r.provenance()), allocator=recipe.allocator_env(r.config),
+                         usage=usage, distributed=script_doc(r.config))
 
 
 def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:

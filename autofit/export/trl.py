@@ -10,6 +10,7 @@ from ..errors import UsageError
 from .common import ExportRun, Rendered, check_fields, comment_block
 from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
 from .fields import installed_fields, trl_installed, versions
+from .multi_gpu import script_launch, script_main
 from .script_parts import HELPERS, TAIL, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
@@ -33,7 +34,9 @@ def main():
         padding_free=False,
         dataset_text_field="text",
     )
-    tokens_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * MAX_LENGTH
+    # the whole group's tokens: every rank trains its micro-batches of each optimizer step
+    tokens_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps * MAX_LENGTH
+                       * config.world_size)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                          callbacks=[throughput_callback(tokens_per_step)])
 '''
@@ -45,6 +48,8 @@ def render(r: ExportRun) -> Rendered:
                          "trl`) and export again.")
     names, sft, version = checked_names(r), installed_fields()["SFTConfig"], versions()["trl"]
     check_fields(sft, set(names["training"]) | TRL_ARGS, f"trl {version} SFTConfig")
+    check_fields(installed_fields()["fsdp_config"], names["training"].get("fsdp_config", {}),
+                 "transformers TrainingArguments fsdp_config (its documented keys)")
     notes = []
     if r.config.liger:
         notes.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only "
@@ -57,6 +62,7 @@ def render(r: ExportRun) -> Rendered:
         comment = comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs]) + "\n" if differs else ""
         return Rendered(data_header(header(r, "train_trl.py"), cfg.batching) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)
-                        + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS + TRL_DATA_MAIN + TAIL,
-                        [*differs, *notes])
-    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + MAIN + TAIL, notes)
+                        + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS
+                        + script_main(TRL_DATA_MAIN, cfg) + TAIL, [*differs, *notes], launch=script_launch(cfg))
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + script_main(MAIN, r.config) + TAIL, notes,
+                    launch=script_launch(r.config))

@@ -21,7 +21,11 @@ AXOLOTL = {
         "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
         "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
         "group_by_length", "batch_flattening",
+        # docs/multi-gpu.qmd: DeepSpeed (a JSON path) and FSDP2 (schemas/fsdp.py FSDPConfig below)
+        "deepspeed", "fsdp_version", "fsdp_config",
     },
+    "fsdp_config": {"offload_params", "state_dict_type", "auto_wrap_policy", "reshard_after_forward",
+                    "activation_checkpointing", "transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading"},
     "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
                    "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
 }
@@ -37,6 +41,18 @@ LLAMA_FACTORY = {
         "lr_scheduler_type", "report_to", "overwrite_output_dir", "neat_packing", "group_by_length",
         # hparams/model_args.py (enable_liger_kernel); torch_compile is a Seq2SeqTrainingArguments field
         "enable_liger_kernel", "torch_compile",
+        # a Seq2SeqTrainingArguments field: the DeepSpeed JSON's path (examples/deepspeed/)
+        "deepspeed",
     },
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }
+
+ACCELERATE = {
+    "version": "1.16",
+    # commands/config/config_args.py ClusterConfig (the config file), commands/launch.py (its fsdp_* options)
+    "keys": {"compute_environment", "distributed_type", "fsdp_config", "mixed_precision", "machine_rank",
+             "num_machines", "num_processes", "rdzv_backend", "same_network", "use_cpu"},
+    "fsdp_config": {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+                    "fsdp_activation_checkpointing", "fsdp_state_dict_type"},
+}
+"""The accelerate config file LLaMA-Factory's FSDP2 recipe is launched with."""

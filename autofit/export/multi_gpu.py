@@ -1,0 +1,164 @@
+"""A winner that spans several GPUs (`gpus` > 1 and/or an `engine`) in each format's own terms.
+
+- hf-trainer / trl: Trainer's `fsdp` / `fsdp_config` or the DeepSpeed dict come with TRAINING_ARGS
+  (`recipe.training_arguments`); the DeepSpeed JSON is embedded there, not a file beside the script:
+  Trainer takes the dict itself, the script stays one file (also when exported to stdout), and it is
+  the very dict the probe passed. The script starts with torchrun, and an FSDP2 script carries
+  `fsdp_on_cpu()`: accelerate takes its FSDP path only for accelerator device types, so on a CPU
+  (gloo ranks, where the recipe is tested) Trainer would silently train plain DDP.
+- axolotl 0.12: `fsdp_version: 2` + `fsdp_config` (docs/multi-gpu.qmd's FSDP2 keys) or `deepspeed: FILE`,
+  launched with `axolotl train ... --launcher torchrun -- --nproc_per_node=N` (docs/cli.qmd).
+- LLaMA-Factory: `deepspeed: FILE` launched with `FORCE_TORCHRUN=1 NPROC_PER_NODE=N llamafactory-cli train`
+  (examples/README.md); FSDP2 through an accelerate config file and `accelerate launch --config_file ...`
+  (examples/accelerate/fsdp2_config.yaml, LLaMA-Factory 0.9.4 and later).
+Companion files are named bare and written beside the recipe (`Rendered.companions`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from .. import distributed
+from ..spec import TrialConfig
+from .yaml_targets import ACCELERATE
+
+DEEPSPEED_JSON = "ds_config.json"
+ACCELERATE_FSDP = "accelerate_fsdp.yaml"
+
+FSDP_ON_CPU = '''
+
+def fsdp_on_cpu():
+    """Lets accelerate shard with FSDP2 on a CPU too (torchrun's gloo processes: a test of the recipe).
+
+    accelerate takes its FSDP path only for accelerator device types: on the CPU (DistributedType.MULTI_CPU)
+    Trainer would silently train plain data parallel instead. Called after TrainingArguments (which sets the
+    distributed state up) and before Trainer; on a GPU accelerate's own path is taken and this does nothing.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+'''
+
+TRAINER_LINE = "    trainer = "
+
+
+def spans(cfg: TrialConfig) -> bool:
+    """Whether the config is more than one plain GPU (several ranks, or an engine)."""
+    return cfg.gpus > 1 or cfg.engine != "none"
+
+
+def script_main(main: str, cfg: TrialConfig) -> str:
+    """A Python recipe's `main` (after the helpers): with `fsdp_on_cpu()` called before Trainer for FSDP2."""
+    if cfg.engine != "fsdp2":
+        return main
+    assert main.count(TRAINER_LINE) == 1, "the recipe's main builds its trainer in one statement"
+    call = "    fsdp_on_cpu()  # on a CPU only: accelerate shards with FSDP for accelerator types alone\n"
+    return FSDP_ON_CPU + main.replace(TRAINER_LINE, call + TRAINER_LINE)
+
+
+def script_doc(cfg: TrialConfig) -> str:
+    """The paragraph of a Python recipe's docstring on its GPUs and engine ('' for one plain GPU)."""
+    if not spans(cfg):
+        return ""
+    lines = [f"{distributed.describe(cfg)}: one process per GPU, started by the command above; each rank",
+             f"trains {cfg.rank_batch} of the {cfg.effective_batch} sequences of an optimizer step "
+             "(micro-batch x accumulation)."]
+    if cfg.engine == "fsdp2":
+        lines += ["FSDP2 through Trainer's fsdp / fsdp_config (TRAINING_ARGS): parameters, gradients and",
+                  "optimizer state sharded over the ranks, each decoder layer a unit; FSDP's own",
+                  "activation_checkpointing replaces Trainer's. Without GPUs torchrun starts gloo processes",
+                  "and fsdp_on_cpu() lets accelerate shard there too (a test of the recipe, not its speed)."]
+    elif cfg.engine in ("zero2", "zero3"):
+        lines += [f"DeepSpeed ZeRO stage {cfg.engine[-1]} (pip install deepspeed): its JSON is embedded as",
+                  "TRAINING_ARGS['deepspeed'] (Trainer takes the dict and fills its \"auto\" values from the",
+                  "other arguments); save it to a file to reuse it elsewhere."]
+    else:
+        lines += ["Plain data parallel (Trainer's DDP): every rank holds the whole model."]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def script_launch(cfg: TrialConfig) -> str:
+    """`Rendered.launch` of a Python recipe: torchrun over the recipe's file ('' for one plain GPU)."""
+    if not spans(cfg):
+        return ""
+    return distributed.launch_command(cfg, "{recipe}", "--dataset data.jsonl --output-dir out")
+
+
+def deepspeed_json(cfg: TrialConfig) -> str:
+    return json.dumps(distributed.deepspeed_config(cfg), indent=2) + "\n"
+
+
+def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
+    """(axolotl keys, companion files, launch command with `{recipe}`) for the config's engine."""
+    if not spans(cfg):
+        return {}, {}, ""
+    keys: dict[str, Any] = {}
+    companions: dict[str, str] = {}
+    if cfg.engine == "fsdp2":
+        keys = {"fsdp_version": 2, "fsdp_config": {
+            "offload_params": cfg.cpu_offload == "all",
+            "state_dict_type": "FULL_STATE_DICT",
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's _no_split_modules: decoder layers
+            "reshard_after_forward": cfg.reshard_after_forward,
+            "activation_checkpointing": cfg.checkpoint_every > 0}}
+    elif cfg.engine in ("zero2", "zero3"):
+        keys = {"deepspeed": DEEPSPEED_JSON}
+        companions = {DEEPSPEED_JSON: deepspeed_json(cfg)}
+    launch = f"axolotl train {{recipe}} --launcher torchrun -- --nproc_per_node={cfg.gpus} --nnodes=1"
+    return keys, companions, launch
+
+
+def llama_factory(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
+    """(LLaMA-Factory keys, companion files, launch command with `{recipe}`) for the config's engine."""
+    if not spans(cfg):
+        return {}, {}, ""
+    if cfg.engine == "fsdp2":  # the activation checkpointing is FSDP's (in the accelerate config)
+        # the module llamafactory-cli's torchrun starts; a checkout's src/train.py (the examples' way) is the same
+        launch = f"accelerate launch --config_file {ACCELERATE_FSDP} -m llamafactory.launcher {{recipe}}"
+        return {"disable_gradient_checkpointing": True}, {ACCELERATE_FSDP: accelerate_fsdp(cfg)}, launch
+    launch = f"FORCE_TORCHRUN=1 NPROC_PER_NODE={cfg.gpus} llamafactory-cli train {{recipe}}"
+    if cfg.engine in ("zero2", "zero3"):
+        return {"deepspeed": DEEPSPEED_JSON}, {DEEPSPEED_JSON: deepspeed_json(cfg)}, launch
+    return {}, {}, launch
+
+
+def yaml_intro(cfg: TrialConfig, companions: dict[str, str]) -> list[str]:
+    """Header lines of a YAML recipe on its GPUs and the files beside it ([] for one plain GPU)."""
+    if not spans(cfg):
+        return []
+    return [f"Several GPUs: {distributed.describe(cfg)}; the global batch kept: {cfg.rank_batch} sequences per rank "
+            f"and optimizer step, {cfg.effective_batch} in all."] + [
+        f"{n} (written beside this file by autofit export -o) is named relative to the folder you run in."
+        for n in companions]
+
+
+def accelerate_fsdp(cfg: TrialConfig) -> str:
+    """An accelerate config file for FSDP2 (the keys of LLaMA-Factory's examples/accelerate/fsdp2_config.yaml)."""
+    doc = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": cfg.reshard_after_forward,
+            "fsdp_offload_params": cfg.cpu_offload == "all",
+            "fsdp_activation_checkpointing": cfg.checkpoint_every > 0,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+        },
+        "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(cfg.precision, "no"),
+        "machine_rank": 0,
+        "num_machines": 1,
+        "num_processes": cfg.gpus,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    assert set(doc) <= ACCELERATE["keys"] and set(doc["fsdp_config"]) <= ACCELERATE["fsdp_config"]
+    return (f"# accelerate config for LLaMA-Factory: {distributed.describe(cfg)}, written by autofit export.\n"
+            + yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,216 @@
+"""`autofit export` of a winner spanning several GPUs: the FSDP2 Trainer script trained for real by torchrun with
+two gloo processes on the CPU (marked slow, one torchrun run); the DeepSpeed and FSDP2 settings of every format,
+the files written beside a recipe and the launch commands in-process."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import run_cli
+from test_export import DATA, imports_of
+from test_regress import write_run
+
+from autofit import distributed
+from autofit.errors import UsageError
+from autofit.export import export_run, stdout_notes, write_rendered
+from autofit.export.common import check_fields
+from autofit.export.data_script import HF_DATA_MAIN, TRL_DATA_MAIN
+from autofit.export.hf_trainer import MAIN as HF_MAIN
+from autofit.export.multi_gpu import ACCELERATE_FSDP, DEEPSPEED_JSON, script_main
+from autofit.export.trl import MAIN as TRL_MAIN
+from autofit.export.yaml_targets import ACCELERATE, AXOLOTL, LLAMA_FACTORY
+from autofit.spec import TrialConfig
+
+GUARD = """import sys
+sys.modules["autofit"] = None  # the recipe must run where autofit cannot be imported
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+exec(compile(open(script).read(), script, "exec"))
+"""
+
+
+def distributed_run(tmp_path: Path, **settings: Any) -> Path:
+    """A run folder whose winner spans several GPUs (a small valid config of tiny-llama)."""
+    cfg = TrialConfig(max_length=128, micro_batch_size=2, global_batch=8, gpus=2, **settings)
+    return write_run(tmp_path / "run", config=cfg.to_dict())
+
+
+def training_args(script: str) -> dict[str, Any]:
+    """TRAINING_ARGS of an exported Python recipe, read as the literal it is."""
+    for node in ast.parse(script).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TRAINING_ARGS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("no TRAINING_ARGS in the recipe")
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor shapes from a .safetensors header (8-byte length, then JSON): no torch needed."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.slow
+def test_an_fsdp2_script_trains_three_steps_sharded_under_torchrun_on_the_cpu(tiny_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    best = json.loads((run / "best.json").read_text())
+    winner = TrialConfig.from_dict(best["config"])
+    checkpointing = winner.gradient_checkpointing if winner.gradient_checkpointing in ("off", "on") else "on"
+    cfg = winner.replace(gpus=2, engine="fsdp2", gradient_checkpointing=checkpointing)
+    best["config"] = cfg.to_dict()  # accumulation and effective batch as the 2 ranks share the global batch
+    (run / "best.json").write_text(json.dumps(best))
+    script = tmp_path / "train.py"
+    proc = run_cli("export", str(run), "-o", str(script))
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert "autofit" not in imports_of(script)
+    assert "torchrun --standalone --nproc-per-node 2 train.py --dataset data.jsonl --output-dir out" in text
+    assert "\n    fsdp_on_cpu()" in text and training_args(text)["fsdp_config"]["version"] == 2
+    assert f"'gradient_accumulation_steps': {cfg.gradient_accumulation_steps}" in text
+    (tmp_path / "guard.py").write_text(GUARD)
+    out = tmp_path / "out"
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "guard.py", str(script), "--dataset", str(DATA), "--output-dir", str(out),
+                          "--max-steps", "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    summaries = [x for x in (ran.stdout + ran.stderr).splitlines() if x.startswith("recipe-summary ")]
+    assert len(summaries) == 1, summaries  # rank 0 alone
+    summary = json.loads(summaries[0].split(" ", 1)[1])
+    assert summary["steps"] == 3 and summary["world_size"] == 2
+    assert summary["distributed_type"] == "FSDP" and summary["sharded_parameters"] > 0  # DTensor shards
+    # rank 0 saved the whole adapter, gathered from the shards (FULL_STATE_DICT)
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == cfg.lora_r
+    shapes = safetensors_shapes(out / "adapter_model.safetensors")
+    hidden = yaml.safe_load((run / "spec.yaml").read_text())["model"]["config"]["hidden_size"]
+    lora_a = [s for k, s in shapes.items() if "lora_A" in k]
+    assert lora_a and all(s == [cfg.lora_r, hidden] for s in lora_a), shapes
+
+
+def test_zero3_with_offload_in_every_format(tmp_path: Path) -> None:
+    run = distributed_run(tmp_path, method="full", engine="zero3", cpu_offload="all")
+    script = export_run(run, "hf-trainer")
+    zero = training_args(script.text)["deepspeed"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
+    assert "torchrun --standalone --nproc-per-node 2 train.py" in script.text and "DeepSpeed ZeRO stage 3" in script.text
+    assert "fsdp_on_cpu" not in script.text and script.companions == {}  # the JSON is embedded
+    assert script.launch_for("t.py") == "torchrun --standalone --nproc-per-node 2 t.py --dataset data.jsonl --output-dir out"
+    trl = export_run(run, "trl")
+    assert training_args(trl.text)["deepspeed"] == training_args(script.text)["deepspeed"]
+    for fmt, launch in [("axolotl", "axolotl train this.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"),
+                        ("llama-factory", "FORCE_TORCHRUN=1 NPROC_PER_NODE=2 llamafactory-cli train this.yaml")]:
+        r = export_run(run, fmt)
+        assert yaml.safe_load(r.text)["deepspeed"] == DEEPSPEED_JSON, fmt
+        assert json.loads(r.companions[DEEPSPEED_JSON]) == distributed.deepspeed_config(TrialConfig.from_dict(
+            json.loads((run / "best.json").read_text())["config"]))
+        assert f"Run: {launch}" in r.text and "2 GPUs, zero3 (offload all)" in r.text, fmt
+        assert r.launch_for("this.yaml") == launch
+
+
+def test_what_llama_factory_cannot_express_under_zero3_is_a_comment_and_a_warning(tmp_path: Path) -> None:
+    lf = export_run(distributed_run(tmp_path, method="full", engine="zero3"), "llama-factory")
+    assert "pure_bf16" not in yaml.safe_load(lf.text)
+    assert [x for x in lf.unexpressed if x.startswith("method=full with precision=bf16 and engine=zero3")]
+    assert "# NOT EXPRESSED: method=full with precision=bf16 and engine=zero3" in lf.text
+    proc = run_cli("export", str(tmp_path / "run"), "--format", "llama-factory")
+    assert "warning: llama-factory cannot express method=full with precision=bf16 and engine=zero3" in proc.stderr
+
+
+def test_fsdp2_in_the_yaml_formats(tmp_path: Path) -> None:
+    run = distributed_run(tmp_path, engine="fsdp2", reshard_after_forward=False, gradient_checkpointing="on")
+    ax = export_run(run, "axolotl")
+    doc = yaml.safe_load(ax.text)
+    assert doc["fsdp_version"] == 2 and set(doc["fsdp_config"]) <= AXOLOTL["fsdp_config"]
+    assert doc["fsdp_config"]["reshard_after_forward"] is False and doc["fsdp_config"]["activation_checkpointing"]
+    assert doc["gradient_checkpointing"] is False  # FSDP's own checkpointing replaces axolotl's
+    assert set(doc) <= AXOLOTL["keys"] and ax.companions == {} and ax.unexpressed == []
+    lf = export_run(run, "llama-factory")
+    assert set(yaml.safe_load(lf.text)) <= LLAMA_FACTORY["keys"]
+    assert yaml.safe_load(lf.text)["disable_gradient_checkpointing"] is True
+    acc = yaml.safe_load(lf.companions[ACCELERATE_FSDP])
+    assert acc["fsdp_config"]["fsdp_version"] == 2 and acc["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert acc["fsdp_config"]["fsdp_activation_checkpointing"] is True and acc["num_processes"] == 2
+    assert lf.launch_for("l.yaml") == f"accelerate launch --config_file {ACCELERATE_FSDP} -m llamafactory.launcher l.yaml"
+    assert "Run: accelerate launch" in lf.text
+
+
+def test_companions_are_written_beside_the_recipe_and_the_launch_is_said(tmp_path: Path) -> None:
+    r = export_run(distributed_run(tmp_path, engine="zero2"), "axolotl")
+    out = tmp_path / "recipes" / "a.yaml"
+    out.parent.mkdir()
+    lines = write_rendered(r, out, force=False, executable=False)
+    assert lines[:2] == [f"wrote {out}", f"wrote {out.parent / DEEPSPEED_JSON}"]
+    assert lines[2] == (f"launch: cd {out.parent} && axolotl train a.yaml --launcher torchrun -- "
+                        "--nproc_per_node=2 --nnodes=1")
+    assert json.loads((out.parent / DEEPSPEED_JSON).read_text())["zero_optimization"]["stage"] == 2
+    lf = export_run(tmp_path / "run", "llama-factory")  # the same JSON: kept, no --force needed
+    assert write_rendered(lf, out.parent / "l.yaml", force=False, executable=False)[1] == f"wrote {out.parent / DEEPSPEED_JSON}"
+    (out.parent / DEEPSPEED_JSON).write_text("{}  edited\n")
+    with pytest.raises(UsageError, match=f"-o: {out.parent / DEEPSPEED_JSON} already exists with other content"):
+        write_rendered(r, tmp_path / "recipes" / "b.yaml", force=False, executable=False)
+    assert not (tmp_path / "recipes" / "b.yaml").exists() and "edited" in (out.parent / DEEPSPEED_JSON).read_text()
+    write_rendered(r, tmp_path / "recipes" / "b.yaml", force=True, executable=False)
+    assert "edited" not in (out.parent / DEEPSPEED_JSON).read_text()
+    assert stdout_notes(r, "axolotl.yaml") == [
+        f"the recipe names {DEEPSPEED_JSON}, written beside it only with -o: export again with -o FILE to get it",
+        "launch: axolotl train axolotl.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"]
+
+
+@pytest.mark.parametrize("fmt, launch", [
+    ("hf-trainer", "torchrun --standalone --nproc-per-node 2 train.py --dataset data.jsonl --output-dir out"),
+    ("trl", "torchrun --standalone --nproc-per-node 2 train_trl.py --dataset data.jsonl --output-dir out"),
+    ("axolotl", "axolotl train this.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"),
+    ("llama-factory", "FORCE_TORCHRUN=1 NPROC_PER_NODE=2 llamafactory-cli train this.yaml"),
+])
+def test_plain_data_parallel_is_launched_on_every_gpu(tmp_path: Path, fmt: str, launch: str) -> None:
+    r = export_run(distributed_run(tmp_path), fmt)
+    assert launch in r.text and "2 GPUs, data parallel" in r.text and r.companions == {}
+    keys = training_args(r.text) if fmt in ("hf-trainer", "trl") else yaml.safe_load(r.text)
+    assert not {"fsdp", "fsdp_config", "fsdp_version", "deepspeed"} & set(keys)
+    assert "fsdp_on_cpu" not in r.text
+
+
+def test_one_gpu_recipes_are_as_before(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run")
+    for fmt in ("hf-trainer", "axolotl", "llama-factory"):
+        r = export_run(run, fmt)
+        assert r.launch == "" and r.companions == {} and "GPUs" not in r.text, fmt
+    text = export_run(run, "hf-trainer").text
+    assert "\n    python train.py --dataset data.jsonl --output-dir out [--model PATH_OR_HUB_ID] [--max-steps N]\n\n--dataset" in text
+    assert "fsdp_on_cpu" not in text and "'fsdp'" not in text
+
+
+def test_every_python_main_calls_the_cpu_shim_before_its_trainer() -> None:
+    cfg = TrialConfig(gpus=2, engine="fsdp2")
+    for main in (HF_MAIN, TRL_MAIN, HF_DATA_MAIN, TRL_DATA_MAIN):
+        text = script_main(main, cfg)
+        assert text.index("def fsdp_on_cpu") < text.index("    fsdp_on_cpu()") < text.index("    trainer = ")
+        assert text.index("TrainingArguments(" if "SFTConfig" not in main else "SFTConfig(") < text.index(
+            "    fsdp_on_cpu()")
+        assert script_main(main, cfg.replace(engine="none")) == main
+
+
+def test_the_engine_key_lists_match_the_installed_libraries() -> None:
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    from autofit.export.fields import installed_fields
+
+    assert ACCELERATE["keys"] <= {f.name for f in dataclasses.fields(ClusterConfig)}
+    assert ACCELERATE["fsdp_config"] <= {a.dest for a in launch_command_parser()._actions}
+    documented = installed_fields()["fsdp_config"]
+    assert set(distributed.training_arguments(TrialConfig(gpus=2, engine="fsdp2"))["fsdp_config"]) <= documented
+    with pytest.raises(UsageError, match="no field.*offload_params"):  # FSDP1's name: silently ignored by .get
+        check_fields(documented, {"version", "offload_params"}, "TrainingArguments fsdp_config")
+
