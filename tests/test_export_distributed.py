@@ -214,3 +214,15 @@ def test_the_engine_key_lists_match_the_installed_libraries() -> None:
     with pytest.raises(UsageError, match="no field.*offload_params"):  # FSDP1's name: silently ignored by .get
         check_fields(documented, {"version", "offload_params"}, "TrainingArguments fsdp_config")
 
+
+
+def test_the_cli_writes_the_deepspeed_json_beside_the_recipe_and_prints_the_launch(tmp_path: Path) -> None:
+    run = distributed_run(tmp_path, engine="zero3", method="full", cpu_offload="optimizer")
+    out = tmp_path / "o"
+    out.mkdir()
+    proc = run_cli("export", str(run), "--format", "axolotl", "-o", str(out / "a.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"launch: cd {out} && axolotl train a.yaml --launcher torchrun" in proc.stderr
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert yaml.safe_load((out / "a.yaml").read_text())["deepspeed"] == "ds_config.json"

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..export import SCRIPTS, export_run, write_recipe
+from ..export import SCRIPTS, export_run, stdout_notes, write_rendered
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -17,9 +17,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
     if not args.output:
         sys.stdout.write(rendered.text)
+        for line in stdout_notes(rendered):
+            print(f"autofit: {line}", file=sys.stderr)
         return 0
-    write_recipe(rendered.text, Path(args.output), args.force, executable=args.format in SCRIPTS)
-    print(f"wrote {args.output}", file=sys.stderr)
+    # the recipe, the files it names beside it (a DeepSpeed JSON, an accelerate config) and how to launch it
+    for line in write_rendered(rendered, Path(args.output), args.force, executable=args.format in SCRIPTS):
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -37,6 +40,11 @@ def add_parser(sub: Any, fmt: Any) -> None:
                               autofit export runs/<id> --format trl -o train_trl.py
                               autofit export runs/<id> --format axolotl -o axolotl.yaml
                               autofit export runs/<id> --dataset /data/moved/train.jsonl -o train.py
+
+                            a winner on several GPUs (gpus > 1, engine fsdp2 | zero2 | zero3): the recipe
+                            carries the engine's settings, its DeepSpeed JSON or accelerate config is written
+                            beside -o (an existing one with other content needs --force), and the launch
+                            command (torchrun, axolotl --launcher torchrun, accelerate launch) is printed
 
                             exit codes: 0 written, 2 usage error (not a run folder, a corrupt best.json,
                             an existing -o without --force, an -o path that cannot be written, a --dataset
