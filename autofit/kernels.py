@@ -186,8 +186,8 @@ def training_arguments(cfg: Any) -> dict[str, Any]:
     fused linear cross-entropy as the model's forward) and, process-wide, the module's RoPE
     function. `liger_kernel_config=None` keeps Liger's defaults (rope, rms_norm, swiglu,
     fused_linear_cross_entropy on; cross_entropy off).
-    `torch_compile`: accelerate wraps the model in torch.compile (backend inductor; mode left at
-    its default until a measurement shows another mode pays).
+    `torch_compile`: accelerate compiles the model (backend inductor; mode left at its default until a
+    measurement shows another mode pays) regionally, per decoder block, as `recipe.process_env` asks.
     """
     out: dict[str, Any] = {}
     if getattr(cfg, "liger", False):
@@ -443,7 +443,9 @@ def apply_kernels(model: Any, cfg: Any, checkpointing: dict[str, Any] | None = N
     checkpointing as Trainer enables it from `activation_checkpointing_kwargs` (`checkpointing`:
     that dict, as `recipe.training_arguments` writes it), then torch.compile as accelerate wraps
     the model. Checkpointing changes no numbers by itself; it is here because compile and
-    checkpointing every N layers are a combination to check, not to assume.
+    checkpointing every N layers are a combination to check, not to assume. torch.compile is
+    regional (`accelerate.utils.compile_regions`, what accelerate runs under
+    `recipe.REGIONAL_COMPILATION`): the decoder blocks compiled, the top-level forward and its loss eager.
     """
     if getattr(cfg, "liger", False):
         from transformers.integrations.liger import apply_liger_kernel
@@ -455,7 +457,7 @@ def apply_kernels(model: Any, cfg: Any, checkpointing: dict[str, Any] | None = N
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None,
                                               every_n_layers=every, offload=offload)
     if getattr(cfg, "torch_compile", False):
-        import torch
+        from accelerate.utils import compile_regions
 
-        model = torch.compile(model, backend="inductor")
+        model = compile_regions(model, backend="inductor")
     return model

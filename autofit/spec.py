@@ -284,8 +284,8 @@ KEYS: dict[str, Key] = {
             "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits "
             "are never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels"),
         Key("torch_compile", bool,
-            "torch.compile (inductor) of the model; compile time is measured apart and amortised over "
-            "--train-tokens (or --train-steps); checked against stock kernels"),
+            "torch.compile (inductor) of each decoder block (regional: the loss stays eager); compile time is "
+            "measured apart and amortised over --train-tokens (or --train-steps); checked against stock kernels"),
         Key("expandable_segments", bool,
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
         Key("lora_r", int, "LoRA rank (higher: more capacity, more memory)", check=_positive,

@@ -90,19 +90,20 @@ def test_what_a_target_cannot_express_is_a_comment_and_a_warning(tiny_run: Path,
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     best = json.loads((run / "best.json").read_text())
-    best["config"].update(gradient_checkpointing="every_2", expandable_segments=True)
+    best["config"].update(gradient_checkpointing="every_2", expandable_segments=True, torch_compile=True)
     (run / "best.json").write_text(json.dumps(best))
     for fmt in ("axolotl", "llama-factory"):
         proc = export(run, fmt, tmp_path / f"{fmt}.yaml")
         assert proc.returncode == 0
         assert "cannot express gradient_checkpointing=every_2" in proc.stderr
-        assert "expandable_segments" in proc.stderr
+        assert "expandable_segments" in proc.stderr and "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1" in proc.stderr
         text = (tmp_path / f"{fmt}.yaml").read_text()
         assert "NOT EXPRESSED: gradient_checkpointing=every_2" in text
     script = tmp_path / "t.py"
     assert export(run, "hf-trainer", script).returncode == 0
     text = script.read_text()
     assert "'every_n_layers': 2" in text and "expandable_segments:True" in text  # Trainer expresses both
+    assert "'ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION': '1'" in text  # compiled per block, as measured
 
 
 def test_a_renamed_field_fails_at_export() -> None:

@@ -147,6 +147,8 @@ def test_a_compiled_probe_passes_the_gate_and_reports_compile_seconds(tmp_path) 
     assert r["extra"]["gate"]["ok"] is True
     assert r["compile_seconds"] > 0 and r["extra"]["first_step_s"] > r["compile_seconds"] / 2
     assert r["extra"]["dynamo"]["graphs"] >= 1
+    # regional compilation: every decoder block compiled, the top-level forward (the loss) eager
+    assert r["extra"]["compiled_regions"] >= r["n_layers"] and r["extra"]["compiled_whole_model"] is False
 
 
 S4 = Shape(hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28, kv_heads=4, tied=False)

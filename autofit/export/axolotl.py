@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..recipe import learning_rate
+from ..recipe import REGIONAL_COMPILATION, learning_rate
 from ..spec import TrialConfig
 from .common import ExportRun, Rendered, with_engine, yaml_recipe
 from .data_yaml import axolotl_batching
@@ -63,9 +63,9 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not an axolotl key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
-    if cfg.liger and cfg.torch_compile:
-        lost.append("liger=on with torch_compile=on: axolotl runs Liger's fused cross-entropy outside "
-                    "torch.compile (torch.compiler.disable); the probe compiled it with the model")
+    if cfg.torch_compile:
+        lost.append(f"torch_compile=on was measured compiled per decoder block (regional compilation, the loss "
+                    f"eager): not an axolotl key; export {REGIONAL_COMPILATION}=1 before `axolotl train`")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
     if r.dataset is not None:  # searched with --dataset: the measured batching on the measured file
         batching, missing = axolotl_batching(cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..recipe import learning_rate
+from ..recipe import REGIONAL_COMPILATION, learning_rate
 from .common import ExportRun, Rendered, with_engine, yaml_recipe
 from .data_yaml import llama_factory_batching
 from .multi_gpu import ACCELERATE_FSDP, yaml_intro
@@ -68,6 +68,10 @@ def render(r: ExportRun) -> Rendered:
         out["flash_attn"] = flash
     else:
         lost.append(f"attn_implementation={cfg.attn_implementation}: no LLaMA-Factory flash_attn value")
+    if cfg.torch_compile:
+        lost.append(f"torch_compile=on was measured compiled per decoder block (regional compilation, the loss "
+                    f"eager): not a LLaMA-Factory key; export {REGIONAL_COMPILATION}=1 before "
+                    "`llamafactory-cli train`")
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")

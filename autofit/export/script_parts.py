@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 
-# The allocator setting must be in place before torch starts CUDA.
-for _key, _value in {allocator!r}.items():
+# The allocator setting (and regional compilation) must be in place before torch and accelerate start.
+for _key, _value in {environment!r}.items():
     os.environ.setdefault(_key, _value)
 # bitsandbytes (imported by peft) logs a notice about an optional CPU kernel on every import; unused here.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
@@ -341,7 +341,7 @@ def header(r: ExportRun, name: str) -> str:
     launch = distributed.launch_command(r.config, name, "--dataset data.jsonl --output-dir out")
     options = "[--model PATH_OR_HUB_ID] [--max-steps N]"
     usage = f"{launch} {options}" if len(launch) + len(options) < 96 else f"{launch}\n    also: {options}"
-    return HEADER.format(provenance=comment_block(r.provenance()), allocator=recipe.allocator_env(r.config),
+    return HEADER.format(provenance=comment_block(r.provenance()), environment=recipe.process_env(r.config),
                          usage=usage, distributed=script_doc(r.config))
 
 

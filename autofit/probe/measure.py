@@ -48,7 +48,7 @@ class Trained:
 
 def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
     """Run the probe `req` describes; `state` collects figures as they come, for failures."""
-    os.environ.update(recipe.allocator_env(req.config))
+    os.environ.update(recipe.process_env(req.config))
     check_support(req)  # kernels that cannot run here: unsupported before the device is touched
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, state, now)
@@ -176,6 +176,8 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
         trainer.train()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
         engine = engine_figures(trainer) if cfg.gpus > 1 or cfg.engine != "none" else {}
+        if cfg.torch_compile:
+            engine.update(compiled_figures(trainer.model_wrapped))
     cb.stop_timing()
     hook.remove()
     sync()
@@ -206,6 +208,15 @@ def engine_figures(trainer: Any) -> dict[str, Any]:
     fsdp = sum(type(m).__name__.startswith("FSDP") for m in wrapped.modules())
     return {"distributed_type": str(getattr(trainer.accelerator.distributed_type, "value", "")),
             "wrapped_class": type(wrapped).__name__, "fsdp_modules": fsdp}
+
+
+def compiled_figures(model: Any) -> dict[str, Any]:
+    """What torch.compile wrapped: regional compilation (`recipe.REGIONAL_COMPILATION`) compiles the
+    decoder blocks and the other leaf children, never the top-level forward (where the loss runs)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return {"compiled_regions": sum(isinstance(m, OptimizedModule) for m in model.modules()),
+            "compiled_whole_model": isinstance(model, OptimizedModule)}
 
 
 def describe_optimizer(opt: Any) -> dict[str, Any]:
