@@ -484,7 +484,12 @@ class Runner:
                                reason=(f"no result after {timeout:.0f} s from ranks "
                                        f"{sorted(set(range(req.config.gpus)) - set(results))}; every rank "
                                        "of the group was stopped"))
-        return group.merge(results, req.config.gpus, cfg, text)
+        res = group.merge(results, req.config.gpus, cfg, text)
+        # where a single probe's child leaves its result: a search resumed after this process died adopts it
+        tmp = Path(f"{req.result_path}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(res.to_dict(), indent=1))
+        tmp.replace(req.result_path)
+        return res
 
     def _drive(self, child: Standby, req: ProbeRequest, deadline: float,
                cancel: Callable[[], bool] | None, send: bool = True) -> Ended:

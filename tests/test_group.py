@@ -49,6 +49,8 @@ def test_a_two_rank_fsdp2_probe_on_the_cpu_shards_and_reports_the_group(tmp_path
     assert res["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in ranks)
     assert res["config"]["gpus"] == 2 and res["config"]["gradient_accumulation_steps"] == 2
     assert not list(tmp_path.glob("*.rank*.result.json")) and not list(tmp_path.glob("*.request.json"))
+    (merged,) = tmp_path.glob("*.result.json")  # where a resumed search finds a finished probe
+    assert json.loads(merged.read_text())["tokens_per_s"] == res["tokens_per_s"]
 
 
 def _group_probe(tmp_path: Path, mode: str, timeout: float = 300) -> tuple[ProbeResult, float]:
