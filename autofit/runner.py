@@ -155,7 +155,10 @@ class Standby:
     `cmd`, the launcher of a probe spanning several ranks (it reads its request from a file)."""
 
     def __init__(self, log_dir: Path, env: dict[str, str], seq: int, cmd: list[str] | None = None) -> None:
+        """`cmd`: a group's launcher, already running its probe: never stopped while another probe is
+        timed (only standbys still importing are)."""
         self.log_fd, self._named_log = _open_log(log_dir, seq)
+        launcher = cmd is not None
         if cmd is None:
             cmd = shlex.split(os.environ[CHILD_ENV]) if os.environ.get(CHILD_ENV) else [
                 sys.executable, "-m", "autofit.probe", "--standby"]
@@ -169,7 +172,8 @@ class Standby:
         """Stop the other standby processes' imports during this one's timed steps (False: benchmark)."""
         self._timing = False
         self._stdin_lock = threading.Lock()
-        HOLD.add(self)
+        if not launcher:
+            HOLD.add(self)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
@@ -463,7 +467,7 @@ class Runner:
         self._seq += 1
         child = Standby(self.log_dir, self._env(n), self._seq,
                         cmd=[sys.executable, "-m", "autofit.probe.launch", str(n), str(request_file)])
-        child.hold_while_timing = False  # nothing imports ahead beside a group
+        child.hold_while_timing = self.hold_while_timing  # its timed steps hold standbys still importing
         try:
             return self._supervise(child, req, log_path, asked, deadline, timeout, cancel)
         finally:
