@@ -57,7 +57,14 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    out: dict[str, Any] = {}
+    if cfg.cpu_offload != "off":
+        # ZeRO-Offload refuses a client optimizer (zero_force_ds_cpu_optimizer): DeepSpeed's own AdamW,
+        # its CPU Adam, steps on the host; Trainer fills the "auto" values from its arguments
+        out["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}
     return {
+        **out,
         "zero_optimization": zero,
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
@@ -81,10 +88,16 @@ def support(cfg: TrialConfig, device: str) -> str | None:
     return None
 
 
+def launched(cfg: TrialConfig) -> bool:
+    """Does the config run under torchrun? Several ranks, or an engine on one (FSDP2 or ZeRO with host
+    offload on one GPU: world size 1, still a process group)."""
+    return cfg.gpus > 1 or cfg.engine != "none"
+
+
 def launch_command(cfg: TrialConfig, script: str, args: str = "") -> str:
-    """How to start an exported script: python for one rank, torchrun for several."""
+    """How to start an exported script: python for one plain rank, torchrun otherwise."""
     tail = f" {args}" if args else ""
-    if cfg.gpus > 1:
+    if launched(cfg):
         return f"torchrun --standalone --nproc-per-node {cfg.gpus} {script}{tail}"
     return f"python {script}{tail}"
 

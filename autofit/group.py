@@ -21,7 +21,8 @@ SEVERITY = (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.MISMATCH
             Outcome.CRASH, Outcome.TIMEOUT, Outcome.CANCELLED, Outcome.FIT)
 """Which rank's outcome is the group's: the first in this order that any rank has."""
 
-_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)"
+                   r"(?:\s*\(pid:\s*(\d+)\))?", re.S)
 _MAX = ("peak_memory_bytes", "max_memory_allocated", "max_memory_reserved", "memory_outside_allocator",
         "memory_after_load", "memory_growth_bytes", "num_alloc_retries")
 """Figures where the group's is the largest rank's."""
@@ -33,12 +34,27 @@ class RootCause:
 
     rank: int
     exitcode: int
+    pid: int | None = None
+
+
+def rank_text(text: str, rank: int) -> str:
+    """The lines rank `rank` wrote to stderr, from the group's log (torchrun marks each "[default<k>]:",
+    k the local rank: the rank itself on one host); the whole log where none are marked."""
+    mark = f"[default{rank}]:"
+    lines = [ln[len(mark):] for ln in text.splitlines() if ln.startswith(mark)]
+    return "\n".join(lines) if lines else text
 
 
 def root_cause(text: str) -> RootCause | None:
     """torchrun's summary of a failed group (`ChildFailedError`), if the log has one."""
     m = _ROOT.search(text)
-    return RootCause(int(m.group(1)), int(m.group(2))) if m else None
+    return RootCause(int(m.group(1)), int(m.group(2)), int(m.group(3)) if m.group(3) else None) if m else None
+
+
+def ended(results: dict[int, ProbeResult], world: int, text: str) -> bool:
+    """Did the group end by itself (every rank's result, or torchrun's summary of a failure)? Not when
+    it was stopped from outside: then nothing is known about the config."""
+    return len(results) == world or root_cause(text) is not None
 
 
 def worst(results: dict[int, ProbeResult], cause: RootCause | None = None) -> tuple[int, ProbeResult]:
@@ -64,7 +80,8 @@ def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text
     rank, res = worst(judged, root_cause(text))
     ranks = [_rank_summary(r, judged[r]) for r in sorted(judged)]
     if not res.outcome.is_fit():
-        comm = communication_failure(f"{res.reason}\n{res.error_tail}")
+        # a missing rank's error tail is the whole group's log: its label comes from its own reason
+        comm = communication_failure(f"{res.reason}\n{res.error_tail}" if rank in results else res.reason)
         why = f"{comm}: {res.reason}" if comm and comm not in res.reason else res.reason
         out = replace(res, reason=f"rank {rank}: {why}" if why else f"rank {rank}")
     else:
@@ -80,12 +97,16 @@ def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[i
     tail = text[-4000:]
     out = {}
     for r in missing:
-        if cause is not None and cause.rank == r:
-            outcome = classify_text(text) or Outcome.CRASH
+        if cause is None:  # the launcher failed before torchrun could say which rank (a rendezvous error)
+            res = ProbeResult(classify_text(text) or Outcome.CRASH, cfg, error_tail=tail,
+                              reason=f"no result: {_last_error(text) or 'the launcher ended without a summary'}")
+        elif cause.rank == r:
+            own = rank_text(text, r)
+            outcome = classify_text(own) or Outcome.CRASH
             how = f"signal {-cause.exitcode}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
-            res = ProbeResult(outcome, cfg, error_tail=tail, reason=f"{_last_error(text) or 'failed'} ({how})")
+            res = ProbeResult(outcome, cfg, error_tail=own[-4000:], reason=f"{_last_error(own) or 'failed'} ({how})")
             if outcome is Outcome.OOM:
-                figs = oom_figures(text)
+                figs = oom_figures(own)
                 res.oom_shortfall_bytes, res.oom_request_bytes = figs.shortfall, figs.request
                 res.oom_in_use_bytes = figs.in_use_with()
                 res.oom_reserved_unallocated_bytes = figs.reserved_unallocated

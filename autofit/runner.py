@@ -392,7 +392,7 @@ class Runner:
             gate=checks.gate and kernels.needs_gate(cfg),
             boundaries=checks.boundaries and self.dataset is not None,
             dataset=self.dataset, data_cache=self.data_cache,
-            nvml_indices=list(t.gpus[:cfg.gpus]) if cfg.gpus > 1 else [],
+            nvml_indices=list(t.gpus[:cfg.gpus]) if distributed.launched(cfg) else [],
         )
 
     def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:
@@ -423,7 +423,7 @@ class Runner:
         if known is not None:
             return self._finish(known, asked, log_path, "")
         req = self.request(cfg, model, result_path, checks)
-        if cfg.gpus > 1:
+        if distributed.launched(cfg):
             return self._run_group(req, name, asked, deadline, timeout, cancel)
         child = self._take(deadline)
         if child is None:
@@ -436,7 +436,7 @@ class Runner:
                    timeout: float, cancel: Callable[[], bool] | None) -> ProbeResult:
         """Drive one started child (a standby, or a group's launcher) to its end and judge it; Ctrl-C
         stops it first."""
-        group = req.config.gpus > 1
+        group = distributed.launched(req.config)
         self._current = child
         try:
             child.name_log(log_path)
@@ -488,7 +488,14 @@ class Runner:
                                reason=(f"no result after {timeout:.0f} s from ranks "
                                        f"{sorted(set(range(req.config.gpus)) - set(results))}; every rank "
                                        "of the group was stopped"))
+        if self._aborted.is_set() and not group.ended(results, req.config.gpus, text):
+            return ProbeResult(Outcome.CRASH, cfg, retryable=True, error_tail=text[-4000:],
+                               reason="interrupted: the group was stopped before it ended")
         res = group.merge(results, req.config.gpus, cfg, text)
+        cause = group.root_cause(text)
+        if cause is not None and cause.exitcode == -signal.SIGKILL and res.outcome is Outcome.CRASH:
+            res = _outside_sigkill(cfg, res.error_tail, ended.watch.host_oom_evidence(cause.pid)
+                                   if cause.pid else None, f"rank {cause.rank} ")
         # where a single probe's child leaves its result: a search resumed after this process died adopts it
         tmp = Path(f"{req.result_path}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(res.to_dict(), indent=1))
@@ -574,13 +581,14 @@ def _read_result(path: Path, cfg: dict[str, Any], tail: str) -> ProbeResult:
         return ProbeResult(Outcome.CRASH, cfg, reason=f"unreadable result file ({e})", error_tail=tail)
 
 
-def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None) -> ProbeResult:
-    """A SIGKILL autofit did not send: the OOM killer's on evidence, else says nothing about the config."""
+def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None, who: str = "") -> ProbeResult:
+    """A SIGKILL autofit did not send (to the child, or to `who`: a group's rank): the OOM killer's on
+    evidence, else says nothing about the config."""
     if evidence is not None:
         return ProbeResult(Outcome.HOST_OOM, cfg, error_tail=tail,
-                           reason=f"killed by SIGKILL from the host's OOM killer: {evidence}")
+                           reason=f"{who}killed by SIGKILL from the host's OOM killer: {evidence}")
     return ProbeResult(Outcome.CRASH, cfg, error_tail=tail, retryable=True,
-                       reason="killed by SIGKILL from outside autofit (no sign of the OOM killer)")
+                       reason=f"{who}killed by SIGKILL from outside autofit (no sign of the OOM killer)")
 
 
 def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:

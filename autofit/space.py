@@ -31,7 +31,8 @@ class Space:
     dimensions: dict[str, list[Any]]
     source: str = ""
     divisors_only: bool = False
-    """Only micro-batch sizes that divide global_batch (keeps the effective batch exact)."""
+    """Only micro-batch sizes whose batch over every rank (micro_batch_size x gpus) divides global_batch
+    (keeps the effective batch exact)."""
     notes: dict[str, str] = field(default_factory=dict)
 
     def values(self, key: str) -> list[Any]:
@@ -48,7 +49,7 @@ class Space:
         return TrialConfig.from_mapping({**self.fixed, **params}, source=self.source or self.name)
 
     def allowed(self, cfg: TrialConfig) -> bool:
-        return not self.divisors_only or cfg.global_batch % cfg.micro_batch_size == 0
+        return not self.divisors_only or cfg.global_batch % (cfg.micro_batch_size * cfg.gpus) == 0
 
     def candidates(self) -> list[TrialConfig]:
         """Every configuration of the space (the exhaustive grid)."""

@@ -167,6 +167,9 @@ class TrialConfig:
         if self.engine == "fsdp2" and self.gradient_checkpointing not in ("off", "on"):
             out.append(f"gradient_checkpointing={self.gradient_checkpointing} with engine=fsdp2: FSDP's own "
                        "activation_checkpointing wraps every layer; use off or on")
+        if self.engine in ("zero2", "zero3") and self.cpu_offload != "off" and not self.optimizer.startswith("adamw"):
+            out.append(f"optimizer={self.optimizer} with engine={self.engine} and cpu_offload={self.cpu_offload}: "
+                       "ZeRO-Offload steps DeepSpeed's own CPU AdamW; use an adamw optimizer or cpu_offload=off")
         if self.engine != "none" and self.quantization != "none":
             out.append(f"quantization={self.quantization} with engine={self.engine}: a quantized base is not "
                        "sharded by autofit; use engine=none (plain data parallel) or quantization=none")

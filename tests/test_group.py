@@ -16,6 +16,7 @@ import psutil
 import pytest
 from conftest import probe_json
 
+from autofit import distributed
 from autofit.errors import UsageError
 from autofit.group import merge, root_cause
 from autofit.models import resolve_model
@@ -23,6 +24,7 @@ from autofit.probe.ranks import RANK_ENV
 from autofit.report import ranks_line
 from autofit.result import Outcome, ProbeResult
 from autofit.runner import Runner
+from autofit.space import Space
 from autofit.spec import TrialConfig
 from autofit.target import Target, resolve_targets
 
@@ -92,6 +94,22 @@ def test_a_hanging_rank_times_out_and_the_whole_group_is_stopped(tmp_path: Path)
     assert not left, [p.info["cmdline"] for p in left]
 
 
+def test_an_interrupted_group_says_nothing_about_its_config(tmp_path: Path) -> None:
+    """Ctrl-C (the runner's abort) in the middle of a group: a retryable result, and no result file a
+    resumed search would adopt as this config's outcome."""
+    import threading
+
+    os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"] = str(FAKE_RANK), "hang"
+    try:
+        with Runner(Target(), tmp_path, standby=0) as runner:
+            threading.Timer(4.0, runner.abort).start()
+            res = runner.run(CFG, resolve_model("tiny-llama"), name="g", timeout=120)
+    finally:
+        del os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"]
+    assert res.retryable and res.reason.startswith("interrupted")
+    assert not list(tmp_path.glob("*.result.json"))
+
+
 # ----------------------------------------------------------------------------- judged without a launch
 
 
@@ -118,6 +136,17 @@ def test_engine_rules_and_gpus_flags_are_usage_errors() -> None:
     (cpu,) = resolve_targets(None, "cpu", None, per_probe=2)
     assert cpu.ranks == 2 and "2 processes (gloo)" in cpu.describe()
     assert TrialConfig(gpus=4, global_batch=16, micro_batch_size=2).gradient_accumulation_steps == 2
+    with pytest.raises(UsageError, match="ZeRO-Offload steps DeepSpeed's own CPU AdamW"):
+        TrialConfig(engine="zero2", cpu_offload="optimizer", optimizer="adafactor")
+    # an engine on one GPU (FSDP2 offload) still runs under torchrun, as a group of one
+    one = TrialConfig(engine="fsdp2", cpu_offload="all")
+    assert distributed.launched(one) and distributed.launch_command(one, "t.py").startswith("torchrun")
+    assert not distributed.launched(TrialConfig())
+    ds = distributed.deepspeed_config(TrialConfig(engine="zero3", method="full", cpu_offload="all"))
+    assert ds["optimizer"]["type"] == "AdamW" and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert "optimizer" not in distributed.deepspeed_config(TrialConfig(engine="zero3", method="full"))
+    space = Space("s", {"global_batch": 16}, {"micro_batch_size": [2, 4, 8], "gpus": [4]}, divisors_only=True)
+    assert [c.micro_batch_size for c in space.candidates()] == [2, 4]  # 8 x 4 ranks would train 32
 
 
 TORCHRUN_SUMMARY = """\
@@ -150,6 +179,11 @@ def test_merge_takes_the_worst_rank_and_names_the_root_cause() -> None:
     assert merge({0: crash, 1: boom}, 2, cfg, "").reason == "rank 1: RuntimeError: boom"  # not the consequence
     nccl = ProbeResult(Outcome.CRASH, cfg, reason="ProcessGroupNCCL: Watchdog caught collective operation timeout")
     assert "a collective timed out (NCCL watchdog)" in merge({0: nccl, 1: fit}, 2, cfg, "").reason
+    log = "[default3]:ValueError: bad shape\n[default0]:RuntimeError: Connection closed by peer\n" + TORCHRUN_SUMMARY
+    label = merge({0: fit, 1: fit, 2: fit}, 4, cfg, log).reason
+    assert label == "rank 3: ValueError: bad shape (signal 9)"  # rank 0's log line is not rank 3's
+    lost = merge({}, 2, cfg, "torch.distributed.DistNetworkError: failed to bind")
+    assert lost.outcome is Outcome.CRASH and "no result: torch.distributed.DistNetworkError" in lost.reason
     assert root_cause(TORCHRUN_SUMMARY).rank == 3 and root_cause(TORCHRUN_SUMMARY).exitcode == -9
     missing = merge({0: fit, 1: fit, 2: fit}, 4, cfg, TORCHRUN_SUMMARY)
     assert missing.outcome is Outcome.CRASH and missing.reason.startswith("rank 3: ") and "signal 9" in missing.reason

@@ -48,11 +48,6 @@ def fsdp_on_cpu():
 TRAINER_LINE = "    trainer = "
 
 
-def spans(cfg: TrialConfig) -> bool:
-    """Whether the config is more than one plain GPU (several ranks, or an engine)."""
-    return cfg.gpus > 1 or cfg.engine != "none"
-
-
 def script_main(main: str, cfg: TrialConfig) -> str:
     """A Python recipe's `main` (after the helpers): with `fsdp_on_cpu()` called before Trainer for FSDP2."""
     if cfg.engine != "fsdp2":
@@ -64,7 +59,7 @@ def script_main(main: str, cfg: TrialConfig) -> str:
 
 def script_doc(cfg: TrialConfig) -> str:
     """The paragraph of a Python recipe's docstring on its GPUs and engine ('' for one plain GPU)."""
-    if not spans(cfg):
+    if not distributed.launched(cfg):
         return ""
     lines = [f"{distributed.describe(cfg)}: one process per GPU, started by the command above; each rank",
              f"trains {cfg.rank_batch} of the {cfg.effective_batch} sequences of an optimizer step "
@@ -85,7 +80,7 @@ def script_doc(cfg: TrialConfig) -> str:
 
 def script_launch(cfg: TrialConfig) -> str:
     """`Rendered.launch` of a Python recipe: torchrun over the recipe's file ('' for one plain GPU)."""
-    if not spans(cfg):
+    if not distributed.launched(cfg):
         return ""
     return distributed.launch_command(cfg, "{recipe}", "--dataset data.jsonl --output-dir out")
 
@@ -96,7 +91,7 @@ def deepspeed_json(cfg: TrialConfig) -> str:
 
 def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
     """(axolotl keys, companion files, launch command with `{recipe}`) for the config's engine."""
-    if not spans(cfg):
+    if not distributed.launched(cfg):
         return {}, {}, ""
     keys: dict[str, Any] = {}
     companions: dict[str, str] = {}
@@ -116,7 +111,7 @@ def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
 
 def llama_factory(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
     """(LLaMA-Factory keys, companion files, launch command with `{recipe}`) for the config's engine."""
-    if not spans(cfg):
+    if not distributed.launched(cfg):
         return {}, {}, ""
     if cfg.engine == "fsdp2":  # the activation checkpointing is FSDP's (in the accelerate config)
         # the module llamafactory-cli's torchrun starts; a checkout's src/train.py (the examples' way) is the same
@@ -130,7 +125,7 @@ def llama_factory(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str
 
 def yaml_intro(cfg: TrialConfig, companions: dict[str, str]) -> list[str]:
     """Header lines of a YAML recipe on its GPUs and the files beside it ([] for one plain GPU)."""
-    if not spans(cfg):
+    if not distributed.launched(cfg):
         return []
     return [f"Several GPUs: {distributed.describe(cfg)}; the global batch kept: {cfg.rank_batch} sequences per rank "
             f"and optimizer step, {cfg.effective_batch} in all."] + [

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import recipe
+from .. import distributed, recipe
 from ..protocol import SPREAD_BOUND, ProbeRequest
 from ..result import Outcome, ProbeResult
 from .batches import RealBatches, boundary_verdict, check_boundaries, mismatch, real_batches
@@ -85,7 +85,7 @@ def _stop_runaway(req: ProbeRequest, state: ProbeState, now: int) -> None:
     res = judge_limit(res, req.memory_limit_bytes, req.headroom)
     res.device, res.model = req.device_label, req.model.ref
     write_json_atomic(req.result_path, res.to_dict())
-    os._exit(0)
+    os._exit(1 if "RANK" in os.environ else 0)  # a rank: torchrun stops the others now
 
 
 def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
@@ -175,7 +175,7 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
         cb.trainer = trainer
         trainer.train()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
-        engine = engine_figures(trainer) if cfg.gpus > 1 or cfg.engine != "none" else {}
+        engine = engine_figures(trainer) if distributed.launched(cfg) else {}
         if cfg.torch_compile:
             engine.update(compiled_figures(trainer.model_wrapped))
     cb.stop_timing()
@@ -215,7 +215,8 @@ def compiled_figures(model: Any) -> dict[str, Any]:
     decoder blocks and the other leaf children, never the top-level forward (where the loss runs)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return {"compiled_regions": sum(isinstance(m, OptimizedModule) for m in model.modules()),
+    return {"compiled_regions": sum(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None)
+                                    is not None for m in model.modules()),  # fsdp2 / zero: compiled in place
             "compiled_whole_model": isinstance(model, OptimizedModule)}
 
 

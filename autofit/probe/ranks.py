@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from ..protocol import PARENT_ENV, ProbeRequest, die_with_parent, rank_result_path
@@ -38,13 +39,20 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun  # the heavy import, after the tie to the runner
 
     rank = shlex.split(os.environ[RANK_ENV]) if os.environ.get(RANK_ENV) else ["-m", "autofit.probe"]
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *rank, "--rank", request])
+    os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with this process
+    # torchrun keeps per-rank logs in a folder of its own (mkdtemp otherwise, left behind every time)
+    with tempfile.TemporaryDirectory(prefix=".torchrun-", dir=Path(request).parent) as logs:
+        # --tee=2: each rank's stderr also reaches the probe's log, every line marked "[default<k>]:"
+        # (the runner tells the ranks' errors apart); stdout stays the protocol pipe, unmarked
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", f"--log-dir={logs}",
+                  "--tee=2", *rank, "--rank", request])
     return 0
 
 
 def rank_main(request_file: str) -> int:
     """One rank: the request from the file, the probe, this rank's result."""
-    die_with_parent(None)  # the launcher is the parent: a rank never outlives its group
+    parent = os.environ.get(PARENT_ENV)  # the launcher: a rank never outlives its group
+    die_with_parent(int(parent) if parent else None)
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     pipe = ProtocolPipe(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)  # what the libraries print goes to the log
