@@ -22,9 +22,6 @@ from typing import Any
 
 from .spec import TrialConfig
 
-GLOO_NOTE = ("on --device cpu the ranks are processes with the gloo backend (tests; nothing to shard "
-             "device memory for)")
-
 
 def training_arguments(cfg: TrialConfig) -> dict[str, Any]:
     """TrainingArguments keys (transformers 5.24) for the engine; empty for one rank without an engine."""
@@ -86,6 +83,23 @@ def support(cfg: TrialConfig, device: str) -> str | None:
     if cfg.cpu_offload != "off" and device != "cuda":
         return f"cpu_offload={cfg.cpu_offload}: on --device cpu there is no device memory to offload from"
     return None
+
+
+def fsdp_on_cpu() -> None:
+    """Lets accelerate shard with FSDP2 on a CPU too (torchrun's gloo processes: how autofit's probes and
+    its exported recipes are tested without GPUs).
+
+    accelerate takes its FSDP path only for accelerator device types: on the CPU (DistributedType.MULTI_CPU)
+    Trainer would silently train plain data parallel instead. Called after TrainingArguments (which sets the
+    distributed state up) and before Trainer; on a GPU accelerate's own path is taken and this does nothing.
+    The probe calls it; the exported Python recipes carry its source.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
 
 
 def launched(cfg: TrialConfig) -> bool:

@@ -87,7 +87,6 @@ def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text
     else:
         out = _fit_of_group(judged)
     out.extra = {**out.extra, "ranks": ranks, "world_size": world}
-    out.extra.pop("rank", None)
     return out
 
 
@@ -106,10 +105,7 @@ def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[i
             how = f"signal {-cause.exitcode}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
             res = ProbeResult(outcome, cfg, error_tail=own[-4000:], reason=f"{_last_error(own) or 'failed'} ({how})")
             if outcome is Outcome.OOM:
-                figs = oom_figures(own)
-                res.oom_shortfall_bytes, res.oom_request_bytes = figs.shortfall, figs.request
-                res.oom_in_use_bytes = figs.in_use_with()
-                res.oom_reserved_unallocated_bytes = figs.reserved_unallocated
+                oom_figures(own).fill(res)
         else:
             res = ProbeResult(Outcome.CRASH, cfg, error_tail=tail, reason="ended without a result "
                               "(stopped by torchrun after another rank failed)")

@@ -262,10 +262,11 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     if data is not None:
         lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
-    lines += gpus_section(spec, rows, results, usable)
+    model = learned_model(spec, rows, results)  # taught once, for both sections
+    lines += gpus_section(spec, results, usable, model)
     lines += ["## Plots", "", "![tokens/s vs peak memory](throughput_vs_memory.png)", "",
               "![best so far](best_so_far.png)", ""]
-    lines += prediction_errors(spec, rows, results)
+    lines += prediction_errors(spec, rows, results, model)
     lines += _all_probes(rows, results)
     return "\n".join(lines) + "\n"
 
@@ -391,11 +392,13 @@ def kernel_label(cfg: dict[str, Any]) -> str:
             f", attn={cfg.get('attn_implementation', 'sdpa')}")
 
 
-def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
+def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
+                      model: MemoryModel | None = None) -> list[str]:
     """The memory model's error on the probes that ran to the end, one row per kernel combination
     (the fused loss and compile change the peak in ways the prior only estimates), and the margin it
-    ended the search with (fits and out-of-memory bounds learned in the search's order)."""
-    model = learned_model(spec, rows, results)
+    ended the search with (fits and out-of-memory bounds learned in the search's order: `model`, or
+    taught here)."""
+    model = model or learned_model(spec, rows, results)
     by: dict[str, list[float]] = {}
     for row, r in zip(rows, results, strict=True):
         if r.tokens_per_s and r.peak_memory_bytes and row.get("predicted_peak"):
@@ -421,15 +424,14 @@ GPU_COUNTS = (2, 4, 8)
 """The group sizes a config that did not fit is tried at (fsdp2), for the report."""
 
 
-def gpus_section(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
-                 usable: int | None) -> list[str]:
+def gpus_section(spec: dict[str, Any], results: list[ProbeResult], usable: int | None,
+                 model: MemoryModel) -> list[str]:
     """What more GPUs would do: the space's configs that span more GPUs than attached (not probed), by
     GPU count, with how many the memory model predicts to fit (per-rank peak vs usable); and, where
     the space has an engine dimension, the fewest GPUs at which fsdp2 is predicted to fit each
     configuration that ran out of memory here."""
     ranks = int(spec["targets"][0].get("ranks", 1))
     space = Space.from_dict(spec["space"])
-    model = learned_model(spec, rows, results)
     wider = [c for c in space.candidates() if c.gpus > ranks]
     lines = _wider_table(wider, model, ranks, usable)
     if "engine" in space.dimensions and usable:

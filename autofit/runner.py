@@ -597,9 +597,7 @@ def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:
     res = ProbeResult(outcome, cfg, error_tail=text[-4000:],
                       reason=f"exited with code {rc} without writing a result")
     if outcome is Outcome.OOM:
-        figs = oom_figures(text)  # the phase is the child's to know: unknown here
-        res.oom_shortfall_bytes, res.oom_request_bytes = figs.shortfall, figs.request
-        res.oom_in_use_bytes, res.oom_reserved_unallocated_bytes = figs.in_use_with(), figs.reserved_unallocated
+        oom_figures(text).fill(res)  # the phase is the child's to know: unknown here
         lines = [ln for ln in text.splitlines() if "out of memory" in ln.lower() or "OutOfMemory" in ln]
         res.reason = (lines[-1].strip()[:300] if lines else res.reason)
     return res

@@ -118,7 +118,8 @@ def _resumed(req: SearchRequest) -> Session:
     spec = load_spec(run_dir, "--resume")
     check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
     if req.gpu is not None or req.device is not None:
-        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus)))
+        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom,
+                                                          req.gpus)))
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
     if spec.dataset is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .result import Outcome
+from .result import Outcome, ProbeResult
 
 # GPU out of memory, in the words of torch, CUDA, cuBLAS, cuDNN and NCCL.
 GPU_OOM = (
@@ -156,6 +156,12 @@ class OomFigures:
             return self.request
         short = self.request - room
         return short if short > 0 else self.request
+
+    def fill(self, res: ProbeResult, outside: int = 0) -> None:
+        """Set an out-of-memory result's figures from the message (`outside`: memory outside the
+        allocator, for the memory in use where NVML did not say)."""
+        res.oom_shortfall_bytes, res.oom_request_bytes = self.shortfall, self.request
+        res.oom_in_use_bytes, res.oom_reserved_unallocated_bytes = self.in_use_with(outside), self.reserved_unallocated
 
 
 def _bytes(m: re.Match[str]) -> int:

@@ -24,7 +24,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
                                       lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom,
                                                               args.gpus),
                                       lambda: dataset_ref(args))
-    if args.gpus > 1 and "gpus" not in parse_sets(args.set or []):
+    if args.gpus > 1 and "gpus" not in parse_sets(args.set or []):  # parsed without error above
         cfg = cfg.replace(gpus=args.gpus)
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "

@@ -97,7 +97,8 @@ class Progress:
 def request(args: argparse.Namespace) -> SearchRequest:
     return SearchRequest(
         model=args.model, space=args.space, gpu=args.gpu, device=args.device, memory_limit=args.memory_limit,
-        gpus=args.gpus, headroom=args.headroom, budget=args.budget, max_length=args.max_length, global_batch=args.global_batch,
+        gpus=args.gpus, headroom=args.headroom, budget=args.budget, max_length=args.max_length,
+        global_batch=args.global_batch,
         out=Path(args.out), storage=args.storage, study_name=args.study_name,
         resume=Path(args.resume) if args.resume else None, seed=args.seed, policy=args.policy,
         probe=probe_settings(args),

@@ -16,6 +16,7 @@ Companion files are named bare and written beside the recipe (`Rendered.companio
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -28,22 +29,8 @@ from .yaml_targets import ACCELERATE
 DEEPSPEED_JSON = "ds_config.json"
 ACCELERATE_FSDP = "accelerate_fsdp.yaml"
 
-FSDP_ON_CPU = '''
-
-def fsdp_on_cpu():
-    """Lets accelerate shard with FSDP2 on a CPU too (torchrun's gloo processes: a test of the recipe).
-
-    accelerate takes its FSDP path only for accelerator device types: on the CPU (DistributedType.MULTI_CPU)
-    Trainer would silently train plain data parallel instead. Called after TrainingArguments (which sets the
-    distributed state up) and before Trainer; on a GPU accelerate's own path is taken and this does nothing.
-    """
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    state = PartialState()
-    if state.distributed_type == DistributedType.MULTI_CPU:
-        state.distributed_type = DistributedType.MULTI_GPU
-'''
+FSDP_ON_CPU = "\n\n" + inspect.getsource(distributed.fsdp_on_cpu)
+"""The probe's own function, carried by an FSDP2 recipe (one definition of what runs in both)."""
 
 TRAINER_LINE = "    trainer = "
 

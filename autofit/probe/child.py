@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import sys
+from collections.abc import Callable
 from typing import IO
 
 from ..envinfo import package_versions
@@ -78,13 +79,30 @@ class ProtocolPipe:
             self.say(TIMED_END)
 
 
-def standby() -> int:
-    """Import, announce readiness, serve one request."""
+def protocol_pipe() -> ProtocolPipe:
+    """A probe process's start: tied to its parent (`PARENT_ENV`), its stdout kept as the protocol pipe
+    and everything else the libraries print sent to the log."""
     parent = os.environ.get(PARENT_ENV)
     die_with_parent(int(parent) if parent else None)
     pipe = ProtocolPipe(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)  # anything the libraries print goes to the log, not the protocol pipe
     silence_known_noise()
+    return pipe
+
+
+def serve(req: ProbeRequest, announce: Callable[[str], None], who: str = "autofit probe") -> ProbeResult:
+    """Run the request, write its result, say both in the log."""
+    print(f"{who}: {json.dumps(req.config.to_dict())}", file=sys.stderr, flush=True)
+    res = handle(req, announce)
+    write_json_atomic(req.result_path, res.to_dict())
+    print(f"{who}: {res.outcome.value} {res.reason}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    return res
+
+
+def standby() -> int:
+    """Import, announce readiness, serve one request."""
+    pipe = protocol_pipe()
     import peft  # noqa: F401
     import torch  # noqa: F401  the expensive part, done before a request arrives
     import transformers  # noqa: F401
@@ -94,10 +112,5 @@ def standby() -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0  # the runner closed the pipe (or died): nothing to do
-    req = ProbeRequest.from_json(line)
-    print(f"autofit probe: {json.dumps(req.config.to_dict())}", file=sys.stderr, flush=True)
-    res = handle(req, pipe)
-    write_json_atomic(req.result_path, res.to_dict())
-    print(f"autofit probe: {res.outcome.value} {res.reason}", file=sys.stderr, flush=True)
-    sys.stderr.flush()
+    serve(ProbeRequest.from_json(line), pipe)
     os._exit(0)  # skip interpreter teardown: the result is written, the runner is waiting

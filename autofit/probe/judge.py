@@ -65,11 +65,7 @@ def _oom_figures(res: ProbeResult, state: ProbeState, text: str) -> None:
         reserved = max(torch.cuda.max_memory_reserved(), cb_reserved)
         res.max_memory_reserved = int(reserved)
         res.peak_memory_bytes = int(reserved + state.outside_at_start)
-        figs = oom_figures(text)
-        res.oom_shortfall_bytes = figs.shortfall
-        res.oom_request_bytes = figs.request
-        res.oom_in_use_bytes = figs.in_use_with(state.outside_at_start)
-        res.oom_reserved_unallocated_bytes = figs.reserved_unallocated
+        oom_figures(text).fill(res, state.outside_at_start)
     else:  # the CPU limit
         res.peak_memory_bytes = int(mem.sampled_peak)
         res.oom_in_use_bytes = int(mem.sampled_peak)

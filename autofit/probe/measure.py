@@ -44,6 +44,9 @@ class Trained:
     for tensors under its min_8bit_size, e.g. tiny-llama's LoRA matrices), paged or not."""
     bnb_modules: int
     """Modules of the trained model that are bitsandbytes layers (quantized linears)."""
+    engine: dict[str, Any]
+    """What Trainer really ran where it matters: its distributed type and FSDP modules (a group, or an
+    engine), the compiled regions (torch_compile)."""
 
 
 def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
@@ -169,7 +172,7 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
         kw.update(batches.trainer_arguments() if batches is not None else {})
         args = TrainingArguments(output_dir=out, logging_steps=1, disable_tqdm=True, **kw)
         if cfg.engine == "fsdp2" and req.device == "cpu":
-            shard_on_cpu()
+            distributed.fsdp_on_cpu()
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb],
                           data_collator=batches.collator if batches is not None else None)
         cb.trainer = trainer
@@ -185,21 +188,8 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     return Trained(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
                    total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
                    train_seconds=time.perf_counter() - state.t_start,
-                   optimizer={**describe_optimizer(optimizer), **engine},
+                   optimizer=describe_optimizer(optimizer), engine=engine,
                    bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
-
-
-def shard_on_cpu() -> None:
-    """accelerate takes its FSDP path only for accelerator device types: on the CPU (MULTI_CPU) Trainer
-    would silently train plain DDP. Marking the process state multi-device makes Trainer shard with
-    FSDP2 over gloo (the CPU tests; on GPUs accelerate's own path is taken). Call it after
-    TrainingArguments (which resets the state) and before Trainer."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    state = PartialState()
-    if state.distributed_type == DistributedType.MULTI_CPU:
-        state.distributed_type = DistributedType.MULTI_GPU
 
 
 def engine_figures(trainer: Any) -> dict[str, Any]:
@@ -285,7 +275,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
-        extra={**trained.optimizer, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
+        extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
                "noise_controls": [c for c in CONTROLS if enabled(c)],
                **(batches.figures(first, len(window), req.probe_accumulation, cfg.gradient_accumulation_steps)
                   if batches is not None else {})},

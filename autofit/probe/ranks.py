@@ -15,16 +15,13 @@ alone speaks the protocol (the timed phase's start and end). The runner merges t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
-import sys
 import tempfile
 from pathlib import Path
 
 from ..protocol import PARENT_ENV, ProbeRequest, die_with_parent, rank_result_path
-from .child import ProtocolPipe, handle, silence_known_noise
-from .child_io import write_json_atomic
+from .child import protocol_pipe, serve
 
 RANK_ENV = "AUTOFIT_RANK_COMMAND"
 """Tests replace what torchrun starts for each rank with a program that follows the same protocol
@@ -51,22 +48,13 @@ def launch(argv: list[str]) -> int:
 
 def rank_main(request_file: str) -> int:
     """One rank: the request from the file, the probe, this rank's result."""
-    parent = os.environ.get(PARENT_ENV)  # the launcher: a rank never outlives its group
-    die_with_parent(int(parent) if parent else None)
+    pipe = protocol_pipe()  # PARENT_ENV is the launcher's: a rank never outlives its group
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    pipe = ProtocolPipe(os.fdopen(os.dup(1), "w"))
-    os.dup2(2, 1)  # what the libraries print goes to the log
-    silence_known_noise()
     req = ProbeRequest.from_json(Path(request_file).read_text())
     req = dataclasses.replace(
         req, result_path=rank_result_path(req.result_path, rank),
         nvml_index=req.nvml_indices[local] if req.nvml_indices else req.nvml_index)
-    print(f"autofit probe rank {rank}: {json.dumps(req.config.to_dict())}", file=sys.stderr, flush=True)
-    res = handle(req, pipe if rank == 0 else _silent)
-    res.extra["rank"] = rank
-    write_json_atomic(req.result_path, res.to_dict())
-    print(f"autofit probe rank {rank}: {res.outcome.value} {res.reason}", file=sys.stderr, flush=True)
-    sys.stderr.flush()
+    res = serve(req, pipe if rank == 0 else _silent, f"autofit probe rank {rank}")
     os._exit(0 if res.outcome.is_fit() else 1)  # not a fit: torchrun stops the other ranks now
 
 
