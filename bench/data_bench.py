@@ -56,7 +56,8 @@ SMALL = {"model": "tiny-llama", "limits": [None], "max_length": 128, "gb": 4, "r
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    return dict(os.environ, PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
 
 def corpora(small: bool, work: Path) -> dict[str, Path]:
@@ -194,6 +195,7 @@ def main() -> None:
     figures: dict[str, Any] = {"small": a.small, "max_length": s["max_length"], "model": s["model"], "searches": {},
                                "recipes": {}}
     first: dict[str, Path] = {}
+    name_of = a.name or ("data-bench-cpu-small" if a.small else "data-bench-s1-s2")
     for limit in s["limits"]:
         for name in a.datasets.split(","):
             key = f"{limit or 'no-limit'}/{name}"
@@ -210,14 +212,26 @@ def main() -> None:
                 first[name] = run
             print(key, {k: figures["searches"][key].get(k) for k in ("ratio_vs_pad_longest", "ratio_vs_pad_max")},
                   flush=True)
+            save(name_of, figures)  # after every search: a call cut short keeps what it measured
     for name, run in ({} if a.skip_recipes else first).items():
         figures["recipes"][name] = {"same_data": recipe(run, files[name], steps, work, f"{name}"),
                                     "longest_samples": recipe(run, longest_only(files[name], work), max(3, steps // 5),
                                                               work, f"{name}-longest")}
         print(name, {k: figures["recipes"][name]["same_data"][k] for k in ("tokens_per_s_ratio", "peak_ratio")},
               "longest inside limit:", figures["recipes"][name]["longest_samples"]["inside_limit"], flush=True)
-    save(a.name or ("data-bench-cpu-small" if a.small else "data-bench-s1-s2"), figures)
+    save(name_of, figures)
+    keep_runs(work / "runs", out_dir() / f"{name_of}-runs")
     print(f"results in {out_dir()}")
+
+
+def keep_runs(runs: Path, dest: Path) -> None:
+    """The searches' run folders (trials, study, report; logs left out) as one archive beside the figures."""
+    import shutil
+
+    if runs.is_dir():
+        staged = runs.parent / "kept"
+        shutil.copytree(runs, staged, ignore=shutil.ignore_patterns("logs", ".standby*", "*.png"), dirs_exist_ok=True)
+        shutil.make_archive(str(dest), "gztar", staged)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ class Setup:
     small: bool = False
     train_tokens: int = TRAIN_TOKENS
     export_steps: int = 50
+    stock_reference: bool = True
+    """Run the stock-kernel recipe beside the export for the loss curve (--no-stock-reference: speed and peak only)."""
     gpus: tuple[int, ...] = ()
     """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
 
@@ -430,8 +432,10 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
         (work / sub).mkdir()
     # the stock reference runs uncapped: with stock kernels the same micro-batch may not fit the cap
     jobs = [(run_dir, work / "kernels", limit, gpus[0]), (stock_copy(run_dir, work), work / "stock", None, gpus[1])]
+    if not setup.stock_reference:
+        jobs = jobs[:1]
     with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
-        mine, stock = pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs)
+        mine, stock = [*pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs), {}][:2]
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
     peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
     tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
@@ -474,8 +478,17 @@ def verdict(setup: Setup, sc: Scenario, today: ProbeResult | None, best: ProbeRe
     return out
 
 
+def keep_run(run_dir: Path, keep: str | None, name: str) -> None:
+    """Copy a run folder under `keep` (its logs left out: the trials, the study, best.json, the report)."""
+    if keep:
+        import shutil
+
+        shutil.copytree(run_dir, Path(keep) / name, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("logs", ".standby*"))
+
+
 def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: float | None,
-                 gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+                 gpus: tuple[int | None, int | None] = (None, None), keep: str | None = None) -> dict[str, Any]:
     """Today's space and the extended one, one after the other, or at once on two GPUs."""
     attention = runnable_attention("cpu" if setup.small else "cuda")
     spaces = [write_space(today_space(setup), folder, f"{sc.name}-today"),
@@ -483,6 +496,8 @@ def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: 
     with ThreadPoolExecutor(2 if gpus[0] is not None else 1) as pool:
         (today_rows, today_wall, today_dir), (k_rows, k_wall, k_dir) = pool.map(
             lambda i: search(setup, sc.model, sc.limit, spaces[i], budget, gpus[i]), (0, 1))
+    keep_run(today_dir, keep, f"{sc.name}-today")
+    keep_run(k_dir, keep, f"{sc.name}-kernels")
     best = best_of(k_rows)
     out = verdict(setup, sc, best_of(today_rows), best, matmul, gpus[1])
     mism = [config_of(r) for r in k_rows if r.outcome.value == "mismatch"]
@@ -529,8 +544,14 @@ def main() -> None:
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--limit", default="40GiB")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--name", help="result file name (default kernels-<mode>)")
+    ap.add_argument("--keep", help="copy every search's run folder here (logs left out)")
+    ap.add_argument("--no-stock-reference", action="store_true",
+                    help="export fidelity without the stock-kernel recipe's loss curve (speed and peak only)")
+    ap.add_argument("--export-run", help="a kernel search's run folder (from --keep): only its export fidelity")
     a = ap.parse_args()
     setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
+                  stock_reference=not a.no_stock_reference,
                   gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
     if a.matmul:
         print(matmul_tflops())
@@ -539,27 +560,39 @@ def main() -> None:
         res = run_profile(setup, a.model, a.limit, json.loads(a.profile_point))
         print(json.dumps(res) if a.json else json.dumps(res, indent=1))
         return
+    name = a.name or f"kernels-{a.mode}" + ("-small-cpu" if a.small else "")
+    if a.export_run:
+        run_dir = Path(a.export_run)
+        best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
+        save(name, {"export_of": run_dir.name, "winner": config_of(best), "export": export_fidelity(setup, run_dir, best)})
+        return
     require_kernel_keys()
     matmul = None if a.small else matmul_tflops_apart()
     folder = Path(tempfile.mkdtemp(prefix="kernels-spaces-"))
     chosen = [SMALL] if a.small else [SCENARIOS[n.strip()] for n in a.scenarios.split(",")]
 
+    scenarios: dict[str, Any] = {}
+
+    def write() -> None:
+        save(name, {"mode": a.mode, "small": a.small, "budget_per_search": a.budget if a.mode == "search" else None,
+                    "gpus": list(setup.gpus),
+                    "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
+                    "train_tokens_for_amortisation": a.train_tokens,
+                    "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(),
+                    "scenarios": dict(scenarios)})
+
     def one(i: int) -> dict[str, Any]:
         sc = chosen[i]
-        out = run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i)) if a.mode == "search" \
+        out = run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i), a.keep) if a.mode == "search" \
             else run_probes(setup, sc, matmul)
         print(sc.name, json.dumps({k: out[k] for k in ("ratio", "target", "met")}), flush=True)
+        scenarios[sc.name] = out
+        write()  # after every scenario: a call cut short keeps what it measured
         return out
 
     parallel = a.mode == "search" and setup.gpu_pair(len(chosen) - 1)[0] is not None
     with ThreadPoolExecutor(len(chosen) if parallel else 1) as pool:
-        scenarios = dict(zip([sc.name for sc in chosen], pool.map(one, range(len(chosen))), strict=True))
-    save(f"kernels-{a.mode}" + ("-small-cpu" if a.small else ""),
-         {"mode": a.mode, "small": a.small, "budget_per_search": a.budget if a.mode == "search" else None,
-          "gpus": list(setup.gpus),
-          "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
-          "train_tokens_for_amortisation": a.train_tokens,
-          "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(), "scenarios": scenarios})
+        list(pool.map(one, range(len(chosen))))
 
 
 if __name__ == "__main__":
