@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .data.shapes import TokenShapes
 from .spec import TrialConfig
 
 SPEED: dict[str, dict[Any, float]] = {
@@ -42,18 +43,28 @@ with the micro-batch as T / (T + HALF_TOKENS) and flattens (S1: micro-batch 1 ->
 gained 6%)."""
 
 
-def factor(cfg: TrialConfig) -> float:
-    """Relative tokens/s of cfg by the declared effects (scale-free: only ratios mean anything)."""
+def factor(cfg: TrialConfig, shapes: TokenShapes | None = None) -> float:
+    """Relative trained tokens/s of cfg by the declared effects (scale-free: only ratios mean anything).
+
+    A micro-batch's time follows its tensor tokens T (padding included) as T + HALF_TOKENS; what counts
+    is its trained tokens. Without a dataset both are micro_batch_size x max_length; with one
+    (`shapes`, the length table's plans) a padded strategy's trained share and a short-sample
+    micro-batch's fixed cost show: micro-batch 1 of 60-token samples is ~10x slower per trained token
+    than a padding-free micro-batch of 2,048 tokens.
+    """
     f = 1.0
     for key, table in SPEED.items():
         f *= table.get(getattr(cfg, key), 1.0)
-    t = cfg.tokens_per_micro_batch
-    return f * t / (t + HALF_TOKENS)
+    if shapes is None:
+        trained = tensor = float(cfg.tokens_per_micro_batch)
+    else:
+        trained, tensor = shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
+    return f * trained / (tensor + HALF_TOKENS)
 
 
-def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float) -> float:
+def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: TokenShapes | None = None) -> float:
     """cfg's tokens/s from a measured reference, scaled by the declared effects of what differs."""
-    return measured * factor(cfg) / factor(reference)
+    return measured * factor(cfg, shapes) / factor(reference, shapes)
 
 
 def differences(a: TrialConfig, b: TrialConfig) -> int:

@@ -11,8 +11,9 @@ from typing import Any
 
 from optuna.trial import FrozenTrial
 
-from . import kernels
+from . import effects, kernels
 from .data.correctness import boundary_key
+from .data.shapes import TokenShapes
 from .memory import MemoryModel, Shape
 from .objective import best_of, once_and_noisy
 from .protocol import Checks
@@ -73,12 +74,16 @@ class Knowledge:
     ranks: int = 1
     """GPUs a worker has attached (Target.ranks; on the CPU, its gloo processes): a config with more
     `gpus` is not probed."""
+    shapes: TokenShapes | None = None
+    """With --dataset: each strategy's mean micro-batch (trained and tensor tokens), for the policy's
+    speed expectations (effects.factor)."""
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
               repeats: dict[int, list[dict[str, Any]]] | None = None,
-              superseded: frozenset[int] = frozenset(), ranks: int = 1) -> Knowledge:
-        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu), ranks=ranks)
+              superseded: frozenset[int] = frozenset(), ranks: int = 1,
+              shapes: TokenShapes | None = None) -> Knowledge:
+        k = cls(usable, MemoryModel(shape, on_gpu=on_gpu), ranks=ranks, shapes=shapes)
         k.probes = probe_results(trials, repeats, superseded)
         for t, res in k.probes:
             k.by_key.setdefault(t.user_attrs["config_key"], t)
@@ -270,13 +275,14 @@ class Knowledge:
         def same_class(results: list[ProbeResult]) -> list[ProbeResult]:
             return [r for r in results if _cost_class(r.config) == mine] or results
 
-        rows = [(r.train_seconds or r.wall_seconds, _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc))
+        rows = [(r.train_seconds or r.wall_seconds,
+                 _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc, self.shapes))
                 for r in same_class(timed)]
         per_token = max(w / t for w, t in rows)
         later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
         overheads = [r.wall_seconds - r.train_seconds for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
-        return min(per_token * _probe_tokens(cfg, steps, max_acc), max(w for w, _ in rows) * 4) + overhead
+        return min(per_token * _probe_tokens(cfg, steps, max_acc, self.shapes), max(w for w, _ in rows) * 4) + overhead
 
 
 def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
@@ -295,9 +301,15 @@ def _reserved_free(res: ProbeResult) -> int | None:
     return None
 
 
-def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None) -> int:
+def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None, shapes: TokenShapes | None = None) -> float:
+    """What a probe's training time scales with: its micro-batches' tokens; with a dataset, each
+    micro-batch's mean tensor tokens plus its fixed cost (effects.HALF_TOKENS), as effects.factor
+    counts them (micro-batch 1 of short samples is quick to probe)."""
     acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
-    return steps * acc * cfg.tokens_per_micro_batch
+    if shapes is None:
+        return steps * acc * cfg.tokens_per_micro_batch
+    _, tensor = shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
+    return steps * acc * (tensor + effects.HALF_TOKENS)
 
 
 def promise(cfg: TrialConfig) -> tuple[Any, ...]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from . import effects
+from .data.shapes import TokenShapes
 from .knowledge import Knowledge
 from .objective import speed
 from .spec import TrialConfig
@@ -71,13 +72,15 @@ def measured(know: Knowledge) -> list[tuple[TrialConfig, float]]:
     return [(TrialConfig.from_dict(r.config), speed(r)) for r in know.fits() if r.tokens_per_s]
 
 
-def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig) -> tuple[float, float]:
-    """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone."""
+def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig,
+                   shapes: TokenShapes | None = None) -> tuple[float, float]:
+    """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone;
+    `shapes`: the dataset's micro-batches (Knowledge.shapes), None for full rows of random tokens."""
     if not fits:
-        mu = effects.factor(cfg)
+        mu = effects.factor(cfg, shapes)
         return mu, mu * 0.3
     n, ref, tps = min(((effects.differences(cfg, f), f, t) for f, t in fits), key=lambda x: (x[0], -x[2]))
-    mu = effects.estimate(cfg, ref, tps)
+    mu = effects.estimate(cfg, ref, tps, shapes)
     return mu, mu * effects.uncertainty(n)
 
 
@@ -103,7 +106,7 @@ def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: floa
           fits: list[tuple[TrialConfig, float]], best: float | None) -> Score:
     """`fits` (`measured`) and `best` (the best fit's speed) are the study's, the same for every candidate."""
     p = fit_probability(know, cfg)
-    mu, sigma = expected_speed(fits, cfg)
+    mu, sigma = expected_speed(fits, cfg, know.shapes)
     gain = expected_improvement(mu, sigma, best) if best is not None else mu
     value = p * gain / max(seconds or 1.0, 1.0) ** weight
     return Score(cfg, p, mu, gain, seconds, value)

@@ -21,6 +21,7 @@ import optuna
 from optuna.exceptions import StorageInternalError
 from optuna.trial import FrozenTrial, TrialState
 
+from .data.shapes import shapes_of
 from .errors import CannotWrite
 from .knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
 from .memory import Shape
@@ -154,6 +155,7 @@ class Search:
         self.deadline = 0.0
         self.candidates = s.space.candidates()
         self.shape = Shape.from_config(s.model.config)
+        self.token_shapes = shapes_of(s.dataset, s.model, s.data_cache)
         self.errors: list[BaseException] = []
         self.time = ProbeTime(s.warmup_steps + s.timed_steps, s.max_probe_accumulation, s.confirm > 0)
 
@@ -422,7 +424,8 @@ class Search:
 
     def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
         return Knowledge.build(study.get_trials(deepcopy=False), self.shape, target.device == "cuda",
-                               target.usable_bytes, repeats_of(study), superseded_of(study), ranks=target.ranks)
+                               target.usable_bytes, repeats_of(study), superseded_of(study), ranks=target.ranks,
+                               shapes=self.token_shapes)
 
     def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
         return self.time.in_time(know, cfg, self.deadline - self.clock())

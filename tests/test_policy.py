@@ -185,3 +185,63 @@ def test_a_kernel_combination_with_its_own_evidence_gets_its_own_margin() -> Non
     for mb in (1, 2, 4):  # Liger's terms 20% off
         m.observe(cfg(mb, "on", liger=True), int(10 * GIB), predicted=int(12 * GIB))
     assert m.margin(liger) == pytest.approx(0.3) and m.margin(stock) == pytest.approx(0.05)
+
+
+# ----------------------------------------------------------------------------- a dataset's shapes
+
+SHORT = [20 + (i * 37) % 120 for i in range(3000)]
+"""A chat-like length table: 20-139 tokens, mean ~80 (D1's mean is 59), far below max_length 2048."""
+DATA_SPACE = Space("data", {"method": "lora", "max_length": 2048, "global_batch": 16, "gradient_checkpointing": "on",
+                            "optimizer": "adamw_torch_fused"},
+                   {"micro_batch_size": [1, 2], "batching": ["pad_max", "pad_longest", "padding_free"]})
+
+
+def test_with_a_dataset_the_expected_speed_counts_trained_tokens_and_the_micro_batch_fixed_cost() -> None:
+    from autofit.data.shapes import TokenShapes
+
+    shapes = TokenShapes(SHORT)
+    c = lambda mb, b: DATA_SPACE.config({"micro_batch_size": mb, "batching": b})  # noqa: E731
+    speed = {(mb, b): effects.factor(c(mb, b), shapes) for mb in (1, 2) for b in DATA_SPACE.dimensions["batching"]}
+    # padding-free fills 2 x 2048 tokens a micro-batch; micro-batch 1 padded to its one ~80-token sample
+    # pays the fixed cost of a micro-batch for ~80 trained tokens; pad_max trains ~4% of its tensor
+    assert speed[(1, "padding_free")] > 5 * speed[(1, "pad_longest")]
+    assert speed[(2, "pad_longest")] > 1.5 * speed[(1, "pad_longest")]
+    assert speed[(1, "pad_longest")] > 4 * speed[(1, "pad_max")]
+    trained, tensor = shapes.per_micro_batch("pad_max", 2048, 1)
+    assert tensor == 2048 and trained == pytest.approx(sum(n - 1 for n in SHORT) / len(SHORT))
+    # without the data every strategy looks alike (full rows of random tokens): the old blindness
+    assert effects.factor(c(1, "pad_max")) == effects.factor(c(1, "pad_longest")) == effects.factor(c(1, "padding_free"))
+
+
+def test_with_a_dataset_of_short_samples_the_edge_policy_probes_padding_free_next() -> None:
+    from autofit.data.shapes import TokenShapes
+
+    first = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_max"})
+    dist = {k: CategoricalDistribution(v) for k, v in DATA_SPACE.dimensions.items()}
+    t = create_trial(params={"micro_batch_size": 1, "batching": "pad_max"}, distributions=dist, value=300.0,
+                     user_attrs={"kind": "probe", "config_key": first.key(),
+                                 "result": fit(first, 300, 15.2).to_dict()})
+    rest = [c for c in DATA_SPACE.candidates() if c.key() != first.key()]
+    k = Knowledge.build([t], SHAPE, on_gpu=True, usable=USABLE, shapes=TokenShapes(SHORT))
+    pick = edge_chooser(k, lambda c: 15.0, left=300)(rest)
+    assert (pick.batching, pick.micro_batch_size) == ("padding_free", 2)  # the most trained tokens a micro-batch
+
+
+def test_with_a_dataset_a_probe_of_short_micro_batches_is_expected_to_be_quick() -> None:
+    """The budget's estimate of a probe's time follows the micro-batches it will really train: a
+    search on short samples must not stop early believing every probe trains full 2,048-token rows."""
+    from autofit.data.shapes import TokenShapes
+
+    first = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_max"})
+    dist = {k: CategoricalDistribution(v) for k, v in DATA_SPACE.dimensions.items()}
+    t = create_trial(params={"micro_batch_size": 1, "batching": "pad_max"}, distributions=dist, value=300.0,
+                     user_attrs={"kind": "probe", "config_key": first.key(),
+                                 "result": fit(first, 300, 15.2, wall=15.0).to_dict()})
+    short = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_longest"})
+    seconds = {}
+    for name, shapes in (("blind", None), ("data", TokenShapes(SHORT))):
+        k = Knowledge.build([t], SHAPE, on_gpu=True, usable=USABLE, shapes=shapes)
+        seconds[name] = (k.estimate_seconds(first, 7, 4), k.estimate_seconds(short, 7, 4))
+    assert seconds["blind"][0] == seconds["blind"][1]
+    assert seconds["data"][0] == pytest.approx(seconds["blind"][0])  # the measured probe speaks for itself
+    assert seconds["data"][1] < 0.5 * seconds["data"][0]

@@ -1,0 +1,48 @@
+"""What a micro-batch of each strategy holds on this dataset, on average: its trained tokens and its
+tensor tokens (padding included). The search's speed expectations (effects.py) need both: a GPU's
+time per micro-batch follows the tensor it is given, the objective counts trained tokens. Without a
+dataset both are micro_batch_size x max_length; with one they can differ by 20x (micro-batch 1 of
+60-token samples), which is what makes padding-free batching or a larger micro-batch worth a probe.
+
+Pure Python over the length table (`batching.plan`, cached per strategy, length and micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .batching import Batching, plan
+from .reference import DatasetRef
+
+
+@dataclass
+class TokenShapes:
+    lengths: Sequence[int]
+    seed: int = 0
+    _cache: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict, repr=False)
+
+    def per_micro_batch(self, batching: str, max_length: int, micro_batch_size: int) -> tuple[float, float]:
+        """(trained tokens, tensor tokens) of the plan's mean micro-batch."""
+        key = (batching, max_length, micro_batch_size)
+        if key not in self._cache:
+            p = plan(Batching(batching), self.lengths, max_length, micro_batch_size, self.seed)
+            n = max(len(p.batches), 1)
+            self._cache[key] = (p.trained_tokens / n, sum(b.tensor_tokens for b in p.batches) / n)
+        return self._cache[key]
+
+
+def shapes_of(dataset: dict | None, model, cache_dir: str | Path | None, seed: int = 0) -> TokenShapes | None:
+    """The stored dataset's shapes (its length table, cached in the run folder); None without one or
+    where it cannot be read now (the search then expects speed as for full rows)."""
+    if dataset is None:
+        return None
+    from .lengths import length_table
+    from .tokenizer import tokenizer_for
+
+    state, data = DatasetRef.from_dict(dataset).load()
+    if data is None or not state.usable:
+        return None
+    table = length_table(data, tokenizer_for(model, data, cache_dir), cache_dir)
+    return TokenShapes(table.lengths, seed)
