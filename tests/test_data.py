@@ -7,6 +7,7 @@ stand-in BPE trained with `tokenizers`, real training steps of tiny-llama throug
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -373,3 +374,37 @@ def test_feed_heaviest_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -
     mb, heavy = feed.heaviest()
     sizes = [b["input_ids"].numel() for _, b in feed.micro_batches(len(feed.plan.batches))]
     assert heavy["input_ids"].numel() == mb.tensor_tokens >= max(sizes)
+
+
+def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_its_window_drew() -> None:
+    """Steps timed exactly by a fixed cost per micro-batch plus a cost per tensor token (micro-batch 1 of
+    chat-like samples on a GPU: the fixed cost dominates): the figure is one epoch's trained tokens/s,
+    the same from every step, while each step's own tokens over its time swing with its samples."""
+    import random as rnd
+
+    from autofit.data import Batching, plan
+    from autofit.probe.batches import RealBatches
+    from autofit.probe.timing import spread
+
+    lengths = [20 + (i * 37) % 1300 for i in range(600)]
+    p = plan(Batching.PAD_LONGEST, lengths, 2048, 1, 0)
+    n = len(p.batches)
+    rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:60]), p.pad_fraction, 0.0,
+                     plan_trained=p.trained_tokens / n, plan_tensor=sum(b.tensor_tokens for b in p.batches) / n)
+    a, b, acc, config_acc, first = 0.15, 2e-5, 4, 16, 2
+    steps = range(first, first + 8)
+    seconds = [config_acc * (a + b * sum(m.tensor_tokens for m in rb.step_batches(k, acc)) / acc) for k in steps]
+    truth = rb.plan_trained / (a + b * rb.plan_tensor)
+    rates = rb.tokens_per_s(seconds, first, acc, config_acc)
+    assert rates == pytest.approx([truth] * len(rates), rel=1e-9)
+    assert rb.time_model(seconds, first, acc, config_acc) == pytest.approx((a, b), rel=1e-6)
+    own = [sum(m.trained_tokens for m in rb.step_batches(k, acc)) * config_acc / acc / t for k, t in zip(steps, seconds)]
+    assert spread(own) > 1.5  # what the steps' own samples did to the old per-step figure
+    # with 3% timing noise the figure stays within it and the spread rule sees the timing alone
+    noisy = [t * rnd.Random(k).uniform(0.985, 1.015) for k, t in enumerate(seconds)]
+    rates = rb.tokens_per_s(noisy, first, acc, config_acc)
+    assert statistics.median(rates) == pytest.approx(truth, rel=0.03) and spread(rates) < 1.1
+    fig = rb.figures(seconds, first, acc, config_acc)
+    assert fig["plan_trained_per_micro_batch"] == pytest.approx(rb.plan_trained, abs=0.01)
+    assert fig["window_tokens_per_s"] == pytest.approx(sum(m.trained_tokens for k in steps for m in rb.step_batches(k, acc))
+                                                       * config_acc / acc / sum(seconds))

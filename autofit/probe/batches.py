@@ -8,9 +8,10 @@ micro-batch the strategy can produce (`BatchPlan.heaviest`: the longest samples 
 `max_length`, or the full token budget) is the first micro-batch of the first warm-up step: its peak
 counts toward the probe's peak, and it is not timed.
 
-The objective is trained tokens per second: label-bearing, non-pad tokens of each timed step's
-micro-batches (`MicroBatch.trained_tokens`), scaled to the config's accumulation where the probe
-runs fewer micro-steps.
+The objective is trained tokens per second over the data: the plan's mean label-bearing, non-pad
+tokens per micro-batch (`MicroBatch.trained_tokens`) over the time of a mean micro-batch, which a
+time model fitted on the timed steps gives (`RealBatches.tokens_per_s`): a few dozen timed
+micro-batches of varying content would otherwise measure which samples they drew.
 
 The loss check runs where the request asks for it (`ProbeRequest.boundaries`: the search skips it
 once the study holds a passing verdict for the config's `boundary_key`).
@@ -52,6 +53,10 @@ class RealBatches:
     """The micro-batches in the order Trainer draws them: the heaviest first, then the plan's."""
     plan_pad_fraction: float
     tokens_lost: float
+    plan_trained: float
+    """The whole plan's mean trained tokens per micro-batch (one epoch of the data)."""
+    plan_tensor: float
+    """The whole plan's mean tensor tokens (padding included) per micro-batch."""
     leaky: bool = False
 
     def collated(self, mb: MicroBatch) -> dict[str, Any]:
@@ -78,22 +83,67 @@ class RealBatches:
 
     def tokens_per_s(self, seconds: Sequence[float], first_step: int, accumulation: int,
                      config_accumulation: int) -> list[float]:
-        """Trained tokens/s of consecutive steps from `first_step`, each step's time already extended
-        to the config's accumulation (and its tokens scaled alike)."""
-        scale = config_accumulation / accumulation
-        return [sum(b.trained_tokens for b in self.step_batches(first_step + k, accumulation)) * scale / t
-                for k, t in enumerate(seconds)]
+        """Trained tokens/s of the data, one figure per timed step (`seconds`: consecutive steps from
+        `first_step`, each already extended to the config's accumulation).
 
-    def figures(self, first_step: int, steps: int, accumulation: int, config_accumulation: int) -> dict[str, Any]:
+        A timed window holds a few dozen micro-batches, and their content varies (micro-batch 1 of
+        chat samples: 20 to 1,400 tokens), so the window's own tokens over its time mostly measures
+        which samples it drew. Instead each step's time is brought to the plan's mean micro-batch by
+        the time model `time_model` fits on the window (a fixed cost per micro-batch plus a cost per
+        tensor token), and the figure is the plan's mean trained tokens over that time: what one epoch
+        of this data trains per second. The steps' spread is then the timing's, not the samples'.
+        """
+        a, b = self.time_model(seconds, first_step, accumulation, config_accumulation)
+        rates = []
+        for k, t in enumerate(seconds):
+            x = self._mean_tensor(first_step + k, accumulation)
+            u = t / config_accumulation - b * (x - self.plan_tensor)
+            rates.append(self.plan_trained / u if u > 0 else self.plan_trained / (a + b * self.plan_tensor))
+        return rates
+
+    def _mean_tensor(self, step: int, accumulation: int) -> float:
+        mbs = self.step_batches(step, accumulation)
+        return sum(m.tensor_tokens for m in mbs) / max(len(mbs), 1)
+
+    def time_model(self, seconds: Sequence[float], first_step: int, accumulation: int,
+                   config_accumulation: int) -> tuple[float, float]:
+        """(a, b): seconds per micro-batch = a + b x tensor tokens, fitted over the timed steps (least
+        squares, each step one point: its mean micro-batch and time). Where the steps' content barely
+        varies or the fit is not physical (a or b negative), effects.HALF_TOKENS' shape through the
+        window's mean: a = b x HALF_TOKENS."""
+        from ..effects import HALF_TOKENS
+
+        xs = [self._mean_tensor(first_step + k, accumulation) for k in range(len(seconds))]
+        us = [t / config_accumulation for t in seconds]
+        mx, mu = sum(xs) / len(xs), sum(us) / len(us)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > (0.05 * mx) ** 2 * len(xs):
+            b = sum((x - mx) * (u - mu) for x, u in zip(xs, us, strict=True)) / var
+            a = mu - b * mx
+            if a >= 0 and b >= 0:
+                return a, b
+        b = mu / (mx + HALF_TOKENS)
+        return b * HALF_TOKENS, b
+
+    def figures(self, seconds: Sequence[float], first_step: int, accumulation: int,
+                config_accumulation: int) -> dict[str, Any]:
         """The timed steps' pad fraction and trained tokens; samples per optimizer step (the effective batch of
-        padding_free and packed, whose micro-batches hold a varying number of samples)."""
+        padding_free and packed, whose micro-batches hold a varying number of samples); the plan's mean
+        micro-batch and the time model the figure comes from, with what the window alone gave."""
+        steps = len(seconds)
         timed = [b for k in range(steps) for b in self.step_batches(first_step + k, accumulation)]
         tensor = sum(b.tensor_tokens for b in timed)
+        trained = sum(b.trained_tokens for b in timed)
         heavy = self.order[0]
-        return {"batching": self.strategy.value, "pad_fraction": 1 - sum(b.real_tokens for b in timed) / tensor,
+        a, b = self.time_model(seconds, first_step, accumulation, config_accumulation)
+        return {"batching": self.strategy.value, "pad_fraction": 1 - sum(m.real_tokens for m in timed) / tensor,
                 "plan_pad_fraction": self.plan_pad_fraction, "tokens_lost": self.tokens_lost,
-                "trained_tokens_timed": sum(b.trained_tokens for b in timed),
-                "samples_per_step": sum(len(b.samples) for b in timed) / max(steps, 1)
+                "trained_tokens_timed": trained,
+                "plan_trained_per_micro_batch": round(self.plan_trained, 2),
+                "plan_tensor_per_micro_batch": round(self.plan_tensor, 2),
+                "time_model": {"seconds_per_micro_batch": a, "seconds_per_tensor_token": b},
+                "window_tokens_per_s": trained * config_accumulation / accumulation / sum(seconds),
+                "samples_per_step": sum(len(m.samples) for m in timed) / max(steps, 1)
                 * config_accumulation / accumulation,
                 "heaviest_tensor_tokens": heavy.tensor_tokens, "heaviest_samples": len(heavy.samples)}
 
@@ -116,8 +166,10 @@ def real_batches(req: ProbeRequest, micro_batches: int) -> RealBatches | None:
     p = plan(strategy, [len(t) for t in ids], cfg.max_length, cfg.micro_batch_size, req.data_seed)
     rest = [p.batches[k % len(p.batches)] for k in range(max(micro_batches - 1, 0))]
     leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
+    n = max(len(p.batches), 1)
     return RealBatches(strategy, ids, tok.pad_id, cfg.max_length, (p.heaviest, *rest), p.pad_fraction,
-                       cut([len(t) for t in ids], cfg.max_length).tokens_lost, leaky)
+                       cut([len(t) for t in ids], cfg.max_length).tokens_lost, p.trained_tokens / n,
+                       sum(b.tensor_tokens for b in p.batches) / n, leaky)
 
 
 def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryCheck:

@@ -256,7 +256,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     window = real[-req.timed_steps:]
     tps = [cfg.rank_batch * cfg.max_length / t for t in window]  # this rank's share (a group sums them)
     first = len(cb.steps) - len(window)
-    if batches is not None:  # trained (label-bearing, non-pad) tokens of the steps' own micro-batches
+    if batches is not None:  # trained (label-bearing, non-pad) tokens of the data's mean micro-batch
         tps = batches.tokens_per_s(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
     timed = cb.timed_steps
     peak, outside, retries = peak_memory(req, state)
@@ -277,7 +277,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
         extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
                "noise_controls": [c for c in CONTROLS if enabled(c)],
-               **(batches.figures(first, len(window), req.probe_accumulation, cfg.gradient_accumulation_steps)
+               **(batches.figures(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
                   if batches is not None else {})},
     )
     notes = []
