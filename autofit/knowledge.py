@@ -273,7 +273,10 @@ class Knowledge:
         mine = _cost_class(cfg.to_dict())
 
         def same_class(results: list[ProbeResult]) -> list[ProbeResult]:
-            return [r for r in results if _cost_class(r.config) == mine] or results
+            """Probes of cfg's class; else those with no fixed cost cfg lacks (a compile must not make
+            every later estimate a compile's); else all."""
+            return ([r for r in results if _cost_class(r.config) == mine]
+                    or [r for r in results if _fixed_costs(r.config) <= _fixed_costs(cfg.to_dict())] or results)
 
         rows = [(r.train_seconds or r.wall_seconds,
                  _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc, self.shapes))
@@ -289,6 +292,13 @@ def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
     """Settings that change a probe's fixed costs (the load, a compile) or its cost per token."""
     return (config.get("quantization"), config.get("torch_compile", False), config.get("liger", False),
             config.get("gradient_checkpointing"))
+
+
+def _fixed_costs(config: dict[str, Any]) -> set[str]:
+    """What a probe pays once beside its steps: a quantized load, a compile, Liger's kernel builds."""
+    return {k for k, on in (("quantization", config.get("quantization", "none") not in (None, "none")),
+                            ("torch_compile", bool(config.get("torch_compile"))),
+                            ("liger", bool(config.get("liger")))) if on}
 
 
 def _reserved_free(res: ProbeResult) -> int | None:
@@ -350,11 +360,24 @@ class ProbeTime:
         est = self.estimate(know, cfg)
         return est is None or est <= left - self.kept(know, cfg)
 
+    def repeat_fits(self, know: Knowledge, left: float) -> bool:
+        """The best fit, measured once, could still be measured again in `left` seconds."""
+        best = know.best()
+        if not self.confirm or best is None or len(best.measurements) >= 2:
+            return False
+        est = self.estimate(know, TrialConfig.from_dict(best.config))
+        return est is None or est <= left
+
     def pick(self, know: Knowledge, viable: list[TrialConfig], left: float,
              choose: Callable[[list[TrialConfig]], TrialConfig] | None = None) -> TrialConfig | None:
         """The viable config to probe next among those that finish in time (None: none does): by
-        `choose` (policy.py's edge order), else the most promising."""
+        `choose` (policy.py's edge order), else the most promising. Time is kept for repeats only
+        while the best's repeat still fits."""
         timely = [c for c in viable if self.in_time(know, c, left)]
+        if not timely and not self.repeat_fits(know, left):
+            # the time kept is for a repeat that no longer fits: the rest goes to any probe that
+            # finishes (measured once) rather than to nothing
+            timely = [c for c in viable if (self.estimate(know, c) or 0.0) <= left]
         if not timely:
             return None
         return choose(timely) if choose is not None else max(timely, key=promise)

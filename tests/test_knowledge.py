@@ -159,7 +159,28 @@ def test_when_the_proposal_would_not_finish_a_cheaper_config_is_probed() -> None
     left = 2 * est_small + 1.0  # its own repeat kept: twice its time
     assert not clock.in_time(k, big, left) and clock.in_time(k, small, left)
     assert clock.pick(k, [big, small, cfg(128, 2, "on")], left) == small
-    assert clock.pick(k, [big, small], est_small) is None  # no untried config can finish: stop
+    # with no time for its repeat, a config that finishes is still probed (measured once) ...
+    assert clock.pick(k, [big, small], est_small) == small
+    assert clock.pick(k, [big, small], est_small - 1.0) is None  # ... and none finishing: stop
+
+
+def test_time_kept_for_a_repeat_that_no_longer_fits_goes_to_a_probe_that_does() -> None:
+    """The S1 kernel search on the H200: the best (a compile probe, ~58 s to repeat) measured once,
+    29 s left; a probe without compile fits, so the 29 s are not left unused. Its estimate comes from
+    the probes without a compile: one compile does not make every later estimate a compile's."""
+    clock = ProbeTime(steps=7, max_acc=4, confirm=True)
+    plain = timed(cfg(128, 1), 10.0)
+    compiled = timed(cfg(128, 1).replace(torch_compile=True), 50.0, tps=2000.0)  # the best
+    k = know(plain, compiled)
+    assert TrialConfig.from_dict(k.best().config).torch_compile
+    liger = cfg(128, 2).replace(liger=True)
+    est = clock.estimate(k, liger)
+    assert est is not None and est < 20.0  # from the plain probe's rate, not the compile's
+    left = 29.0
+    assert not clock.repeat_fits(k, left) and not clock.in_time(k, liger, left)
+    assert clock.pick(k, [liger], left) == liger
+    assert clock.pick(k, [liger], 70.0) == liger  # the repeat fits: time kept, the probe still fits beside it
+    assert clock.pick(k, [cfg(128, 2).replace(torch_compile=True)], 29.0) is None  # another compile does not fit
 
 
 def test_time_is_kept_to_measure_a_best_measured_once() -> None:
