@@ -25,4 +25,7 @@ if mode == "raise":
 if mode == "oom":
     sys.stderr.write(CUDA_OOM)
     sys.exit(1)
+from autofit.protocol import PARENT_ENV, die_with_parent  # noqa: E402
+
+die_with_parent(int(os.environ[PARENT_ENV]))  # tied to the launcher, as a real rank is first thing
 time.sleep(3600)  # hang

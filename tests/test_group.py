@@ -94,6 +94,37 @@ def test_a_hanging_rank_times_out_and_the_whole_group_is_stopped(tmp_path: Path)
     assert not left, [p.info["cmdline"] for p in left]
 
 
+def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path) -> None:
+    """`kill -9` of the process running the probes (a search) in the middle of a group: the launcher
+    and every rank die with it (parent-death signals down the chain), nothing is left running."""
+    import signal
+    import subprocess
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\nfrom pathlib import Path\nfrom autofit.models import resolve_model\n"
+        "from autofit.runner import Runner\nfrom autofit.spec import TrialConfig\nfrom autofit.target import Target\n"
+        f"cfg = TrialConfig.from_dict({CFG.to_dict()!r})\n"
+        "with Runner(Target(), Path(sys.argv[1]), standby=0) as r:\n"
+        "    r.run(cfg, resolve_model('tiny-llama'), name='g', timeout=600)\n")
+    env = dict(os.environ, **{RANK_ENV: str(FAKE_RANK), "FAKE_RANK_MODE": "hang"})
+    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*.fake-rank-1.pid")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        group = [p for p in psutil.process_iter(["cmdline"]) if any(str(tmp_path) in a for a in p.info["cmdline"] or [])
+                 and p.pid != proc.pid]
+        assert len(group) >= 3, [p.info["cmdline"] for p in group]  # the launcher, rank 0, rank 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        _, alive = psutil.wait_procs(group, timeout=15)
+        assert not alive, [p.cmdline() for p in alive if p.is_running()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_an_interrupted_group_says_nothing_about_its_config(tmp_path: Path) -> None:
     """Ctrl-C (the runner's abort) in the middle of a group: a retryable result, and no result file a
     resumed search would adopt as this config's outcome."""
