@@ -316,7 +316,7 @@ class Search:
             return "budget spent"
         viable = know.viable(self.candidates)
         if not viable:
-            return "no remaining configuration can win"
+            return self._nothing_viable(know)
         choose = edge_chooser(know, lambda c: self.time.estimate(know, c), left) \
             if self.s.policy is Policy.EDGE else None
         pick = self.time.pick(know, viable, left, choose)
@@ -332,6 +332,15 @@ class Search:
                                 user_attrs={"seeded": "most promising untried"})
             pace.streak = 0
         return ""
+
+    def _nothing_viable(self, know: Knowledge) -> str:
+        """The stop reason when no config is left to probe; where untried configs only need more GPUs
+        than a worker has, that is what stops the search, with what to do."""
+        wider = [c.gpus for c in self.candidates if c.gpus > know.ranks and c.key() not in know.by_key]
+        if wider:
+            return (f"nothing left to probe here: {len(wider)} untried configuration(s) need more GPUs than a "
+                    f"worker has ({know.ranks}); run with --gpus {min(wider)} on a machine with that many")
+        return "no remaining configuration can win"
 
     def _ask(self, study: optuna.Study, know: Knowledge, target: Target,
              ) -> tuple[optuna.Trial, TrialConfig, int]:

@@ -319,8 +319,10 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
 
 def nothing_fits(session: Session, summary: Summary) -> NothingFits:
     results = [ProbeResult.from_dict(r) for r in summary.rows]
-    return NothingFits(nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes)
-                       + f" Report: {RunDir(session.run_dir).report}")
+    report = f" Report: {RunDir(session.run_dir).report}"
+    if not results:  # nothing ran: why is the stop reason (every config needed more GPUs, ...)
+        return NothingFits(f"Nothing was probed: {summary.stop_reason}.{report}")
+    return NothingFits(nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes) + report)
 
 
 def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.Study]:
