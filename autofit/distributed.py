@@ -18,6 +18,7 @@ No torch import here: the exporters and the search read these dicts.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 from .spec import TrialConfig
@@ -109,11 +110,23 @@ def launched(cfg: TrialConfig) -> bool:
 
 
 def launch_command(cfg: TrialConfig, script: str, args: str = "") -> str:
-    """How to start an exported script: python for one plain rank, torchrun otherwise."""
+    """How to start an exported script: python for one plain rank, torchrun otherwise. With host offload
+    each rank gets its share of the cores for the optimizer step on the CPU (torchrun's default is
+    OMP_NUM_THREADS=1 a rank, which leaves the offloaded step on one core)."""
     tail = f" {args}" if args else ""
     if launched(cfg):
-        return f"torchrun --standalone --nproc-per-node {cfg.gpus} {script}{tail}"
+        threads = f"OMP_NUM_THREADS=$(( $(nproc) / {cfg.gpus} )) " if cfg.cpu_offload != "off" else ""
+        return f"{threads}torchrun --standalone --nproc-per-node {cfg.gpus} {script}{tail}"
     return f"python {script}{tail}"
+
+
+def rank_threads(nproc: int) -> int:
+    """CPU threads a rank of `nproc` gets: its share of this process's cores (at least one)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(nproc, 1))
 
 
 def describe(cfg: TrialConfig) -> str:

@@ -105,7 +105,8 @@ def test_zero3_with_offload_in_every_format(tmp_path: Path) -> None:
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
     assert "torchrun --standalone --nproc-per-node 2 train.py" in script.text and "DeepSpeed ZeRO stage 3" in script.text
     assert "fsdp_on_cpu" not in script.text and script.companions == {}  # the JSON is embedded
-    assert script.launch_for("t.py") == "torchrun --standalone --nproc-per-node 2 t.py --dataset data.jsonl --output-dir out"
+    assert script.launch_for("t.py") == ("OMP_NUM_THREADS=$(( $(nproc) / 2 )) torchrun --standalone --nproc-per-node 2 "
+                                         "t.py --dataset data.jsonl --output-dir out")  # the CPU step's cores
     trl = export_run(run, "trl")
     assert training_args(trl.text)["deepspeed"] == training_args(script.text)["deepspeed"]
     for fmt, launch in [("axolotl", "axolotl train this.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"),

@@ -184,7 +184,11 @@ def test_engine_rules_and_gpus_flags_are_usage_errors() -> None:
         TrialConfig(engine="zero2", cpu_offload="optimizer", optimizer="adafactor")
     # an engine on one GPU (FSDP2 offload) still runs under torchrun, as a group of one
     one = TrialConfig(engine="fsdp2", cpu_offload="all")
-    assert distributed.launched(one) and distributed.launch_command(one, "t.py").startswith("torchrun")
+    assert distributed.launched(one) and distributed.launch_command(one, "t.py").startswith(
+        "OMP_NUM_THREADS=$(( $(nproc) / 1 )) torchrun")  # offload: the CPU step gets the cores, not torchrun's 1
+    two = TrialConfig(engine="fsdp2", gpus=2)
+    assert distributed.launch_command(two, "t.py") == "torchrun --standalone --nproc-per-node 2 t.py"
+    assert distributed.rank_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2) and distributed.rank_threads(999) == 1
     assert not distributed.launched(TrialConfig())
     ds = distributed.deepspeed_config(TrialConfig(engine="zero3", method="full", cpu_offload="all"))
     assert ds["optimizer"]["type"] == "AdamW" and ds["zero_optimization"]["offload_param"]["device"] == "cpu"

@@ -20,6 +20,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from ..distributed import rank_threads
 from ..protocol import PARENT_ENV, ProbeRequest, die_with_parent, rank_result_path
 from .child import protocol_pipe, serve
 
@@ -37,6 +38,8 @@ def launch(argv: list[str]) -> int:
 
     rank = shlex.split(os.environ[RANK_ENV]) if os.environ.get(RANK_ENV) else ["-m", "autofit.probe"]
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with this process
+    # torchrun gives each rank one thread unless told: an offloaded optimizer step would run on one core
+    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(int(nproc))))
     # torchrun keeps per-rank logs in a folder of its own (mkdtemp otherwise, left behind every time)
     with tempfile.TemporaryDirectory(prefix=".torchrun-", dir=Path(request).parent) as logs:
         # --tee=2: each rank's stderr also reaches the probe's log, every line marked "[default<k>]:"
