@@ -191,6 +191,8 @@ class Knowledge:
         and beyond the two largest measured ones it stays under their secant. SPEED_NOISE covers
         timing noise.
         """
+        if self.shapes is not None and cfg.batching in ("pad_longest", "group_by_length"):
+            return None  # on data, a smaller micro-batch pads less: its trained tokens/s can be higher
         group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
                        if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
                            micro_batch_size=cfg.micro_batch_size) == cfg)
@@ -360,24 +362,29 @@ class ProbeTime:
         est = self.estimate(know, cfg)
         return est is None or est <= left - self.kept(know, cfg)
 
-    def repeat_fits(self, know: Knowledge, left: float) -> bool:
-        """The best fit, measured once, could still be measured again in `left` seconds."""
+    def repeat_out_of_reach(self, know: Knowledge, left: float) -> bool:
+        """Time is kept to measure the best fit again, but that repeat no longer fits in `left` seconds."""
         best = know.best()
         if not self.confirm or best is None or len(best.measurements) >= 2:
             return False
         est = self.estimate(know, TrialConfig.from_dict(best.config))
-        return est is None or est <= left
+        return est is not None and est > left
+
+    def may_probe(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
+        """cfg may be probed now: it finishes with the time kept, or the time kept is for a repeat of the
+        best that no longer fits and cfg finishes on its own (the rest of the budget goes to a probe
+        measured once rather than to nothing). The one rule for choosing and for the worker's check."""
+        if self.in_time(know, cfg, left):
+            return True
+        return self.repeat_out_of_reach(know, left) and (self.estimate(know, cfg) or 0.0) <= left
 
     def pick(self, know: Knowledge, viable: list[TrialConfig], left: float,
              choose: Callable[[list[TrialConfig]], TrialConfig] | None = None) -> TrialConfig | None:
         """The viable config to probe next among those that finish in time (None: none does): by
         `choose` (policy.py's edge order), else the most promising. Time is kept for repeats only
         while the best's repeat still fits."""
-        timely = [c for c in viable if self.in_time(know, c, left)]
-        if not timely and not self.repeat_fits(know, left):
-            # the time kept is for a repeat that no longer fits: the rest goes to any probe that
-            # finishes (measured once) rather than to nothing
-            timely = [c for c in viable if (self.estimate(know, c) or 0.0) <= left]
+        timely = [c for c in viable if self.in_time(know, c, left)] \
+            or [c for c in viable if self.may_probe(know, c, left)]
         if not timely:
             return None
         return choose(timely) if choose is not None else max(timely, key=promise)

@@ -437,7 +437,7 @@ class Search:
                                shapes=self.token_shapes)
 
     def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
-        return self.time.in_time(know, cfg, self.deadline - self.clock())
+        return self.time.may_probe(know, cfg, self.deadline - self.clock())
 
     # ----------------------------------------------------------------------- measuring fits again
 

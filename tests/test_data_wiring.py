@@ -439,15 +439,25 @@ def test_regress_re_measures_on_the_stored_dataset(tmp_path: Path) -> None:
     assert list((run / "data").glob("standin-bpe-*.json"))  # the probe tokenized the run's dataset
 
 
-def test_the_spread_rule_compares_seconds_per_trained_token_when_steps_differ_in_size() -> None:
+def test_the_spread_rule_compares_seconds_per_unit_of_work_when_steps_differ_in_size() -> None:
+    """Steps timed exactly by a fixed cost per micro-batch plus a cost per token (short samples on a GPU)
+    are not noise: the rule divides by each step's work as the speed model counts it."""
+    from autofit.data import Batching, plan
+    from autofit.effects import HALF_TOKENS
+    from autofit.probe.batches import RealBatches
     from autofit.probe.timing import ProbeCallback, TimingPlan, spread
 
+    p = plan(Batching.PAD_LONGEST, [20 + (i * 37) % 1300 for i in range(300)], 2048, 1, 0)
+    rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:40]), p.pad_fraction, 0.0, 1.0, 1.0)
     cb = ProbeCallback(None, lambda: None, TimingPlan(2, 5, 5, 0, lambda event: None))  # type: ignore[arg-type]
-    tokens = [100, 100, 400, 100, 800, 200, 100]
-    cb.steps = [{"seconds": n / 1000, "micro": 0.0, "optimizer": 0.0, "reserved": 0} for n in tokens]
-    assert spread(cb.spread_basis()) == pytest.approx(8.0)  # random tokens: the times themselves
-    cb.step_tokens = lambda step: tokens[step]
+    cost = [1e-4 * rb.step_cost(k, 4) for k in range(7)]  # 0.1 s a micro-batch of HALF_TOKENS' worth
+    cb.steps = [{"seconds": c, "micro": 0.0, "optimizer": 0.0, "reserved": 0} for c in cost]
+    assert spread(cb.spread_basis()) > 1.2  # the times themselves swing with the samples
+    cb.step_cost = lambda step: rb.step_cost(step, 4)
     assert spread(cb.spread_basis()) == pytest.approx(1.0)  # the same speed on every step
+    per_token = [t / sum(m.trained_tokens for m in rb.step_batches(k, 4)) for k, t in enumerate(cost)][2:]
+    assert spread(per_token) > 1.5  # what the old rule (seconds per trained token) took for noise
+    assert rb.step_cost(1, 4) == sum(m.tensor_tokens + HALF_TOKENS for m in rb.step_batches(1, 4))
 
 
 def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_path: Path) -> None:

@@ -159,9 +159,7 @@ def test_when_the_proposal_would_not_finish_a_cheaper_config_is_probed() -> None
     left = 2 * est_small + 1.0  # its own repeat kept: twice its time
     assert not clock.in_time(k, big, left) and clock.in_time(k, small, left)
     assert clock.pick(k, [big, small, cfg(128, 2, "on")], left) == small
-    # with no time for its repeat, a config that finishes is still probed (measured once) ...
-    assert clock.pick(k, [big, small], est_small) == small
-    assert clock.pick(k, [big, small], est_small - 1.0) is None  # ... and none finishing: stop
+    assert clock.pick(k, [big, small], est_small) is None  # the best is confirmed: cfg's own repeat is kept
 
 
 def test_time_kept_for_a_repeat_that_no_longer_fits_goes_to_a_probe_that_does() -> None:
@@ -177,8 +175,8 @@ def test_time_kept_for_a_repeat_that_no_longer_fits_goes_to_a_probe_that_does() 
     est = clock.estimate(k, liger)
     assert est is not None and est < 20.0  # from the plain probe's rate, not the compile's
     left = 29.0
-    assert not clock.repeat_fits(k, left) and not clock.in_time(k, liger, left)
-    assert clock.pick(k, [liger], left) == liger
+    assert clock.repeat_out_of_reach(k, left) and not clock.in_time(k, liger, left)
+    assert clock.pick(k, [liger], left) == liger and clock.may_probe(k, liger, left)  # the worker agrees
     assert clock.pick(k, [liger], 70.0) == liger  # the repeat fits: time kept, the probe still fits beside it
     assert clock.pick(k, [cfg(128, 2).replace(torch_compile=True)], 29.0) is None  # another compile does not fit
 

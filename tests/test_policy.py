@@ -245,3 +245,16 @@ def test_with_a_dataset_a_probe_of_short_micro_batches_is_expected_to_be_quick()
     assert seconds["blind"][0] == seconds["blind"][1]
     assert seconds["data"][0] == pytest.approx(seconds["blind"][0])  # the measured probe speaks for itself
     assert seconds["data"][1] < 0.5 * seconds["data"][0]
+
+
+def test_a_large_length_table_is_sampled_and_its_means_hold() -> None:
+    from autofit.data import Batching, plan
+    from autofit.data.shapes import SAMPLE, TokenShapes
+
+    big = [20 + (i * 7919) % 1500 for i in range(5 * SAMPLE)]
+    shapes = TokenShapes(big)
+    assert len(shapes.lengths) == SAMPLE
+    for b in ("pad_longest", "padding_free"):
+        p = plan(Batching(b), big, 2048, 2, 0)  # the whole table's plan
+        want = (p.trained_tokens / len(p.batches), sum(m.tensor_tokens for m in p.batches) / len(p.batches))
+        assert shapes.per_micro_batch(b, 2048, 2) == pytest.approx(want, rel=0.03)

@@ -101,6 +101,14 @@ class RealBatches:
             rates.append(self.plan_trained / u if u > 0 else self.plan_trained / (a + b * self.plan_tensor))
         return rates
 
+    def step_cost(self, step: int, accumulation: int) -> float:
+        """A step's work as the speed model counts it (effects.factor): each micro-batch's tensor tokens
+        plus the fixed cost of a micro-batch. The spread rule divides a step's time by it, so that a
+        step of long samples is not taken for noise."""
+        from ..effects import HALF_TOKENS
+
+        return float(sum(m.tensor_tokens + HALF_TOKENS for m in self.step_batches(step, accumulation)))
+
     def _mean_tensor(self, step: int, accumulation: int) -> float:
         mbs = self.step_batches(step, accumulation)
         return sum(m.tensor_tokens for m in mbs) / max(len(mbs), 1)

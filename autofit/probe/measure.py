@@ -164,7 +164,7 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
                         int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
     if batches is not None:
-        cb.step_tokens = lambda step: sum(b.trained_tokens for b in batches.step_batches(step, ga))
+        cb.step_cost = lambda step: batches.step_cost(step, ga)
     hook = model.register_forward_hook(cb.forward_hook)
     with tempfile.TemporaryDirectory() as out:
         kw = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=plan.most_steps,

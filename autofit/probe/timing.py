@@ -66,8 +66,9 @@ class ProbeCallback:
         self.timing = False
         self._t0 = self._opt0 = self._opt = 0.0
         self._step_reserved = 0
-        self.step_tokens: Callable[[int], int] | None = None
-        """With real batches (--dataset): the trained tokens of optimizer step n; steps then differ in size."""
+        self.step_cost: Callable[[int], float] | None = None
+        """With real batches (--dataset): the work of optimizer step n (`RealBatches.step_cost`); steps then
+        differ in size."""
         self.phase = "load"
         """Where training is now (result.OOM_PHASES): "load" until the first step begins; an out-of-memory
         error caught at any moment belongs to it."""
@@ -82,11 +83,12 @@ class ProbeCallback:
 
     def spread_basis(self) -> list[float]:
         """What the spread rule compares: the timed steps' times, or with real batches of varying size their
-        seconds per trained token (a step is not noisy for carrying more tokens)."""
+        seconds per unit of work (a step is not noisy for carrying more tokens, nor for a micro-batch of
+        short samples costing more per token than a full one)."""
         real = self.real_seconds()
-        if self.step_tokens is None:
+        if self.step_cost is None:
             return real
-        return [t / max(self.step_tokens(self.plan.warmup + k), 1) for k, t in enumerate(real)]
+        return [t / max(self.step_cost(self.plan.warmup + k), 1e-9) for k, t in enumerate(real)]
 
     def note(self, phase: str) -> None:
         alloc, reserved = self.mem.phase()
