@@ -55,11 +55,15 @@ def factor(cfg: TrialConfig, shapes: TokenShapes | None = None) -> float:
     f = 1.0
     for key, table in SPEED.items():
         f *= table.get(getattr(cfg, key), 1.0)
-    if shapes is None:
-        trained = tensor = float(cfg.tokens_per_micro_batch)
-    else:
-        trained, tensor = shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
+    trained, tensor = micro_batch_tokens(cfg, shapes)
     return f * trained / (tensor + HALF_TOKENS)
+
+
+def micro_batch_tokens(cfg: TrialConfig, shapes: TokenShapes | None = None) -> tuple[float, float]:
+    """(trained, tensor) tokens of cfg's mean micro-batch: full rows without a dataset, else the data's plan."""
+    if shapes is None:
+        return float(cfg.tokens_per_micro_batch), float(cfg.tokens_per_micro_batch)
+    return shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
 
 
 def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: TokenShapes | None = None) -> float:

@@ -318,10 +318,8 @@ def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None, shapes: Tok
     micro-batch's mean tensor tokens plus its fixed cost (effects.HALF_TOKENS), as effects.factor
     counts them (micro-batch 1 of short samples is quick to probe)."""
     acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
-    if shapes is None:
-        return steps * acc * cfg.tokens_per_micro_batch
-    _, tensor = shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
-    return steps * acc * (tensor + effects.HALF_TOKENS)
+    _, tensor = effects.micro_batch_tokens(cfg, shapes)
+    return steps * acc * (tensor + (effects.HALF_TOKENS if shapes is not None else 0))
 
 
 def promise(cfg: TrialConfig) -> tuple[Any, ...]:

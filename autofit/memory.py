@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .result import ProbeResult
@@ -90,9 +90,12 @@ class Breakdown:
     buffers: int = 0
     """Engine buffers: DDP's gradient buckets, ZeRO's reduce buckets, offload staging."""
 
+    def allocated(self) -> int:
+        """What PyTorch's allocator hands out (`TERMS`); the allocator's slack and the rest come on top."""
+        return sum(getattr(self, t) for t in TERMS)
+
     def total(self) -> int:
-        return (self.weights + self.trainable + self.activations + self.logits + self.allocator + self.outside
-                + self.gathered + self.buffers)
+        return self.allocated() + self.allocator + self.outside
 
     def as_dict(self) -> dict[str, int]:
         """The terms by name for a person; the engine's terms only where there are some (one GPU: none)."""
@@ -145,10 +148,9 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
         # a compiled backward with checkpointed blocks can hold more, not less).
         activations = int(activations * 0.75)
     logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
-    allocated = st.weights + st.trainable + st.gathered + st.buffers + activations + logits
     outside = (CUDA_CONTEXT + (NCCL_BUFFERS if cfg.gpus > 1 else 0)) if on_gpu else 0
-    return Breakdown(st.weights, st.trainable, activations, logits, int(allocated * ALLOCATOR_SLACK), outside,
-                     st.gathered, st.buffers)
+    b = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers)
+    return replace(b, allocator=int(b.allocated() * ALLOCATOR_SLACK))
 
 
 def rank_state(cfg: TrialConfig, shape: Shape) -> RankState:

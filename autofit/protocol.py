@@ -133,14 +133,23 @@ class ProbeRequest:
         return cls(**d)
 
 
+def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    """Write a result file atomically, so the runner never reads half a result."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
 def rank_result_path(result_path: str, rank: int) -> str:
     """Where rank `rank` of a probe spanning several GPUs writes its own result (the runner merges them)."""
     base = result_path.removesuffix(".result.json")
     return f"{base}.rank{rank}.result.json"
 
 
-def die_with_parent(parent_pid: int | None) -> None:
-    """Linux: be SIGKILLed when the parent dies (also while stopped); exit now if it already has.
+def die_with_parent() -> None:
+    """Linux: be SIGKILLed when the parent dies (also while stopped); exit now if the parent named by
+    `PARENT_ENV` already has.
 
     The runner starts every child from one long-lived thread (the kernel ties the signal to
     the thread that forked, not to the process).
@@ -150,5 +159,6 @@ def die_with_parent(parent_pid: int | None) -> None:
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the stdin watch is what is left
         pass
-    if parent_pid is not None and os.getppid() != parent_pid:
+    parent = os.environ.get(PARENT_ENV)
+    if parent and os.getppid() != int(parent):
         os._exit(0)  # the parent died before the signal was set

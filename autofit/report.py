@@ -136,8 +136,7 @@ def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     pr = prior(cfg, shape, on_gpu)
     parts = pr.as_dict()
     if res.max_memory_allocated and res.outcome.is_fit() and on_gpu:
-        fixed = pr.weights + pr.trainable + pr.gathered + pr.buffers + pr.logits
-        parts["activations"] = max(res.max_memory_allocated - fixed, 0)
+        parts["activations"] = max(res.max_memory_allocated - (pr.allocated() - pr.activations), 0)
         parts["allocator overhead"] = max((res.max_memory_reserved or 0) - res.max_memory_allocated, 0)
         parts["outside PyTorch"] = res.memory_outside_allocator or 0
     return parts

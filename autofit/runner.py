@@ -45,6 +45,7 @@ from .protocol import (
     Checks,
     ProbeRequest,
     rank_result_path,
+    write_json_atomic,
 )
 from .result import Outcome, ProbeResult
 from .signatures import classify_text, oom_figures
@@ -497,9 +498,7 @@ class Runner:
             res = _outside_sigkill(cfg, res.error_tail, ended.watch.host_oom_evidence(cause.pid)
                                    if cause.pid else None, f"rank {cause.rank} ")
         # where a single probe's child leaves its result: a search resumed after this process died adopts it
-        tmp = Path(f"{req.result_path}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(res.to_dict(), indent=1))
-        tmp.replace(req.result_path)
+        write_json_atomic(req.result_path, res.to_dict())
         return res
 
     def _drive(self, child: Standby, req: ProbeRequest, deadline: float,

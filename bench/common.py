@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +15,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autofit.envinfo import collect  # noqa: E402
 
 GIB = 2**30
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_env(gpu: int | None = None) -> dict[str, str]:
+    """Environment of a subprocess: this checkout's autofit whatever the working directory (the caller's
+    PYTHONPATH kept: the GPU machine's extra packages travel there), and only `gpu` visible (None: as
+    this process)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    if gpu is not None:
+        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(gpu))
+    return env
+
+
+def autofit_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m autofit ARGS` as a user runs it, output captured."""
+    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False, env=bench_env())
 
 
 def out_dir() -> Path:

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GIB, out_dir, read_trials, save
+from common import GIB, REPO, bench_env, out_dir, read_trials, save
 
-ROOT = Path(__file__).resolve().parent.parent
-SLICES = {"D1": ROOT / "tests" / "data" / "d1-slice.jsonl", "D2": ROOT / "tests" / "data" / "d2-slice.jsonl"}
+SLICES = {"D1": REPO / "tests" / "data" / "d1-slice.jsonl", "D2": REPO / "tests" / "data" / "d2-slice.jsonl"}
 DATA_SPACE = """\
 # The data-aware benchmark space: S1/S2's shape; `batching` is added by --dataset.
 method: lora
@@ -55,15 +54,10 @@ SMALL = {"model": "tiny-llama", "limits": [None], "max_length": 128, "gb": 4, "r
          "opt": "adamw_torch", "mbs": "[2]", "ckpt": "[off]", "budget": "150s", "device": ["--device", "cpu"]}
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1",
-                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-
-
 def corpora(small: bool, work: Path) -> dict[str, Path]:
     if small:
         return dict(SLICES)
-    subprocess.run([sys.executable, str(ROOT / "bench" / "data" / "make_corpus.py"), "--out", str(work)], check=True)
+    subprocess.run([sys.executable, str(REPO / "bench" / "data" / "make_corpus.py"), "--out", str(work)], check=True)
     return {"D1": work / "d1.jsonl", "D2": work / "d2.jsonl"}
 
 
@@ -76,7 +70,7 @@ def search(s: dict[str, Any], space: Path, data: Path, limit: str | None, runs: 
            str(data), "--max-length", str(s["max_length"]), "--budget", s["budget"], "--confirm", "0", "--out",
            str(runs), "--json", *s["device"], *(["--memory-limit", limit] if limit else [])]
     try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), cwd=ROOT,
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=bench_env(), cwd=REPO,
                               timeout=seconds(s["budget"]) + 120)
     except subprocess.TimeoutExpired:
         return None, "the search overran its budget by 120 s"
@@ -124,7 +118,7 @@ def fill(s: dict[str, Any], run: Path, data: Path, limit: str | None) -> dict[st
         cmd = [sys.executable, "-m", "autofit", "probe", "--model", s["model"], "--dataset", str(data), "--json",
                *sets, "--set", f"batching={batching}", *s["device"], "--log-dir", str(run / "logs"),
                *(["--memory-limit", limit] if limit else [])]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=bench_env(), cwd=REPO, timeout=600)
         try:
             res = json.loads(proc.stdout)
             out[batching] = {"outcome": res["outcome"], "tokens_per_s": res["tokens_per_s"],
@@ -139,7 +133,7 @@ def recipe(run: Path, data: Path, steps: int, work: Path, tag: str) -> dict[str,
     """The exported hf-trainer recipe on `data` for `steps` steps under the run's limit."""
     script = work / f"train-{tag}.py"
     subprocess.run([sys.executable, "-m", "autofit", "export", str(run), "-o", str(script), "--force"], check=True,
-                   env=env(), cwd=ROOT)
+                   env=bench_env(), cwd=REPO)
     best = json.loads((run / "best.json").read_text())
     limit = best["target"].get("memory_limit_bytes")
     cmd = [sys.executable, str(script), "--dataset", str(data), "--output-dir", str(work / f"out-{tag}"),

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import GIB, read_trials, save
+from common import GIB, autofit_cli, bench_env, read_trials, save
 
 from autofit.kernels import TOLERANCES
 from autofit.memory import Shape
@@ -184,27 +183,11 @@ def write_space(space: dict[str, Any], folder: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------- the CLI
 
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=on_gpu(None))
-
-
-def on_gpu(gpu: int | None) -> dict[str, str]:
-    """Environment of a subprocess: this checkout's autofit whatever the working directory, and only
-    `gpu` visible (None: as this process)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    if gpu is not None:
-        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(gpu))
-    return env
 
 
 def require_kernel_keys() -> None:
     """Stop with a clear message while `liger` / `torch_compile` are not `--set` keys yet."""
-    text = cli("probe", "--help", timeout=120).stdout
+    text = autofit_cli("probe", "--help", timeout=120).stdout
     missing = [k for k in KERNEL_KEYS if f"  {k} " not in text]
     if missing:
         sys.exit(f"kernels_bench: `autofit probe --help` lists no key {', '.join(missing)}; wire the kernel "
@@ -214,7 +197,7 @@ def require_kernel_keys() -> None:
 def probe(setup: Setup, model: str, limit: str, point: dict[str, Any]) -> dict[str, Any]:
     sets = [f"{k}={'on' if v is True else 'off' if v is False else v}" for k, v in {**setup.common, **point}.items()]
     args = ["probe", "--model", model, "--memory-limit", limit, "--json", "--timeout", "900", *setup.device_args]
-    proc = cli(*args, *[x for s in sets for x in ("--set", s)], timeout=1200)
+    proc = autofit_cli(*args, *[x for s in sets for x in ("--set", s)], timeout=1200)
     if proc.returncode != 0 or not proc.stdout.strip():
         return {"outcome": "bench_error", "reason": proc.stderr[-2000:], "config": point}
     return json.loads(proc.stdout)
@@ -225,7 +208,7 @@ def search(setup: Setup, model: str, limit: str, space: Path, budget: str,
     out = Path(tempfile.mkdtemp(prefix="kernels-bench-"))
     t0 = time.monotonic()
     where = ["--gpu", str(gpu)] if gpu is not None else setup.device_args
-    proc = cli("search", "--model", model, "--space", str(space), "--memory-limit", limit, "--budget", budget,
+    proc = autofit_cli("search", "--model", model, "--space", str(space), "--memory-limit", limit, "--budget", budget,
                "--out", str(out), "--json", "--train-tokens", str(setup.train_tokens), *where,
                timeout=3 * 3600)
     wall = time.monotonic() - t0
@@ -293,7 +276,7 @@ def profile_point(setup: Setup, model: str, limit: str, point: dict[str, Any],
     """Profile the point in a fresh process (its own CUDA context and memory cap)."""
     proc = subprocess.run([sys.executable, __file__, "--profile-point", json.dumps(point), "--model", model,
                            "--limit", limit, "--json", *(["--small"] if setup.small else [])],
-                          capture_output=True, text=True, timeout=1800, check=False, env=on_gpu(gpu))
+                          capture_output=True, text=True, timeout=1800, check=False, env=bench_env(gpu))
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -390,7 +373,7 @@ def bench_dataset(folder: Path) -> Path:
 def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None) -> dict[str, Any]:
     """Export `run_dir`'s winner (hf-trainer), run it `steps` steps; its summary (tokens/s, peak, losses)."""
     script = work / "train.py"
-    proc = cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
+    proc = autofit_cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     cmd = [sys.executable, str(script), "--dataset", str(bench_dataset(work)), "--output-dir", str(work / "out"),
@@ -398,7 +381,7 @@ def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: in
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
     t0 = time.monotonic()
-    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=on_gpu(gpu))
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=bench_env(gpu))
     lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     if "max_memory_reserved" in summary:  # the probe's definition: reserved peak + memory outside the allocator

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,27 +31,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import out_dir, read_trials, save  # also puts the checkout on sys.path
+from common import (  # also puts the checkout on sys.path
+    autofit_cli,
+    bench_env,
+    out_dir,
+    read_trials,
+    save,
+)
 
-from autofit.spec import OFFLOADS_BY_ENGINE
+from autofit.spec import ENGINES, OFFLOADS_BY_ENGINE
 
-REPO = Path(__file__).resolve().parent.parent
-ENGINES = ("none", "fsdp2", "zero2", "zero3")
 MICRO_BATCHES = (1, 2, 4, 8)
 COMMON = {"method": "full", "max_length": 2048, "global_batch": 16, "precision": "bf16",
           "optimizer": "adamw_torch_fused", "gradient_checkpointing": "on"}
 SMALL = {"method": "full", "max_length": 64, "global_batch": 8, "precision": "fp32",
          "optimizer": "adamw_torch", "gradient_checkpointing": "on"}
-
-
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1",
-                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-
-
-def cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=env())
 
 
 def grid_points(small: bool) -> list[dict[str, Any]]:
@@ -72,7 +65,7 @@ def probe(model: str, limit: str | None, n: int, small: bool, point: dict[str, A
     sets = {**(SMALL if small else COMMON), **point}
     args = ["probe", "--model", model, "--json", "--timeout", "900", *where(n, small)]
     args += ["--memory-limit", limit] if limit else []
-    proc = cli(*args, *itertools.chain.from_iterable(("--set", f"{k}={v}") for k, v in sets.items()), timeout=1200)
+    proc = autofit_cli(*args, *itertools.chain.from_iterable(("--set", f"{k}={v}") for k, v in sets.items()), timeout=1200)
     if proc.returncode != 0 or not proc.stdout.strip():
         return {"outcome": "bench_error", "reason": proc.stderr[-2000:], "point": point}
     r = json.loads(proc.stdout)
@@ -104,7 +97,7 @@ def search(model: str, limit: str | None, n: int, small: bool, budget: str) -> d
     t0 = time.monotonic()
     args = ["search", "--model", model, "--space", space, "--budget", budget, "--out", str(out), "--json",
             "--confirm", "0" if small else "2", *where(n, small)]
-    proc = cli(*args, *(["--memory-limit", limit] if limit else []), timeout=3 * 3600)
+    proc = autofit_cli(*args, *(["--memory-limit", limit] if limit else []), timeout=3 * 3600)
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
     run_dir = Path(summary["run_dir"]) if summary.get("run_dir") else None
     return {"wall_seconds": round(time.monotonic() - t0, 1), "rc": proc.returncode, "run_dir": str(run_dir),
@@ -116,14 +109,14 @@ def run_recipe(run_dir: Path, n: int, steps: int, small: bool) -> dict[str, Any]
     """The winner exported (hf-trainer) and run `steps` steps with torchrun on N ranks."""
     work = Path(tempfile.mkdtemp(prefix="multigpu-export-"))
     script = work / "train.py"
-    proc = cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
+    proc = autofit_cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps({"text": " ".join(["token"] * 400)}) + "\n" for _ in range(400)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
            "--dataset", str(data), "--output-dir", str(work / "out"), "--max-steps", str(steps)]
-    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=env())
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=bench_env())
     lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     return {"rc": run.returncode, **summary, **({"stderr_tail": run.stderr[-1500:]} if run.returncode else {})}

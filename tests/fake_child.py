@@ -15,9 +15,9 @@ import time
 
 from oom_text import CUDA_OOM, CUDA_OOM_CAPPED  # this folder is the script's first path
 
-from autofit.protocol import PARENT_ENV, READY, TIMED_END, TIMED_START, die_with_parent
+from autofit.protocol import READY, TIMED_END, TIMED_START, die_with_parent
 
-die_with_parent(int(os.environ[PARENT_ENV]) if os.environ.get(PARENT_ENV) else None)
+die_with_parent()
 mode = os.environ.get("FAKE_MODE", "hang")
 time.sleep(float(os.environ.get("FAKE_IMPORT_S", "0")))
 if mode == "garbage":

@@ -9,9 +9,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from oom_text import CUDA_OOM  # noqa: E402
+from oom_text import CUDA_OOM  # torchrun runs this file as a script: its folder is on sys.path
 
 if os.environ.get("RANK") != os.environ.get("FAKE_RANK", "1"):
     from autofit.probe.ranks import rank_main
@@ -25,7 +23,7 @@ if mode == "raise":
 if mode == "oom":
     sys.stderr.write(CUDA_OOM)
     sys.exit(1)
-from autofit.protocol import PARENT_ENV, die_with_parent  # noqa: E402
+from autofit.protocol import die_with_parent  # noqa: E402
 
-die_with_parent(int(os.environ[PARENT_ENV]))  # tied to the launcher, as a real rank is first thing
+die_with_parent()  # tied to the launcher, as a real rank is first thing
 time.sleep(3600)  # hang

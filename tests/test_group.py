@@ -55,24 +55,29 @@ def test_a_two_rank_fsdp2_probe_on_the_cpu_shards_and_reports_the_group(tmp_path
     assert json.loads(merged.read_text())["tokens_per_s"] == res["tokens_per_s"]
 
 
-def _group_probe(tmp_path: Path, mode: str, timeout: float = 300) -> tuple[ProbeResult, float]:
-    os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"] = str(FAKE_RANK), mode
-    try:
-        with Runner(Target(), tmp_path, standby=0) as runner:
-            t0 = time.monotonic()
-            res = runner.run(CFG, resolve_model("tiny-llama"), name="g", timeout=timeout)
-            return res, time.monotonic() - t0
-    finally:
-        del os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"]
+def _fake_rank(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """torchrun starts tests/fake_rank.py for every rank: rank 1 does `mode`, the others are real."""
+    monkeypatch.setenv(RANK_ENV, str(FAKE_RANK))
+    monkeypatch.setenv("FAKE_RANK_MODE", mode)
+
+
+def _group_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str,
+                 timeout: float = 300) -> tuple[ProbeResult, float]:
+    _fake_rank(monkeypatch, mode)
+    with Runner(Target(), tmp_path, standby=0) as runner:
+        t0 = time.monotonic()
+        res = runner.run(CFG, resolve_model("tiny-llama"), name="g", timeout=timeout)
+        return res, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("mode, outcome, says", [
     ("raise", Outcome.CRASH, "RuntimeError: autofit test: this rank failed on purpose"),
     ("oom", Outcome.OOM, "CUDA out of memory"),
 ])
-def test_a_failing_rank_decides_the_groups_outcome(tmp_path: Path, mode: str, outcome: Outcome, says: str) -> None:
+def test_a_failing_rank_decides_the_groups_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                  outcome: Outcome, says: str) -> None:
     """torchrun stops the real rank 0 when rank 1 fails; the group is judged by the rank that failed."""
-    res, took = _group_probe(tmp_path, mode)
+    res, took = _group_probe(tmp_path, monkeypatch, mode)
     assert res.outcome is outcome, res.reason + res.error_tail
     assert res.reason.startswith("rank 1: ") and says in res.reason
     assert {r["rank"]: r["outcome"] for r in res.extra["ranks"]}[1] == outcome.value
@@ -81,10 +86,11 @@ def test_a_failing_rank_decides_the_groups_outcome(tmp_path: Path, mode: str, ou
     assert took < 120  # not left waiting for the runner's timeout
 
 
-def test_a_hanging_rank_times_out_and_the_whole_group_is_stopped(tmp_path: Path) -> None:
+def test_a_hanging_rank_times_out_and_the_whole_group_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 ) -> None:
     """Rank 1 never joins: the real rank 0 waits for it; at the timeout every process of the group
     (the launcher, torchrun's ranks in sessions of their own) is killed, none is left behind."""
-    res, took = _group_probe(tmp_path, "hang", timeout=15)
+    res, took = _group_probe(tmp_path, monkeypatch, "hang", timeout=15)
     assert res.outcome is Outcome.TIMEOUT and "every rank of the group was stopped" in res.reason
     assert 15 <= took < 45
     pid = int(next(tmp_path.glob("*.fake-rank-1.pid")).read_text())
@@ -94,7 +100,7 @@ def test_a_hanging_rank_times_out_and_the_whole_group_is_stopped(tmp_path: Path)
     assert not left, [p.info["cmdline"] for p in left]
 
 
-def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path) -> None:
+def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`kill -9` of the process running the probes (a search) in the middle of a group: the launcher
     and every rank die with it (parent-death signals down the chain), nothing is left running."""
     import signal
@@ -107,8 +113,8 @@ def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path) -> None:
         f"cfg = TrialConfig.from_dict({CFG.to_dict()!r})\n"
         "with Runner(Target(), Path(sys.argv[1]), standby=0) as r:\n"
         "    r.run(cfg, resolve_model('tiny-llama'), name='g', timeout=600)\n")
-    env = dict(os.environ, **{RANK_ENV: str(FAKE_RANK), "FAKE_RANK_MODE": "hang"})
-    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path)], env=env)
+    _fake_rank(monkeypatch, "hang")
+    proc = subprocess.Popen([sys.executable, str(driver), str(tmp_path)])
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("*.fake-rank-1.pid")) and time.monotonic() < deadline:
@@ -125,18 +131,15 @@ def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path) -> None:
             proc.kill()
 
 
-def test_an_interrupted_group_says_nothing_about_its_config(tmp_path: Path) -> None:
+def test_an_interrupted_group_says_nothing_about_its_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C (the runner's abort) in the middle of a group: a retryable result, and no result file a
     resumed search would adopt as this config's outcome."""
     import threading
 
-    os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"] = str(FAKE_RANK), "hang"
-    try:
-        with Runner(Target(), tmp_path, standby=0) as runner:
-            threading.Timer(4.0, runner.abort).start()
-            res = runner.run(CFG, resolve_model("tiny-llama"), name="g", timeout=120)
-    finally:
-        del os.environ[RANK_ENV], os.environ["FAKE_RANK_MODE"]
+    _fake_rank(monkeypatch, "hang")
+    with Runner(Target(), tmp_path, standby=0) as runner:
+        threading.Timer(4.0, runner.abort).start()
+        res = runner.run(CFG, resolve_model("tiny-llama"), name="g", timeout=120)
     assert res.retryable and res.reason.startswith("interrupted")
     assert not list(tmp_path.glob("*.result.json"))
 

@@ -19,13 +19,12 @@ from .common import add_data_flags, add_probe_flags, add_target_flags, console, 
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping(parse_sets(args.set or [])),
+    spans = {"gpus": args.gpus} if args.gpus > 1 else {}  # --gpus N, unless --set gpus says otherwise
+    cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping({**spans, **parse_sets(args.set or [])}),
                                       lambda: resolve_model(args.model),
                                       lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom,
                                                               args.gpus),
                                       lambda: dataset_ref(args))
-    if args.gpus > 1 and "gpus" not in parse_sets(args.set or []):  # parsed without error above
-        cfg = cfg.replace(gpus=args.gpus)
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
                          "to batch by; give a dataset or leave batching at pad_max.")

@@ -21,7 +21,6 @@ from .common import (
     read_best,
     read_env,
     stdout_notes,
-    write_recipe,
     write_rendered,
 )
 
@@ -43,4 +42,4 @@ def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendere
 
 
 __all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",
-           "read_best", "read_env", "stdout_notes", "write_recipe", "write_rendered"]
+           "read_best", "read_env", "stdout_notes", "write_rendered"]

@@ -241,9 +241,7 @@ def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool)
         raise UsageError([f"-o: {p} already exists with other content (the recipe {out} names it, so it is "
                           "written beside it); pass --force to overwrite it, or give -o in another folder."
                           for p in in_the_way])
-    if out.exists() and not force:  # checked before any companion is written
-        raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
-    write_recipe(rendered.text, out, force, executable)  # first: an -o that cannot be written is named as such
+    write_recipe(rendered.text, out, force, executable)  # first: an existing or unwritable -o stops it all
     for path, text in beside.items():
         write_recipe(text, path, force=True, executable=False)
     lines = [f"wrote {p}" for p in (out, *beside)]

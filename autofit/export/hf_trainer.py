@@ -6,7 +6,7 @@ from .common import ExportRun, Rendered, check_fields
 from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
 from .fields import installed_fields, versions
 from .multi_gpu import script_launch, script_main
-from .script_parts import HELPERS, TAIL, checked_names, header, settings
+from .script_parts import HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
 
 MAIN = '''
 
@@ -27,8 +27,7 @@ def main():
 def render(r: ExportRun) -> Rendered:
     names, have, v = checked_names(r), installed_fields(), versions()
     check_fields(have["TrainingArguments"], names["training"], f"transformers {v['transformers']} TrainingArguments")
-    check_fields(have["fsdp_config"], names["training"].get("fsdp_config", {}),
-                 f"transformers {v['transformers']} TrainingArguments fsdp_config (its documented keys)")
+    check_fsdp_fields(names, have)
     check_fields(have["LoraConfig"], names["lora"], f"peft {v['peft']} LoraConfig")
     check_fields(have["BitsAndBytesConfig"], names["quant"], f"transformers {v['transformers']} BitsAndBytesConfig")
     check_fields(have["prepare_model_for_kbit_training"], names["kbit"],

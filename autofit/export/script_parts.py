@@ -9,7 +9,8 @@ import pprint
 from typing import Any
 
 from .. import distributed, recipe
-from .common import ExportRun, comment_block
+from .common import ExportRun, check_fields, comment_block
+from .fields import versions
 from .multi_gpu import script_doc
 
 HEADER = '''#!/usr/bin/env python3
@@ -220,7 +221,7 @@ def throughput_callback(tokens_per_step):
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
             if callable(tokens_per_step):  # this rank's tokens; the rate is the whole group's
-                tokens = all_ranks(tokens_per_step()) if args.world_size > 1 else tokens_per_step()
+                tokens = all_ranks(tokens_per_step(), args.device) if args.world_size > 1 else tokens_per_step()
             else:
                 tokens = tokens_per_step
             self.rates.append(tokens / self.times[-1])
@@ -251,9 +252,9 @@ def throughput_callback(tokens_per_step):
     return Throughput()
 
 
-def all_ranks(count):
+def all_ranks(count, device):
     """The sum of a count over every rank (a collective: each rank calls it at the same step)."""
-    t = torch.tensor([count], device=rank_device())
+    t = torch.tensor([count], device=device)
     torch.distributed.all_reduce(t)
     return int(t.item())
 
@@ -343,6 +344,12 @@ def header(r: ExportRun, name: str) -> str:
     usage = f"{launch} {options}" if len(launch) + len(options) < 96 else f"{launch}\n    also: {options}"
     return HEADER.format(provenance=comment_block(r.provenance()), environment=recipe.process_env(r.config),
                          usage=usage, distributed=script_doc(r.config))
+
+
+def check_fsdp_fields(names: dict[str, Any], have: dict[str, Any]) -> None:
+    """The engine's fsdp_config keys against transformers' documented ones (both script formats)."""
+    check_fields(have["fsdp_config"], names["training"].get("fsdp_config", {}),
+                 f"transformers {versions()['transformers']} TrainingArguments fsdp_config (its documented keys)")
 
 
 def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from .common import ExportRun, Rendered, check_fields, comment_block
 from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
 from .fields import installed_fields, trl_installed, versions
 from .multi_gpu import script_launch, script_main
-from .script_parts import HELPERS, TAIL, checked_names, header, settings
+from .script_parts import HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
 
@@ -46,10 +46,9 @@ def render(r: ExportRun) -> Rendered:
     if not trl_installed():
         raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
                          "trl`) and export again.")
-    names, sft, version = checked_names(r), installed_fields()["SFTConfig"], versions()["trl"]
-    check_fields(sft, set(names["training"]) | TRL_ARGS, f"trl {version} SFTConfig")
-    check_fields(installed_fields()["fsdp_config"], names["training"].get("fsdp_config", {}),
-                 "transformers TrainingArguments fsdp_config (its documented keys)")
+    names, have, version = checked_names(r), installed_fields(), versions()["trl"]
+    check_fields(have["SFTConfig"], set(names["training"]) | TRL_ARGS, f"trl {version} SFTConfig")
+    check_fsdp_fields(names, have)
     notes = []
     if r.config.liger:
         notes.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only "
@@ -58,7 +57,7 @@ def render(r: ExportRun) -> Rendered:
     if r.dataset is not None:  # searched with --dataset: the measured batching in SFTConfig's terms
         cfg = r.config
         trl_args, differs = trl_batching(cfg.batching, cfg.micro_batch_size, cfg.max_length)
-        check_fields(sft, set(trl_args), f"trl {version} SFTConfig")
+        check_fields(have["SFTConfig"], set(trl_args), f"trl {version} SFTConfig")
         comment = comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs]) + "\n" if differs else ""
         return Rendered(data_header(header(r, "train_trl.py"), cfg.batching) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)

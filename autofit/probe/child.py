@@ -20,9 +20,8 @@ from collections.abc import Callable
 from typing import IO
 
 from ..envinfo import package_versions
-from ..protocol import PARENT_ENV, READY, TIMED_END, TIMED_START, ProbeRequest, die_with_parent
+from ..protocol import READY, TIMED_END, TIMED_START, ProbeRequest, die_with_parent, write_json_atomic
 from ..result import ProbeResult
-from .child_io import write_json_atomic
 from .judge import failure_result, judge_limit
 from .measure import run_probe
 from .state import ProbeState
@@ -82,8 +81,7 @@ class ProtocolPipe:
 def protocol_pipe() -> ProtocolPipe:
     """A probe process's start: tied to its parent (`PARENT_ENV`), its stdout kept as the protocol pipe
     and everything else the libraries print sent to the log."""
-    parent = os.environ.get(PARENT_ENV)
-    die_with_parent(int(parent) if parent else None)
+    die_with_parent()
     pipe = ProtocolPipe(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)  # anything the libraries print goes to the log, not the protocol pipe
     silence_known_noise()

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import distributed, recipe
-from ..protocol import SPREAD_BOUND, ProbeRequest
+from ..protocol import SPREAD_BOUND, ProbeRequest, write_json_atomic
 from ..result import Outcome, ProbeResult
 from .batches import RealBatches, boundary_verdict, check_boundaries, mismatch, real_batches
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
-from .child_io import write_json_atomic
 from .errors import Unsupported
 from .gate import check_architecture, check_support, kernel_figures, mismatch_result, run_gate
 from .judge import judge_limit, noisy_reason

@@ -32,8 +32,7 @@ RANK_ENV = "AUTOFIT_RANK_COMMAND"
 def launch(argv: list[str]) -> int:
     """`N REQUEST_FILE`: torchrun with N ranks of the probe, tied to the runner's life."""
     nproc, request = argv
-    parent = os.environ.get(PARENT_ENV)
-    die_with_parent(int(parent) if parent else None)
+    die_with_parent()
     from torch.distributed.run import main as torchrun  # the heavy import, after the tie to the runner
 
     rank = shlex.split(os.environ[RANK_ENV]) if os.environ.get(RANK_ENV) else ["-m", "autofit.probe"]
