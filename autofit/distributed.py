@@ -73,8 +73,9 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
     }
 
 
-def support(cfg: TrialConfig, device: str) -> str | None:
-    """None when this machine can run the config's engine, else why not (an `unsupported` outcome)."""
+def support(cfg: TrialConfig, device: str, attached: int = 1, dataset: bool = False) -> str | None:
+    """None when this worker can run the config's engine and GPUs, else why not (an `unsupported`
+    outcome); `attached`: the GPUs the worker has (on the CPU ranks are processes: any number)."""
     if cfg.engine in ("zero2", "zero3"):
         if importlib.util.find_spec("deepspeed") is None:
             return (f"engine={cfg.engine}: deepspeed is not installed (pip install deepspeed); "
@@ -83,6 +84,12 @@ def support(cfg: TrialConfig, device: str) -> str | None:
             return f"engine={cfg.engine}: DeepSpeed ZeRO trains on GPUs only"
     if cfg.cpu_offload != "off" and device != "cuda":
         return f"cpu_offload={cfg.cpu_offload}: on --device cpu there is no device memory to offload from"
+    if device == "cuda" and cfg.gpus > attached:
+        return (f"gpus={cfg.gpus}: this worker has {attached} GPU(s) attached; "
+                f"give --gpus {cfg.gpus} with enough GPUs in --gpu")
+    if cfg.gpus > 1 and dataset:
+        return (f"gpus={cfg.gpus} with --dataset: each rank's share of the dataset's micro-batches is not "
+                "measured yet; search the data with gpus=1")
     return None
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .result import Outcome, ProbeResult
-from .signatures import classify_text, communication_failure, oom_figures
+from .signatures import classify_text, communication_failure, result_from_log
 
 SEVERITY = (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.MISMATCH, Outcome.UNSTABLE,
             Outcome.CRASH, Outcome.TIMEOUT, Outcome.CANCELLED, Outcome.FIT)
@@ -101,11 +101,8 @@ def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[i
                               reason=f"no result: {_last_error(text) or 'the launcher ended without a summary'}")
         elif cause.rank == r:
             own = rank_text(text, r)
-            outcome = classify_text(own) or Outcome.CRASH
             how = f"signal {-cause.exitcode}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
-            res = ProbeResult(outcome, cfg, error_tail=own[-4000:], reason=f"{_last_error(own) or 'failed'} ({how})")
-            if outcome is Outcome.OOM:
-                oom_figures(own).fill(res)
+            res = result_from_log(cfg, own, f"{_last_error(own) or 'failed'} ({how})")
         else:
             res = ProbeResult(Outcome.CRASH, cfg, error_tail=tail, reason="ended without a result "
                               "(stopped by torchrun after another rank failed)")

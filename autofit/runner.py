@@ -48,7 +48,7 @@ from .protocol import (
     write_json_atomic,
 )
 from .result import Outcome, ProbeResult
-from .signatures import classify_text, oom_figures
+from .signatures import classify_text, result_from_log
 from .spec import TrialConfig
 from .target import Target
 
@@ -399,13 +399,8 @@ class Runner:
     def judged_before(self, cfg: TrialConfig) -> ProbeResult | None:
         """An outcome known without a child: kernels, engines or a number of GPUs this machine cannot
         run (`unsupported`)."""
-        why = kernels.kernel_support(cfg, self.target.device) or distributed.support(cfg, self.target.device)
-        if not why and self.target.device == "cuda" and cfg.gpus > len(self.target.gpus):
-            why = (f"gpus={cfg.gpus}: this worker has {len(self.target.gpus)} GPU(s) attached; "
-                   f"give --gpus {cfg.gpus} with enough GPUs in --gpu")
-        if not why and cfg.gpus > 1 and self.dataset is not None:
-            why = (f"gpus={cfg.gpus} with --dataset: each rank's share of the dataset's micro-batches is not "
-                   "measured yet; search the data with gpus=1")
+        why = kernels.kernel_support(cfg, self.target.device) or distributed.support(
+            cfg, self.target.device, len(self.target.gpus), self.dataset is not None)
         if why:
             return ProbeResult(Outcome.UNSUPPORTED, cfg.to_dict(), reason=f"autofit: unsupported: {why}")
         return None
@@ -592,11 +587,8 @@ def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None, who: 
 
 def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:
     """A child that exited without a result: what its log shows."""
-    outcome = classify_text(text) or Outcome.CRASH
-    res = ProbeResult(outcome, cfg, error_tail=text[-4000:],
-                      reason=f"exited with code {rc} without writing a result")
-    if outcome is Outcome.OOM:
-        oom_figures(text).fill(res)  # the phase is the child's to know: unknown here
+    res = result_from_log(cfg, text, f"exited with code {rc} without writing a result")
+    if res.outcome is Outcome.OOM:
         lines = [ln for ln in text.splitlines() if "out of memory" in ln.lower() or "OutOfMemory" in ln]
         res.reason = (lines[-1].strip()[:300] if lines else res.reason)
     return res

@@ -180,3 +180,13 @@ def oom_figures(text: str) -> OomFigures:
     return OomFigures(request=_find(_TRIED, msg), free=_find(_FREE, msg), in_use=_find(_IN_USE, msg),
                       allowed=_find(_ALLOWED, msg), allocated=_find(_ALLOCATED, msg),
                       reserved_unallocated=_find(_UNALLOCATED, msg))
+
+
+def result_from_log(cfg: dict, text: str, reason: str) -> ProbeResult:
+    """A process that wrote no result, judged from its log: the outcome its text shows (else a crash),
+    the log's tail and, for an out-of-memory error, the allocator's figures."""
+    outcome = classify_text(text) or Outcome.CRASH
+    res = ProbeResult(outcome, cfg, error_tail=text[-4000:], reason=reason)
+    if outcome is Outcome.OOM:
+        oom_figures(text).fill(res)  # the phase is the process's to know: unknown here
+    return res
