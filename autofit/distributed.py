@@ -27,16 +27,11 @@ from .spec import TrialConfig
 def training_arguments(cfg: TrialConfig) -> dict[str, Any]:
     """TrainingArguments keys (transformers 5.24) for the engine; empty for one rank without an engine."""
     if cfg.engine == "fsdp2":
+        options = fsdp_options(cfg)
+        offload = options.pop("offload_params")
         return {
             "fsdp": True,
-            "fsdp_config": {
-                "version": 2,
-                "reshard_after_forward": cfg.reshard_after_forward,
-                "cpu_offload": cfg.cpu_offload == "all",
-                "activation_checkpointing": cfg.checkpoint_every > 0,
-                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's _no_split_modules: decoder layers
-                "state_dict_type": "FULL_STATE_DICT",
-            },
+            "fsdp_config": {"version": 2, **options, "cpu_offload": offload},
             # FSDP's activation_checkpointing replaces Trainer's (which would all-gather a second time)
             "activation_checkpointing": False,
         }
@@ -71,6 +66,15 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
     }
+
+
+def fsdp_options(cfg: TrialConfig) -> dict[str, Any]:
+    """FSDP2's settings for the config, in the names axolotl's fsdp_config uses (Trainer's fsdp_config says
+    `cpu_offload` for `offload_params`; accelerate's config file prefixes each with `fsdp_`)."""
+    return {"offload_params": cfg.cpu_offload == "all", "state_dict_type": "FULL_STATE_DICT",
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's _no_split_modules: decoder layers
+            "reshard_after_forward": cfg.reshard_after_forward,
+            "activation_checkpointing": cfg.checkpoint_every > 0}
 
 
 def support(cfg: TrialConfig, device: str, attached: int = 1, dataset: bool = False) -> str | None:

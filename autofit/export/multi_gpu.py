@@ -83,12 +83,7 @@ def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
     keys: dict[str, Any] = {}
     companions: dict[str, str] = {}
     if cfg.engine == "fsdp2":
-        keys = {"fsdp_version": 2, "fsdp_config": {
-            "offload_params": cfg.cpu_offload == "all",
-            "state_dict_type": "FULL_STATE_DICT",
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's _no_split_modules: decoder layers
-            "reshard_after_forward": cfg.reshard_after_forward,
-            "activation_checkpointing": cfg.checkpoint_every > 0}}
+        keys = {"fsdp_version": 2, "fsdp_config": distributed.fsdp_options(cfg)}
     elif cfg.engine in ("zero2", "zero3"):
         keys = {"deepspeed": DEEPSPEED_JSON}
         companions = {DEEPSPEED_JSON: deepspeed_json(cfg)}
@@ -125,14 +120,7 @@ def accelerate_fsdp(cfg: TrialConfig) -> str:
     doc = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "fsdp_config": {
-            "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": cfg.reshard_after_forward,
-            "fsdp_offload_params": cfg.cpu_offload == "all",
-            "fsdp_activation_checkpointing": cfg.checkpoint_every > 0,
-            "fsdp_state_dict_type": "FULL_STATE_DICT",
-        },
+        "fsdp_config": {"fsdp_version": 2, **{f"fsdp_{k}": v for k, v in distributed.fsdp_options(cfg).items()}},
         "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(cfg.precision, "no"),
         "machine_rank": 0,
         "num_machines": 1,
