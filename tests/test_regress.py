@@ -426,7 +426,9 @@ def test_a_different_gpu_model_is_refused_unless_allowed(run: Path) -> None:
 
 @pytest.mark.slow
 def test_update_baseline_keeps_the_previous_one(run: Path) -> None:
-    edit_best(run, tokens_per_s=2)  # twice as fast: inside the 80% tolerance, so measured once
+    # three times as fast: inside the 80% tolerance, so measured once; the margin below holds against
+    # the CPU's run-to-run noise (a CI run measured 1.7x its own baseline)
+    edit_best(run, tokens_per_s=3)
     proc = regress_cli(run, *TOL, "--update-baseline")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kept = list(run.glob("best.previous-*.json"))
