@@ -237,6 +237,9 @@ def throughput_callback(tokens_per_step):
 
             steady = self.rates[2:] or self.rates
             summary = {"steps": len(self.times), "tokens_per_s": statistics.median(steady),
+                       # the steady steps' own spread: a recipe against its probe is only as close
+                       # as the host lets one process repeat itself
+                       "tokens_per_s_min": min(steady), "tokens_per_s_max": max(steady),
                        "losses": self.losses, "world_size": args.world_size,
                        # what Trainer really ran: FSDP, DEEPSPEED, MULTI_GPU (DDP), NO, ...
                        "distributed_type": str(AcceleratorState().distributed_type.value),
