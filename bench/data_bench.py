@@ -178,6 +178,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="recipe steps (default 50; 3 with --small)")
     p.add_argument("--budget", help="per search (default 100s; 150s with --small)")
     p.add_argument("--name", default=None)
+    p.add_argument("--runs", help="recipes only, from run folders of an earlier call: D1=DIR,D2=DIR")
     a = p.parse_args()
     s = dict(SMALL if a.small else FULL, **({"budget": a.budget} if a.budget else {}),
              **({"limits": a.limits.split(",")} if a.limits else {}))
@@ -190,7 +191,10 @@ def main() -> None:
                                "recipes": {}}
     first: dict[str, Path] = {}
     name_of = a.name or ("data-bench-cpu-small" if a.small else "data-bench-s1-s2")
-    for limit in s["limits"]:
+    if a.runs:  # the searches were an earlier call's: their run folders, kept by keep_runs
+        first.update({k: Path(v).resolve() for k, v in (x.split("=", 1) for x in a.runs.split(","))})
+        figures["recipes_of"] = {k: v.name for k, v in first.items()}
+    for limit in [] if a.runs else s["limits"]:
         for name in a.datasets.split(","):
             key = f"{limit or 'no-limit'}/{name}"
             run, tail = search(s, space, files[name], limit, work / "runs")
@@ -214,7 +218,8 @@ def main() -> None:
         print(name, {k: figures["recipes"][name]["same_data"][k] for k in ("tokens_per_s_ratio", "peak_ratio")},
               "longest inside limit:", figures["recipes"][name]["longest_samples"]["inside_limit"], flush=True)
     save(name_of, figures)
-    keep_runs(work / "runs", out_dir() / f"{name_of}-runs")
+    if not a.runs:
+        keep_runs(work / "runs", out_dir() / f"{name_of}-runs")
     print(f"results in {out_dir()}")
 
 
