@@ -312,6 +312,24 @@ def test_the_loss_check_catches_a_leaking_collator(attn: str, d1_ids) -> None:
     assert "see each other" in leak.reason
 
 
+def test_the_tolerance_follows_the_models_own_rounding_in_bf16_and_a_leak_stands_above_it(d1_ids) -> None:
+    import torch
+
+    from autofit.data.collate import packed_rows
+    from autofit.data.correctness import FLOOR_FACTOR, TOLERANCE, check_batch
+
+    ids, pad, table = d1_ids
+    batch = next(b for b in plan(Batching.PACKED, table.lengths, 256, 4).batches if len(b.rows[0]) > 2)
+    model = _tiny_model().to(torch.bfloat16)
+    good = check_batch(model, Batching.PACKED, batch, ids, pad, 256, precision="bf16")
+    leak = check_batch(model, Batching.PACKED, batch, ids, pad, 256, precision="bf16",
+                       candidate=packed_rows(batch, ids, pad, 256, boundaries=False))
+    assert good.floor > 0, "bf16 rounds differently in a row of its own length: the floor is measured"
+    assert good.tolerance == max(TOLERANCE["bf16"], FLOOR_FACTOR * good.floor)
+    assert good.ok and good.to_dict()["floor"] == good.floor
+    assert not leak.ok and leak.max_loss_diff > 3 * leak.tolerance, (leak.max_loss_diff, leak.tolerance)
+
+
 def test_leaving_the_cache_on_leaks_packed_samples(d1_ids) -> None:
     import torch
 
