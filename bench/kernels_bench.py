@@ -92,9 +92,9 @@ class Setup:
     train_tokens: int = TRAIN_TOKENS
     export_steps: int = 50
     stock_reference: bool = True
+    """Run the stock-kernel recipe beside the export for the loss curve (--no-stock-reference: speed and peak only)."""
     reprobes: int = 2
     """The winner probed again in the export's call (--reprobes): the recipe's same-conditions reference."""
-    """Run the stock-kernel recipe beside the export for the loss curve (--no-stock-reference: speed and peak only)."""
     gpus: tuple[int, ...] = ()
     """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
 
@@ -423,10 +423,10 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     # The search's figure is the best of noisy measurements (a launch-bound micro-batch 1 moves by
     # 10-30% between processes on a shared host): the same config probed again in this call, fresh
     # processes, gives the recipe a reference measured under the same conditions.
-    limit_arg = f"{limit // GIB}GiB" if limit else "2GiB"
+    limit_arg = f"{limit / GIB:g}GiB" if limit else SMALL.limit
     point = {**{k: best.config[k] for k in setup.common if k in best.config}, **config_of(best)}
     again = [probe(setup, best.model, limit_arg, point) for _ in range(setup.reprobes)]
-    again_tps = sorted(r["tokens_per_s"] for r in again if r.get("outcome") == "fit" and r.get("tokens_per_s"))
+    again_tps = [r["tokens_per_s"] for r in again if r.get("outcome") == "fit" and r.get("tokens_per_s")]
     with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
         mine, stock = [*pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs), {}][:2]
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
