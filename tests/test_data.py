@@ -223,6 +223,22 @@ def test_best_fit_decreasing_matches_trl() -> None:
     assert best_fit_decreasing(cut, 1024) == trl_bins
 
 
+def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> None:
+    """The probe times the plan's first micro-batches: in bfd's order they would be the longest samples
+    one a row (a faster attention layout than the epoch's rows of several samples)."""
+    _, table = _table(D2)
+    cut = [min(n, 512) for n in table.lengths]
+    p = plan(Batching.PACKED, table.lengths, 512, 2, seed=0)
+    bins = best_fit_decreasing(cut, 512)
+    assert sorted(r for b in p.batches for r in b.rows) == sorted(bins)  # the same rows, all of them
+    per_row = [len(r) for b in p.batches for r in b.rows]
+    first = per_row[:16]
+    assert sum(first) / len(first) > 0.5 * sum(per_row) / len(per_row)
+    assert first != [len(b) for b in bins[:16]]
+    assert plan(Batching.PACKED, table.lengths, 512, 2, seed=0).batches == p.batches  # seeded
+    assert plan(Batching.PACKED, table.lengths, 512, 2, seed=1).batches != p.batches
+
+
 def test_importing_the_planning_side_does_not_import_torch() -> None:
     code = ("import sys; import autofit.data as d; from autofit.models import resolve_model;"
             f"s = d.load_samples({str(D1)!r}); t = d.length_table(s, d.tokenizer_for(resolve_model('tiny-llama'), s));"
