@@ -7,6 +7,7 @@ stand-in BPE trained with `tokenizers`, real training steps of tiny-llama throug
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -408,6 +409,24 @@ def test_feed_heaviest_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -
     mb, heavy = feed.heaviest()
     sizes = [b["input_ids"].numel() for _, b in feed.micro_batches(len(feed.plan.batches))]
     assert heavy["input_ids"].numel() == mb.tensor_tokens >= max(sizes)
+
+
+def test_the_probes_micro_batches_sample_the_whole_epoch_not_its_longest_first_start() -> None:
+    """group_by_length's plan starts with its longest micro-batches: a window of the first ones is far
+    heavier than the epoch's mean; the drawn window is a seeded sample of the whole epoch."""
+    from autofit.data import Batching, plan
+    from autofit.probe.batches import drawn
+
+    rng = random.Random(0)
+    lengths = [max(2, int(rng.lognormvariate(5.15, 1.05))) for _ in range(4000)]  # D2's shape: mean ~300
+    p = plan(Batching.GROUP_BY_LENGTH, lengths, 2048, 8, 0)
+    mean = sum(b.tensor_tokens for b in p.batches) / len(p.batches)
+    first = [b.tensor_tokens for b in p.batches[:24]]
+    window = [b.tensor_tokens for b in drawn(p.batches, 24, 0)]
+    assert sum(first) / len(first) > 1.5 * mean  # what the old window timed
+    assert abs(sum(window) / len(window) - mean) < 0.5 * mean
+    assert [b.tensor_tokens for b in drawn(p.batches, 24, 0)] == window  # seeded
+    assert len(drawn(p.batches, 3 * len(p.batches), 1)) == 3 * len(p.batches)  # repeats past the epoch
 
 
 def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_its_window_drew() -> None:

@@ -311,6 +311,8 @@ def test_the_exported_hf_trainer_recipe_trains_three_steps_with_the_measured_str
     summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     got = json.loads(summary[-1].split(" ", 1)[1])
     assert got["steps"] == 3 and got["tokens_per_s"] > 0
+    # steps of varying content: the steady steps' tokens over their time, not a median of step rates
+    assert got["tokens_per_s"] == pytest.approx(got["steady_tokens"] / got["steady_seconds"])
     assert (out / "adapter_config.json").is_file()
 
 

@@ -422,12 +422,17 @@ def test_two_points_pin_a_group_down() -> None:
     assert not m.hopeless(base.replace(micro_batch_size=3), usable=20 * 2**30)
 
 
-def test_the_seed_on_a_dataset_is_dynamic_padding_not_padding_to_max_length() -> None:
+def test_the_seed_on_a_dataset_packs_the_samples_not_padding_to_max_length() -> None:
     from autofit.space import Space
     from autofit.spec import BATCHINGS
 
     space = Space("data", {"max_length": 512}, {"batching": list(BATCHINGS), "micro_batch_size": [1, 2]})
-    assert space.seed()["batching"] == "pad_longest"
-    assert space.config(space.seed()).batching == "pad_longest"
-    only = Space("data", {"max_length": 512}, {"batching": ["pad_max", "packed"], "micro_batch_size": [1, 2]})
-    assert only.seed()["batching"] == "pad_max"  # not in the space: its first value
+    assert space.seed()["batching"] == "packed"
+    assert space.config(space.seed()).batching == "packed"
+    assert space.seed()["micro_batch_size"] == 1
+    no_packing = Space("data", {"max_length": 512}, {"batching": ["pad_max", "pad_longest", "padding_free"]})
+    assert no_packing.seed()["batching"] == "padding_free"
+    padded = Space("data", {"max_length": 512}, {"batching": ["pad_max", "group_by_length", "pad_longest"]})
+    assert padded.seed()["batching"] == "pad_longest"
+    only = Space("data", {"max_length": 512}, {"batching": ["pad_max", "group_by_length"], "micro_batch_size": [1, 2]})
+    assert only.seed()["batching"] == "pad_max"  # none preferred in the space: its first value

@@ -207,6 +207,7 @@ def throughput_callback(tokens_per_step):
     class Throughput(TrainerCallback):
         def __init__(self):
             self.times = []
+            self.tokens = []
             self.rates = []
             self.t0 = None
             self.losses = []  # (step, mean loss since the last log): the loss curve, in the summary
@@ -224,6 +225,7 @@ def throughput_callback(tokens_per_step):
                 tokens = all_ranks(tokens_per_step(), args.device) if args.world_size > 1 else tokens_per_step()
             else:
                 tokens = tokens_per_step
+            self.tokens.append(tokens)
             self.rates.append(tokens / self.times[-1])
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -236,7 +238,13 @@ def throughput_callback(tokens_per_step):
             from accelerate.state import AcceleratorState
 
             steady = self.rates[2:] or self.rates
-            summary = {"steps": len(self.times), "tokens_per_s": statistics.median(steady),
+            first = 2 if len(self.rates) > 2 else 0
+            # the steady steps' tokens over their time: with steps of varying content (dynamic padding)
+            # the median of per-step rates would weigh a step of short samples as much as a long one
+            summary = {"steps": len(self.times), "steady_tokens": sum(self.tokens[first:]),
+                       "steady_seconds": sum(self.times[first:]),
+                       "tokens_per_s": sum(self.tokens[first:]) / sum(self.times[first:]),
+                       "tokens_per_s_median_step": statistics.median(steady),
                        # the steady steps' own spread: a recipe against its probe is only as close
                        # as the host lets one process repeat itself
                        "tokens_per_s_min": min(steady), "tokens_per_s_max": max(steady),

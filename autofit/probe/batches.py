@@ -3,7 +3,8 @@ first (worst-case memory), the per-sample loss check, and the objective's counts
 
 The probe trains through Trainer on pre-collated micro-batches (`per_device_train_batch_size=1`,
 sequential sampling, a collator that unwraps the one micro-batch), so the same samples reach the
-model in the same order for every config of a search (`ProbeRequest.data_seed`). The heaviest
+model in the same order for every config of a search (`ProbeRequest.data_seed`): the plan's
+micro-batches drawn in a seeded shuffle, a sample of the whole epoch rather than its first ones. The heaviest
 micro-batch the strategy can produce (`BatchPlan.heaviest`: the longest samples padded to
 `max_length`, or the full token budget) is the first micro-batch of the first warm-up step: its peak
 counts toward the probe's peak, and it is not timed.
@@ -24,6 +25,7 @@ mask), the deliberately leaking strategy that the loss check must turn into `mis
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -172,12 +174,22 @@ def real_batches(req: ProbeRequest, micro_batches: int) -> RealBatches | None:
         raise Unsupported(f"the tokenizer gives ids beyond the model's vocabulary ({vocab})")
     strategy = Batching(cfg.batching)
     p = plan(strategy, [len(t) for t in ids], cfg.max_length, cfg.micro_batch_size, req.data_seed)
-    rest = [p.batches[k % len(p.batches)] for k in range(max(micro_batches - 1, 0))]
+    rest = drawn(p.batches, micro_batches - 1, req.data_seed)
     leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
     n = max(len(p.batches), 1)
     return RealBatches(strategy, ids, tok.pad_id, cfg.max_length, (p.heaviest, *rest), p.pad_fraction,
                        cut([len(t) for t in ids], cfg.max_length).tokens_lost, p.trained_tokens / n,
                        sum(b.tensor_tokens for b in p.batches) / n, leaky)
+
+
+def drawn(batches: Sequence[MicroBatch], n: int, seed: int) -> list[MicroBatch]:
+    """`n` of the epoch's micro-batches in a seeded shuffle (repeating past the epoch). A plan can be
+    ordered by length (group_by_length's mega-batches longest first), and a window of its first
+    micro-batches would fit the time model on the heaviest only and extrapolate to the mean one
+    (measured: a group_by_length probe 1.8x its recipe)."""
+    order = list(range(len(batches)))
+    random.Random(seed).shuffle(order)
+    return [batches[order[k % len(order)]] for k in range(max(n, 0))]
 
 
 def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryCheck:
