@@ -21,6 +21,8 @@ Two modes, both through the real CLI (subprocesses, as a user runs it):
     python bench/kernels_bench.py --gpus 0,1,2,3,4,5 --budget 6m   # the same, every search on its own GPU
     python bench/kernels_bench.py --small --budget 150s        # the plumbing, on the CPU
     python bench/kernels_bench.py --mode probes --scenarios S1,S4
+    python bench/kernels_bench.py --export-run RUN --reprobes 0 --export-steps 30 \\
+        --curve-variants eager,liger                           # the loss curve's floor, and Liger's share
     python bench/kernels_bench.py --profile-point '{"micro_batch_size": 2, "liger": true}' \\
         --model llama2-7b --limit 40GiB                        # one profile, printed
 
@@ -53,6 +55,7 @@ from typing import Any
 
 from common import GIB, autofit_cli, bench_env, read_trials, save
 
+from autofit.data.correctness import FLOOR_FACTOR
 from autofit.kernels import TOLERANCES
 from autofit.memory import Shape
 from autofit.models import PRESETS
@@ -95,6 +98,8 @@ class Setup:
     """Run the stock-kernel recipe beside the export for the loss curve (--no-stock-reference: speed and peak only)."""
     reprobes: int = 2
     """The winner probed again in the export's call (--reprobes): the recipe's same-conditions reference."""
+    curve_variants: tuple[str, ...] = ()
+    """--curve-variants: recipes beside the stock one for the loss curve (CURVE_VARIANTS)."""
     gpus: tuple[int, ...] = ()
     """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
 
@@ -394,16 +399,36 @@ def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: in
             **({"stderr_tail": run.stderr[-1500:]} if run.returncode else {})}
 
 
-def stock_copy(run_dir: Path, folder: Path) -> Path:
-    """A copy of the run folder whose winner has stock kernels (liger, compile off; sdpa): the reference."""
+STOCK = {"liger": False, "torch_compile": False, "attn_implementation": "sdpa"}
+CURVE_VARIANTS = {
+    "eager": {**STOCK, "attn_implementation": "eager"},
+    "liger": {**STOCK, "liger": True},
+    "flex": {**STOCK, "attn_implementation": "flex_attention"},
+    "compile": {**STOCK, "torch_compile": True},
+}
+"""--curve-variants: recipes beside the stock one, each the winner with these kernels. `eager` is a second
+correct stock kernel: its curve against the stock one is the floor two correct implementations reach
+(early training on random weights moves fast, and rounding compounds); the others are one kernel each,
+to say which one moves the curve."""
+
+
+def variant_copy(run_dir: Path, folder: Path, name: str, changes: dict[str, Any]) -> Path:
+    """A copy of the run folder whose winner has `changes` (STOCK: the stock-kernel reference)."""
     import shutil
 
-    copy = folder / "stock-run"
+    copy = folder / f"{name}-run"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("logs", "*.db", "*.png", "*.log"))
     best = json.loads((copy / "best.json").read_text())
-    best["config"].update(liger=False, torch_compile=False, attn_implementation="sdpa")
+    best["config"].update(changes)
     (copy / "best.json").write_text(json.dumps(best))
     return copy
+
+
+def curve_diff(mine: dict[str, Any], ref: dict[str, Any]) -> float | None:
+    """The largest relative difference of two recipes' logged losses at the same steps."""
+    pairs = list(zip(mine.get("losses", []), ref.get("losses", []), strict=False))
+    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in pairs if a[0] == b[0] and b[1]]
+    return max(rel) if rel else None
 
 
 def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
@@ -417,7 +442,8 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     for sub in ("kernels", "stock"):
         (work / sub).mkdir()
     # the stock reference runs uncapped: with stock kernels the same micro-batch may not fit the cap
-    jobs = [(run_dir, work / "kernels", limit, gpus[0]), (stock_copy(run_dir, work), work / "stock", None, gpus[1])]
+    jobs = [(run_dir, work / "kernels", limit, gpus[0]),
+            (variant_copy(run_dir, work, "stock", STOCK), work / "stock", None, gpus[1])]
     if not setup.stock_reference:
         jobs = jobs[:1]
     # The search's figure is the best of noisy measurements (a launch-bound micro-batch 1 moves by
@@ -432,8 +458,17 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
     peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
     tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
-    pairs = list(zip(mine.get("losses", []), stock.get("losses", []), strict=False))
-    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in pairs if a[0] == b[0] and b[1]]
+    diff = curve_diff(mine, stock)
+    variants = {}
+    for name in setup.curve_variants if stock else ():
+        (work / name).mkdir()
+        run = run_recipe(variant_copy(run_dir, work, name, CURVE_VARIANTS[name]), work / name,
+                         setup.export_steps, None, gpus[1])
+        variants[name] = {"changes": CURVE_VARIANTS[name], "losses": run.get("losses"),
+                          "tokens_per_s": run.get("tokens_per_s"), "rc": run.get("rc"),
+                          "max_rel_diff_vs_stock": curve_diff(run, stock)}
+    floor = (variants.get("eager") or {}).get("max_rel_diff_vs_stock")
+    bound = max(tol, FLOOR_FACTOR * floor) if floor is not None else None
     same = statistics.median(again_tps) if again_tps else None
     return {"steps": setup.export_steps, "probe_tokens_per_s": best.tokens_per_s, "probe_peak_bytes": best.peak_memory_bytes,
             "same_call_probes": [{k: r.get(k) for k in ("outcome", "tokens_per_s", "tokens_per_s_min",
@@ -442,8 +477,13 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
             "tokens_per_s_ratio_vs_same_call_median": mine.get("tokens_per_s", 0) / same if same else None,
             "recipe": mine, "tokens_per_s_ratio": tps, "peak_ratio": peak,
             "meets_speed_and_peak": bool(tps and abs(tps - 1) <= 0.05 and peak and abs(peak - 1) <= 0.03),
-            "stock_recipe": stock, "loss_curve_max_rel_diff": max(rel) if rel else None,
-            "loss_tolerance": tol, "loss_curve_within_tolerance": bool(rel) and max(rel) <= tol}
+            "stock_recipe": stock, "loss_curve_max_rel_diff": diff,
+            "loss_tolerance": tol, "loss_curve_within_tolerance": diff is not None and diff <= tol,
+            "curve_variants": variants, "stock_floor_max_rel_diff": floor,
+            # the correctness gate's own rule (data/correctness.py): max(table, FLOOR_FACTOR x the floor
+            # two correct implementations show)
+            "loss_bound_with_floor": bound,
+            "loss_curve_within_floor_bound": None if bound is None or diff is None else diff <= bound}
 
 
 # ----------------------------------------------------------------------------- the scenarios
@@ -548,10 +588,17 @@ def main() -> None:
                     help="with the export: probe the winner again this many times in the same call (default 2)")
     ap.add_argument("--no-stock-reference", action="store_true",
                     help="export fidelity without the stock-kernel recipe's loss curve (speed and peak only)")
+    ap.add_argument("--curve-variants", default="",
+                    help=f"with the export: more recipes for the loss curve, comma-separated of "
+                         f"{', '.join(CURVE_VARIANTS)} (eager: the floor two correct stock kernels reach)")
     ap.add_argument("--export-run", help="a kernel search's run folder (from --keep): only its export fidelity")
     a = ap.parse_args()
+    unknown = {x.strip() for x in a.curve_variants.split(",") if x.strip()} - set(CURVE_VARIANTS)
+    if unknown:
+        ap.error(f"--curve-variants: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(CURVE_VARIANTS)}")
     setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
                   stock_reference=not a.no_stock_reference, reprobes=a.reprobes,
+                  curve_variants=tuple(x.strip() for x in a.curve_variants.split(",") if x.strip()),
                   gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
     if a.matmul:
         print(matmul_tflops())
