@@ -8,7 +8,10 @@ resumed recording must match the file's scenario, model, space, limit and GPU; i
 match too (a landscape is one set of versions), unless --mixed-versions says otherwise.
 
     python bench/record_landscape.py --scenario s5                       # on the GPU machine: $OUT/s5.json
-    python bench/record_landscape.py --scenario s6 --resume bench/landscapes/s6.json
+    python bench/record_landscape.py --scenario s6 --resume bench/landscapes/partial/s6.json
+
+A recording not yet complete is kept under bench/landscapes/partial/: the replay judges only the
+complete landscapes (bench/landscapes/*.json).
     python bench/record_landscape.py --scenario s1 --model tiny-llama --device cpu --limit 4GiB   # dry run
 """
 
@@ -23,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import GIB
+from common import GIB, REPO
 from grid import cache_key
 
 from autofit.envinfo import collect
@@ -62,12 +65,22 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def portable(space: Space) -> dict:
+    """The space as the landscape stores it: a file inside the repository named relative to it, so a
+    landscape holds no machine's path and a recording resumes on another machine."""
+    d = space.to_dict()
+    src = Path(d["source"]) if d["source"] else None
+    if src is not None and src.is_absolute() and src.is_relative_to(REPO):
+        d["source"] = src.relative_to(REPO).as_posix()
+    return d
+
+
 def start(a: argparse.Namespace, target: Target, space: Space, out: Path) -> Landscape:
     """The landscape to add points to: the resumed file's (checked to be the same recording) or an empty one."""
     model_name = SCENARIOS[a.scenario][0]
     env = collect()
     fresh = Landscape(scenario=a.scenario, model=resolve_model(a.model or model_name).to_dict(),
-                      space=space.to_dict(), memory_limit_bytes=int(target.memory_limit_bytes or 0),
+                      space=portable(space), memory_limit_bytes=int(target.memory_limit_bytes or 0),
                       headroom=target.headroom, points={},
                       date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       gpu=env["gpus"][0]["name"] if env["gpus"] and target.device == "cuda" else "cpu",
@@ -117,10 +130,16 @@ def main() -> None:
         print(f"record_landscape: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     t0 = time.monotonic()
-    with Runner(target, Path(tempfile.mkdtemp(prefix="landscape-")), standby=a.standby,
-                max_probe_accumulation=a.max_probe_accumulation) as runner:
-        runner.warm_up()
-        land = record(a, runner, land, space, out)
+    try:
+        with Runner(target, Path(tempfile.mkdtemp(prefix="landscape-")), standby=a.standby,
+                    max_probe_accumulation=a.max_probe_accumulation) as runner:
+            runner.warm_up()
+            land = record(a, runner, land, space, out)
+    except KeyboardInterrupt:  # a time limit's SIGINT: every finished point is already in the file
+        kept = len(Landscape.load(out).points) if out.is_file() else 0
+        print(f"{a.scenario}: interrupted; {kept} points saved in {out}. Go on with the same command and "
+              f"--resume {out}", file=sys.stderr)
+        sys.exit(130)
     fits = [p for p in land.points.values() if p["outcome"] == "fit"]
     print(f"{a.scenario}: {len(land.points)} points, {len(fits)} fit, {time.monotonic() - t0:.0f} s this session; "
           + (f"best {land.best().tokens_per_s:,.0f} tok/s" if fits else "nothing fits"))

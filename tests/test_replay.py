@@ -104,3 +104,28 @@ def test_policy_targets_on_committed_landscapes() -> None:
         if median < 0.97 or worst < 0.93 or oom_share > 1 / 3:
             failed.append(f"{land.scenario}: median {median:.3f}, worst {worst:.3f}, OOM probes {oom_share:.0%}")
     assert not failed, "; ".join(failed)
+
+
+PARTIAL = sorted((LANDSCAPES / "partial").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", PARTIAL, ids=[p.stem for p in PARTIAL])
+def test_a_recording_in_progress_resumes_on_another_machine(path: Path) -> None:
+    """A landscape cut short by the GPU machine's time limit is kept under partial/ and resumed next
+    session: its space must equal the one record_landscape.py builds from the scenario's file (the resume
+    refuses a different space), which it can only where the stored source is repository-relative."""
+    import sys
+
+    sys.path.insert(0, str(LANDSCAPES.parent))
+    try:
+        from record_landscape import SCENARIOS, portable
+    finally:
+        sys.path.remove(str(LANDSCAPES.parent))
+    from autofit.space import load_space
+
+    land = Landscape.load(path)
+    space = load_space(LANDSCAPES.parent / SCENARIOS[land.scenario][1])
+    assert land.space == portable(space)
+    assert not Path(land.space["source"]).is_absolute()
+    assert 0 < len(land.points) < len(space.candidates()), "complete: move it to bench/landscapes/"
+    assert set(land.points) <= {c.key() for c in space.candidates()}
