@@ -1,5 +1,9 @@
 """`autofit search` against the grid's leaders measured again on the same machine, in one session.
 
+With --landscape, the leaders are a recorded landscape's fastest fits and the model, space and
+memory limit are the landscape's own (the live check of the search policy: the real search at a
+short budget against the landscape's best re-measured in the same session).
+
 Launch-bound configs (micro-batch 1 at length 2048, S2's winners) move by up to 14% between
 GPU sessions, so a search on one machine against a grid measured on another compares the
 machines as much as the configs. The full grid takes ~500 s; this script re-measures only
@@ -8,22 +12,25 @@ search over the same space, both in one session, and compares the search's best 
 leader as measured now.
 
     python bench/same_session.py --limit 24GiB --leaders 2 --budget 80s
+    python bench/same_session.py --landscape bench/landscapes/s2.json --budget 3m --name live-s2   # issue 15
     python bench/same_session.py --model tiny-llama --device cpu --space search_spaces/cpu-demo.yaml \
         --grid GRID.json --limit 200MiB --budget 40s          # dry run on the CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from common import GIB, brief, out_dir, read_trials, save
+from common import GIB, REPO, brief, out_dir, read_trials, save
 from search_bench import run_search, search_args
 
 from autofit.models import resolve_model
+from autofit.replay import Landscape
 from autofit.report import config_brief
 from autofit.runner import Runner
 from autofit.space import load_space
@@ -38,29 +45,57 @@ def leaders(grid: dict, limit: str, n: int) -> list[dict]:
     return sorted(fits, key=lambda pt: -pt["tokens_per_s"])[:n]
 
 
+def landscape_leaders(land: Landscape, n: int) -> list[dict]:
+    """The n fastest fits of a landscape (its fits are inside its limit's usable memory by the probe's rule),
+    shaped as the grid's points are."""
+    fits = [{"key": k, "tokens_per_s": p["tokens_per_s"]} for k, p in land.points.items()
+            if p["outcome"] == "fit" and p.get("tokens_per_s")]
+    return sorted(fits, key=lambda pt: -pt["tokens_per_s"])[:n]
+
+
+def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """--landscape: the search's model, space and limit become the landscape's; returns what the result
+    records of it and the leaders to re-measure."""
+    land = Landscape.load(a.landscape)
+    source = Path(land.space["source"])
+    a.space = str(source if source.is_absolute() else REPO / source)
+    a.model = land.model["ref"]
+    a.limit = f"{land.memory_limit_bytes // 2**20}MiB"
+    return ({"landscape": Path(a.landscape).name, "landscape_date": land.date, "scenario": land.scenario,
+             "landscape_best_tokens_per_s": land.best().tokens_per_s},
+            landscape_leaders(land, a.leaders))
+
+
 def main() -> None:
     p = search_args("bench/spaces/s1-grid.yaml", "80s", "search-vs-grid-leaders-s2-same-session")
     p.add_argument("--grid", default="bench/results/grid-s1-s2.json")
     p.add_argument("--limit", default="24GiB")
     p.add_argument("--leaders", type=int, default=2)
     p.add_argument("--device")
+    p.add_argument("--landscape", help="a recorded landscape (bench/landscapes/*.json) instead of --grid: its "
+                                       "model, space and limit, its fastest fits as the leaders")
     a = p.parse_args()
-    grid = json.loads(Path(a.grid).read_text())
+    if a.landscape:
+        recorded, top_n = from_landscape(a)
+    else:
+        grid = json.loads(Path(a.grid).read_text())
+        recorded, top_n = {"grid_file": Path(a.grid).name, "grid_date": grid.get("date")}, leaders(grid, a.limit, a.leaders)
     target = resolve_targets(None, a.device, a.limit)[0]
     model = resolve_model(a.model)
     by_key = {c.key(): c for c in load_space(a.space).candidates()}
-    figures: dict = {"model": a.model, "space": a.space, "budget": a.budget, "limit": a.limit,
-                     "grid_file": Path(a.grid).name, "grid_date": grid.get("date"), "leaders": []}
+    figures: dict = {"model": a.model, "space": str(Path(a.space).resolve().relative_to(REPO))
+                     if Path(a.space).resolve().is_relative_to(REPO) else a.space,
+                     "budget": a.budget, "limit": a.limit, **recorded, "leaders": []}
     t0 = time.monotonic()
     with Runner(target, Path(tempfile.mkdtemp()), standby=1,
                 max_probe_accumulation=int(a.max_probe_accumulation)) as runner:
         runner.warm_up()
-        for i, pt in enumerate(leaders(grid, a.limit, a.leaders)):
+        for i, pt in enumerate(top_n):
             cfg = by_key[pt["key"]]
             res = runner.run(cfg, model, name=f"leader-{i}", timeout=300)
-            row = {"key": pt["key"], "grid_tokens_per_s": pt["tokens_per_s"], "now": brief(res)}
+            row = {"key": pt["key"], "recorded_tokens_per_s": pt["tokens_per_s"], "now": brief(res)}
             figures["leaders"].append(row)
-            print(f"leader {i}: {config_brief(res.config)}  grid {pt['tokens_per_s']:,.0f}  now "
+            print(f"leader {i}: {config_brief(res.config)}  recorded {pt['tokens_per_s']:,.0f}  now "
                   f"{res.tokens_per_s or 0:,.0f} tok/s ({res.outcome.value})", flush=True)
             (out_dir() / f"{a.name}.partial.json").write_text(json.dumps(figures, indent=1))
     figures["leaders_wall_seconds"] = time.monotonic() - t0
@@ -88,7 +123,8 @@ def main() -> None:
         "search_pick_is_a_leader": same is not None,
         "search_pick_now_as_leader_tokens_per_s": same and same["now"]["tokens_per_s"],
         "target_ratio": 0.97,
-        "note": "leaders: the grid's fastest fits under the limit, re-measured in this session before the search",
+        "note": "leaders: the grid's (or landscape's) fastest fits under the limit, re-measured in this session "
+                "before the search",
     })
     save(a.name, figures)
     shutil.make_archive(str(out_dir() / f"{a.name}-run"), "gztar", run_dir)
