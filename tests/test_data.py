@@ -11,6 +11,7 @@ import random
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -227,17 +228,18 @@ def test_best_fit_decreasing_matches_trl() -> None:
 def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> None:
     """The probe times the plan's first micro-batches: in bfd's order they would be the longest samples
     one a row (a faster attention layout than the epoch's rows of several samples)."""
-    _, table = _table(D2)
-    cut = [min(n, 512) for n in table.lengths]
-    p = plan(Batching.PACKED, table.lengths, 512, 2, seed=0)
-    bins = best_fit_decreasing(cut, 512)
+    rng = random.Random(0)
+    lengths = [max(2, int(rng.lognormvariate(5.15, 1.05))) for _ in range(4000)]  # D2's shape: mean ~300
+    cut = [min(n, 2048) for n in lengths]
+    p = plan(Batching.PACKED, lengths, 2048, 2, seed=0)
+    bins = best_fit_decreasing(cut, 2048)
     assert sorted(r for b in p.batches for r in b.rows) == sorted(bins)  # the same rows, all of them
-    per_row = [len(r) for b in p.batches for r in b.rows]
-    first = per_row[:16]
-    assert sum(first) / len(first) > 0.5 * sum(per_row) / len(per_row)
-    assert first != [len(b) for b in bins[:16]]
-    assert plan(Batching.PACKED, table.lengths, 512, 2, seed=0).batches == p.batches  # seeded
-    assert plan(Batching.PACKED, table.lengths, 512, 2, seed=1).batches != p.batches
+    mean = statistics.mean(len(r) for r in bins)  # samples per row over the epoch: ~7
+    old_first = statistics.mean(len(r) for r in bins[:32])  # bfd's first rows: the longest samples, alone
+    first = statistics.mean(len(r) for b in p.batches[:16] for r in b.rows)
+    assert old_first < 0.5 * mean < first
+    assert plan(Batching.PACKED, lengths, 2048, 2, seed=0).batches == p.batches  # seeded
+    assert plan(Batching.PACKED, lengths, 2048, 2, seed=1).batches != p.batches
 
 
 def test_importing_the_planning_side_does_not_import_torch() -> None:
@@ -401,14 +403,16 @@ def test_dataset_reference_reports_a_changed_or_missing_file(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("strategy", list(Batching))
-def test_feed_heaviest_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -> None:
-    from autofit.data.feed import make_feed
+def test_the_heaviest_micro_batch_is_the_largest_tensor(strategy: Batching, d1_ids) -> None:
+    """The probe runs the plan's heaviest micro-batch for the worst-case peak: no batch the collator builds
+    from the plan is larger."""
+    from autofit.data.collate import collate
 
     ids, pad, _ = d1_ids
-    feed = make_feed(strategy, ids, pad, 512, 4, seed=0)
-    mb, heavy = feed.heaviest()
-    sizes = [b["input_ids"].numel() for _, b in feed.micro_batches(len(feed.plan.batches))]
-    assert heavy["input_ids"].numel() == mb.tensor_tokens >= max(sizes)
+    p = plan(strategy, [len(t) for t in ids], 512, 4, seed=0)
+    heavy = collate(strategy, p.heaviest, ids, pad, 512, False)
+    sizes = [collate(strategy, mb, ids, pad, 512, False)["input_ids"].numel() for mb in p.batches]
+    assert heavy["input_ids"].numel() == p.heaviest.tensor_tokens >= max(sizes)
 
 
 def test_the_probes_micro_batches_sample_the_whole_epoch_not_its_longest_first_start() -> None:
@@ -426,7 +430,27 @@ def test_the_probes_micro_batches_sample_the_whole_epoch_not_its_longest_first_s
     assert sum(first) / len(first) > 1.5 * mean  # what the old window timed
     assert abs(sum(window) / len(window) - mean) < 0.5 * mean
     assert [b.tensor_tokens for b in drawn(p.batches, 24, 0)] == window  # seeded
-    assert len(drawn(p.batches, 3 * len(p.batches), 1)) == 3 * len(p.batches)  # repeats past the epoch
+    past = Counter(map(id, drawn(p.batches, 3 * len(p.batches), 1)))  # past the epoch: every one 3 times
+    assert past == {id(b): 3 for b in p.batches}
+    assert drawn([], 5, 0) == []
+
+
+def test_the_probe_runs_the_heaviest_micro_batch_then_the_seeded_sample(tmp_path: Path) -> None:
+    """What the probe child builds from a request with --dataset: the worst case first (its peak is the
+    config's), then the drawn window, not the plan's first micro-batches."""
+    from autofit.data import DatasetRef
+    from autofit.probe.batches import drawn, real_batches
+    from autofit.protocol import ProbeRequest
+    from autofit.spec import TrialConfig
+
+    cfg = TrialConfig(batching="group_by_length", max_length=256, micro_batch_size=4, global_batch=8)
+    req = ProbeRequest(cfg, resolve_model("tiny-llama"), str(tmp_path / "r.json"),
+                       dataset=DatasetRef.of(load_samples(D2)).to_dict(), data_cache=str(tmp_path), data_seed=3)
+    rb = real_batches(req, 9)
+    p = plan(Batching.GROUP_BY_LENGTH, [len(t) for t in rb.token_ids], 256, 4, 3)
+    assert rb.order[0] == p.heaviest
+    assert list(rb.order[1:]) == drawn(p.batches, 8, 3)
+    assert list(rb.order[1:]) != p.batches[:8]  # the plan's start: its longest micro-batches
 
 
 def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_its_window_drew() -> None:

@@ -80,6 +80,13 @@ def per_sample_losses(model: Any, batch: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+def boundary_batch(batches: Sequence[MicroBatch]) -> MicroBatch:
+    """The micro-batch a boundary check runs: one with a row shared by several samples (where attention
+    could leak), else one of several samples, else the first."""
+    shared = [b for b in batches if any(len(row) > 1 for row in b.rows)]
+    return (shared or [b for b in batches if len(b.samples) > 1] or list(batches))[0]
+
+
 def check_batch(model: Any, strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]],
                 pad_id: int, max_length: int, precision: str = "fp32",
                 candidate: dict[str, Any] | None = None, flatten_packed: bool = False) -> BoundaryCheck:

@@ -16,7 +16,7 @@ from typing import Any
 from ..kernels import attention_problem
 from ..models import PRESETS
 from .batching import Batching, plan
-from .correctness import BoundaryCheck, check_batch
+from .correctness import BoundaryCheck, boundary_batch, check_batch
 
 CHECK_SAMPLES = 24
 CHECK_MAX_LENGTH = 64
@@ -66,7 +66,7 @@ def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tupl
 
 def _one(model: Any, strategy: Batching, attn: str, lengths: list[int], ids: list[list[int]],
          precision: str, flatten_packed: bool) -> Support:
-    batch = plan(strategy, lengths, CHECK_MAX_LENGTH, CHECK_MICRO_BATCH, seed=0).batches[0]
+    batch = boundary_batch(plan(strategy, lengths, CHECK_MAX_LENGTH, CHECK_MICRO_BATCH, seed=0).batches)
     try:
         res: BoundaryCheck = check_batch(model, strategy, batch, ids, 0, CHECK_MAX_LENGTH, precision,
                                          flatten_packed=flatten_packed)

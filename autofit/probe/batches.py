@@ -32,7 +32,7 @@ from typing import Any
 
 from ..data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
 from ..data.collate import collate, model_inputs, packed_rows
-from ..data.correctness import BoundaryCheck, boundary_key, check_batch
+from ..data.correctness import BoundaryCheck, boundary_batch, boundary_key, check_batch
 from ..data.stats import cut
 from ..protocol import ProbeRequest
 from ..result import Outcome, ProbeResult
@@ -52,7 +52,8 @@ class RealBatches:
     pad_id: int
     max_length: int
     order: tuple[MicroBatch, ...]
-    """The micro-batches in the order Trainer draws them: the heaviest first, then the plan's."""
+    """The micro-batches in the order the probe runs them: the heaviest first (the worst-case peak), then
+    a seeded sample of the epoch's (`drawn`)."""
     plan_pad_fraction: float
     tokens_lost: float
     plan_trained: float
@@ -187,8 +188,10 @@ def drawn(batches: Sequence[MicroBatch], n: int, seed: int) -> list[MicroBatch]:
     ordered by length (group_by_length's mega-batches longest first), and a window of its first
     micro-batches would fit the time model on the heaviest only and extrapolate to the mean one
     (measured: a group_by_length probe 1.8x its recipe)."""
+    if not batches:
+        return []
     order = list(range(len(batches)))
-    random.Random(seed).shuffle(order)
+    random.Random(f"probe-window:{seed}").shuffle(order)  # a stream of its own, not the plan's shuffle
     return [batches[order[k % len(order)]] for k in range(max(n, 0))]
 
 
@@ -196,9 +199,7 @@ def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryChe
     """Per-sample losses of the strategy's first small batch against the padded reference; a pair of
     attention and strategy that cannot run it is `Unsupported` with the reason."""
     lengths = [len(t) for t in rb.token_ids]
-    small = plan(rb.strategy, lengths, min(rb.max_length, CHECK_LENGTH), CHECK_ROWS, 0).batches
-    shared = [b for b in small if any(len(row) > 1 for row in b.rows)]  # rows where samples could leak
-    mb = (shared or [b for b in small if len(b.samples) > 1] or small)[0]
+    mb = boundary_batch(plan(rb.strategy, lengths, min(rb.max_length, CHECK_LENGTH), CHECK_ROWS, 0).batches)
     length = min(rb.max_length, CHECK_LENGTH)
     candidate = packed_rows(mb, rb.token_ids, rb.pad_id, length, boundaries=False) if rb.leaky else None
     try:
