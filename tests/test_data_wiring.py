@@ -289,6 +289,26 @@ def test_the_hf_trainer_recipe_of_a_data_run_batches_as_measured(tmp_path: Path)
     compile(text, "train.py", "exec")
 
 
+def test_the_recipes_tokens_per_s_is_its_steady_steps_tokens_over_their_time(tmp_path: Path) -> None:
+    """The summary's figure as the exported script computes it: steps of varying content (dynamic
+    padding) weigh by their tokens, where a median of per-step rates would give a short step's rate."""
+    import ast
+    import statistics
+
+    from autofit.export import export_run
+
+    text = export_run(_data_run(tmp_path, "pad_longest"), "hf-trainer").text
+    fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "steady_throughput")
+    ns: dict = {"statistics": statistics}
+    exec(compile(ast.Module([fn], []), "train.py", "exec"), ns)
+    # two warm-up steps, then a short step, a long one and a short one
+    got = ns["steady_throughput"]([50, 60, 100, 1000, 100], [9.0, 1.0, 1.0, 2.0, 1.0])
+    assert got["tokens_per_s"] == pytest.approx(1200 / 4)  # not the median step's 100
+    assert (got["steady_tokens"], got["steady_seconds"]) == (1200, 4.0)
+    assert (got["tokens_per_s_median_step"], got["tokens_per_s_min"], got["tokens_per_s_max"]) == (100, 100, 500)
+    assert ns["steady_throughput"]([10, 30], [1.0, 1.0])["tokens_per_s"] == 20  # too short to skip warm-up
+
+
 @pytest.mark.slow
 # Three code paths of the script: padded rows (group_by_length is pad_longest plus the length-grouped
 # sampler, and pad_max is pad_longest with padding="max_length"), flattened rows, packed blocks. Every

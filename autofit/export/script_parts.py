@@ -199,6 +199,19 @@ def adapt(model):
     return model
 
 
+def steady_throughput(tokens, times, warmup=2):
+    """The steps after the first `warmup` (compilation, allocator growth): their tokens over their time.
+    With steps of varying content (dynamic padding) a median of per-step rates would weigh a step of
+    short samples as much as a long one; the median and the spread are reported beside it, as the
+    steps' own noise: a recipe against its probe is only as close as the host lets a process repeat."""
+    first = warmup if len(times) > warmup else 0
+    rates = [n / t for n, t in zip(tokens[first:], times[first:])]
+    return {"steady_tokens": sum(tokens[first:]), "steady_seconds": sum(times[first:]),
+            "tokens_per_s": sum(tokens[first:]) / sum(times[first:]),
+            "tokens_per_s_median_step": statistics.median(rates),
+            "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates)}
+
+
 def throughput_callback(tokens_per_step):
     """Prints tokens/s and peak memory per optimizer step, and a summary at the end. `tokens_per_step`:
     a number, or a function giving the tokens of the step that just ended."""
@@ -208,7 +221,6 @@ def throughput_callback(tokens_per_step):
         def __init__(self):
             self.times = []
             self.tokens = []
-            self.rates = []
             self.t0 = None
             self.losses = []  # (step, mean loss since the last log): the loss curve, in the summary
 
@@ -226,7 +238,6 @@ def throughput_callback(tokens_per_step):
             else:
                 tokens = tokens_per_step
             self.tokens.append(tokens)
-            self.rates.append(tokens / self.times[-1])
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -237,17 +248,7 @@ def throughput_callback(tokens_per_step):
                 return
             from accelerate.state import AcceleratorState
 
-            steady = self.rates[2:] or self.rates
-            first = 2 if len(self.rates) > 2 else 0
-            # the steady steps' tokens over their time: with steps of varying content (dynamic padding)
-            # the median of per-step rates would weigh a step of short samples as much as a long one
-            summary = {"steps": len(self.times), "steady_tokens": sum(self.tokens[first:]),
-                       "steady_seconds": sum(self.times[first:]),
-                       "tokens_per_s": sum(self.tokens[first:]) / sum(self.times[first:]),
-                       "tokens_per_s_median_step": statistics.median(steady),
-                       # the steady steps' own spread: a recipe against its probe is only as close
-                       # as the host lets one process repeat itself
-                       "tokens_per_s_min": min(steady), "tokens_per_s_max": max(steady),
+            summary = {"steps": len(self.times), **steady_throughput(self.tokens, self.times),
                        "losses": self.losses, "world_size": args.world_size,
                        # what Trainer really ran: FSDP, DEEPSPEED, MULTI_GPU (DDP), NO, ...
                        "distributed_type": str(AcceleratorState().distributed_type.value),
