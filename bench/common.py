@@ -18,6 +18,18 @@ GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
 
 
+def repo_relative(path: str | Path) -> str:
+    """A path inside this checkout as the results store it (relative: no machine's folders in them);
+    one outside it as given."""
+    full = Path(path).resolve()
+    return full.relative_to(REPO).as_posix() if full.is_relative_to(REPO) else str(path)
+
+
+def in_repo(path: str | Path) -> Path:
+    """A stored path back to a file: relative ones are this checkout's."""
+    return Path(path) if Path(path).is_absolute() else REPO / path
+
+
 def bench_env(gpu: int | None = None) -> dict[str, str]:
     """Environment of a subprocess: this checkout's autofit whatever the working directory (the caller's
     PYTHONPATH kept: the GPU machine's extra packages travel there), and only `gpu` visible (None: as

@@ -426,8 +426,9 @@ def variant_copy(run_dir: Path, folder: Path, name: str, changes: dict[str, Any]
 
 def curve_diff(mine: dict[str, Any], ref: dict[str, Any]) -> float | None:
     """The largest relative difference of two recipes' logged losses at the same steps."""
-    pairs = list(zip(mine.get("losses", []), ref.get("losses", []), strict=False))
-    rel = [abs(a[1] - b[1]) / abs(b[1]) for a, b in pairs if a[0] == b[0] and b[1]]
+    theirs = dict(ref.get("losses", []))
+    rel = [abs(loss - theirs[step]) / abs(theirs[step]) for step, loss in mine.get("losses", [])
+           if theirs.get(step)]
     return max(rel) if rel else None
 
 

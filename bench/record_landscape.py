@@ -9,10 +9,10 @@ match too (a landscape is one set of versions), unless --mixed-versions says oth
 
     python bench/record_landscape.py --scenario s5                       # on the GPU machine: $OUT/s5.json
     python bench/record_landscape.py --scenario s6 --resume bench/landscapes/partial/s6.json
+    python bench/record_landscape.py --scenario s1 --model tiny-llama --device cpu --limit 4GiB   # dry run
 
 A recording not yet complete is kept under bench/landscapes/partial/: the replay judges only the
 complete landscapes (bench/landscapes/*.json).
-    python bench/record_landscape.py --scenario s1 --model tiny-llama --device cpu --limit 4GiB   # dry run
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import GIB, REPO
+from common import GIB, repo_relative
 from grid import cache_key
 
 from autofit.envinfo import collect
@@ -69,9 +69,8 @@ def portable(space: Space) -> dict:
     """The space as the landscape stores it: a file inside the repository named relative to it, so a
     landscape holds no machine's path and a recording resumes on another machine."""
     d = space.to_dict()
-    src = Path(d["source"]) if d["source"] else None
-    if src is not None and src.is_absolute() and src.is_relative_to(REPO):
-        d["source"] = src.relative_to(REPO).as_posix()
+    if d["source"]:
+        d["source"] = repo_relative(d["source"])
     return d
 
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import GIB, REPO, brief, out_dir, read_trials, save
+from common import GIB, brief, in_repo, out_dir, read_trials, repo_relative, save
 from search_bench import run_search, search_args
 
 from autofit.models import resolve_model
@@ -36,6 +36,8 @@ from autofit.runner import Runner
 from autofit.space import load_space
 from autofit.spec import TrialConfig
 from autofit.target import resolve_targets
+
+DEFAULT_SPACE, DEFAULT_LIMIT, DEFAULT_MODEL = "bench/spaces/s1-grid.yaml", "24GiB", "llama2-7b"
 
 
 def leaders(grid: dict, limit: str, n: int) -> list[dict]:
@@ -57,8 +59,14 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
     """--landscape: the search's model, space and limit become the landscape's; returns what the result
     records of it and the leaders to re-measure."""
     land = Landscape.load(a.landscape)
-    source = Path(land.space["source"])
-    a.space = str(source if source.is_absolute() else REPO / source)
+    if not land.memory_limit_bytes:
+        raise SystemExit(f"--landscape {a.landscape}: recorded without a memory limit; the live check compares "
+                         "configs under the limit the landscape was recorded with.")
+    given = [f for f, v in (("--model", a.model != DEFAULT_MODEL), ("--space", a.space != DEFAULT_SPACE),
+                            ("--limit", a.limit != DEFAULT_LIMIT)) if v]
+    if given:
+        print(f"--landscape: {', '.join(given)} ignored: the landscape's own are used", flush=True)
+    a.space = str(in_repo(land.space["source"]))
     a.model = land.model["ref"]
     a.limit = f"{land.memory_limit_bytes // 2**20}MiB"
     return ({"landscape": Path(a.landscape).name, "landscape_date": land.date, "scenario": land.scenario,
@@ -67,9 +75,9 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
 
 
 def main() -> None:
-    p = search_args("bench/spaces/s1-grid.yaml", "80s", "search-vs-grid-leaders-s2-same-session")
+    p = search_args(DEFAULT_SPACE, "80s", "search-vs-grid-leaders-s2-same-session")
     p.add_argument("--grid", default="bench/results/grid-s1-s2.json")
-    p.add_argument("--limit", default="24GiB")
+    p.add_argument("--limit", default=DEFAULT_LIMIT)
     p.add_argument("--leaders", type=int, default=2)
     p.add_argument("--device")
     p.add_argument("--landscape", help="a recorded landscape (bench/landscapes/*.json) instead of --grid: its "
@@ -83,9 +91,8 @@ def main() -> None:
     target = resolve_targets(None, a.device, a.limit)[0]
     model = resolve_model(a.model)
     by_key = {c.key(): c for c in load_space(a.space).candidates()}
-    figures: dict = {"model": a.model, "space": str(Path(a.space).resolve().relative_to(REPO))
-                     if Path(a.space).resolve().is_relative_to(REPO) else a.space,
-                     "budget": a.budget, "limit": a.limit, **recorded, "leaders": []}
+    figures: dict = {"model": a.model, "space": repo_relative(a.space), "budget": a.budget, "limit": a.limit,
+                     **recorded, "leaders": []}
     t0 = time.monotonic()
     with Runner(target, Path(tempfile.mkdtemp()), standby=1,
                 max_probe_accumulation=int(a.max_probe_accumulation)) as runner:
