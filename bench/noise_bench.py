@@ -68,13 +68,39 @@ def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace,
                          "noisy": res.noisy, "step_times": res.step_times, "reason": res.reason,
                          "peak_gib": round((res.peak_memory_bytes or 0) / GIB, 3),
                          "standby_imports_stopped": HOLD.stops - stops,
-                         "pinned_cpus": res.extra.get("pinned_cpus"), "noise_controls": res.extra.get("noise_controls")})
+                         "pinned_cpus": res.extra.get("pinned_cpus"), "noise_controls": res.extra.get("noise_controls"),
+                         # per timed step: thread CPU, run-queue wait, hypervisor steal (autofit/probe/hostclock.py)
+                         "host_per_step": res.extra.get("host_per_step")})
             print(mode, i, res.outcome.value, res.tokens_per_s, res.spread,
                   res.step_times, flush=True)
     tps = [r["tokens_per_s"] for r in runs if r["tokens_per_s"]]
     return {"runs": runs, "tokens_per_s": tps,
             "max_over_min": round(max(tps) / min(tps), 4) if tps else None,
-            "median_tokens_per_s": statistics.median(tps) if tps else None}
+            "median_tokens_per_s": statistics.median(tps) if tps else None,
+            "host": host_summary(runs)}
+
+
+def host_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every timed step of every run: how the step's time moves with each host counter (Pearson r)
+    and the training thread's CPU share of the step. Steps that slow down with the thread's wait or the
+    steal are the host's; with its CPU time at the same share, a slower CPU; with neither, the device."""
+    steps = [(t, h) for r in runs if r.get("host_per_step") for t, h in  # the steps as run, not extended
+             zip(r["host_per_step"]["step_s"], zip(*(r["host_per_step"][k] for k in HOST_KEYS)), strict=False)]
+    out: dict[str, Any] = {"steps": len(steps)}
+    if len(steps) < 3:
+        return out
+    times = [t for t, _ in steps]
+    for i, key in enumerate(HOST_KEYS):
+        vals = [h[i] for _, h in steps]
+        if None in vals:
+            continue
+        out[f"r_step_time_vs_{key}"] = round(statistics.correlation(times, vals), 3) if len(set(vals)) > 1 else None
+        out[f"mean_{key}"] = round(statistics.mean(vals), 4)
+    out["thread_cpu_share"] = round(sum(h[0] for _, h in steps) / sum(times), 3)
+    return out
+
+
+HOST_KEYS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s")
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from typing import Any
 from .. import distributed, recipe
 from ..protocol import SPREAD_BOUND, ProbeRequest, write_json_atomic
 from ..result import Outcome, ProbeResult
+from . import hostclock
 from .batches import RealBatches, boundary_verdict, check_boundaries, mismatch, real_batches
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
 from .errors import Unsupported
@@ -276,13 +277,16 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
         extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
                "noise_controls": [c for c in CONTROLS if enabled(c)],
+               # beside step_times' timed steps: the host's share of a slow step (hostclock's docstring)
+               "host_per_step": hostclock.per_step(timed),
                **(batches.figures(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
                   if batches is not None else {})},
     )
     notes = []
     if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
         res.noisy = True
-        notes.append(noisy_reason(spread(tps), len(real)))
+        notes.append(noisy_reason(spread(tps), len(real)) + hostclock.slowest(real, res.extra["host_per_step"],
+                                                                             cb.spread_basis()))
     if growth > max(64 * 2**20, 0.01 * peak):
         notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
     res.reason = "; ".join(notes)

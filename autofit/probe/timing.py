@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import SPREAD_BOUND
+from . import hostclock
 from .build import checkpointed_layers
 from .errors import MemoryLimitExceeded
 from .sampler import Memory
@@ -65,6 +66,7 @@ class ProbeCallback:
         self.trainer: Any = None
         self.timing = False
         self._t0 = self._opt0 = self._opt = 0.0
+        self._host0 = hostclock.read()
         self._step_reserved = 0
         self.step_cost: Callable[[int], float] | None = None
         """With real batches (--dataset): the work of optimizer step n (`RealBatches.step_cost`); steps then
@@ -119,6 +121,7 @@ class ProbeCallback:
             raise RuntimeError("autofit: the model is in eval mode during training")
         self.sync()
         self._t0 = time.perf_counter()
+        self._host0 = hostclock.read()
         self._step_reserved = 0
         self.phase = "forward"
 
@@ -147,7 +150,8 @@ class ProbeCallback:
             self.skipped_steps += 1
         micro = (self._opt0 - self._t0) / args.gradient_accumulation_steps
         self.steps.append({"seconds": time.perf_counter() - self._t0, "micro": micro,
-                           "optimizer": self._opt, "reserved": self._step_reserved})
+                           "optimizer": self._opt, "reserved": self._step_reserved,
+                           "host": self._host0.until(hostclock.read())})
         if len(self.steps) == self.plan.warmup:
             self._start_timing()
         elif self.timing and all_ranks(timing_done(self.spread_basis(), self.plan.timed, self.plan.extra)):

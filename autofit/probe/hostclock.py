@@ -1,0 +1,88 @@
+"""Where a timed step's wall time went on the host's side, read beside the step's clock.
+
+A launch-bound step (micro-batch 1 of a 7B: the CPU issuing kernels sets the pace) slows when the
+thread that issues them runs slower or not at all. Three counters tell which, per step:
+
+- `thread_cpu_s`: CPU time of the training thread itself (`time.thread_time`). Near the step's wall
+  time, the thread was busy the whole step (launch-bound); well below it, it waited on the device.
+  The same work taking more CPU time means a slower CPU (frequency, a busy sibling core).
+- `run_wait_s`: time the thread was ready but waited for a CPU (`/proc/thread-self/schedstat`):
+  other processes on this machine's cores.
+- `steal_cpu_s`: CPU time the hypervisor gave to other guests, summed over the machine's CPUs
+  (`/proc/stat`'s steal column): a shared host.
+
+Linux only; elsewhere the last two are None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class HostClock:
+    thread_cpu: float
+    run_wait: float | None
+    steal: float | None
+
+    def until(self, later: HostClock) -> dict[str, float | None]:
+        """What each counter added between this reading and a later one, in seconds."""
+        def diff(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 5)
+
+        return {"thread_cpu_s": diff(self.thread_cpu, later.thread_cpu),
+                "run_wait_s": diff(self.run_wait, later.run_wait), "steal_cpu_s": diff(self.steal, later.steal)}
+
+
+def read() -> HostClock:
+    """The counters now, from the calling thread (the training loop's callbacks run on its thread)."""
+    return HostClock(time.thread_time(), _run_wait(), _steal())
+
+
+def _run_wait() -> float | None:
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _steal() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()  # "cpu user nice system idle iowait irq softirq steal ..."
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def per_step(steps: list[dict]) -> dict[str, list[float | None]]:
+    """The timed steps' counters as lists beside `step_times` (a key per counter), with `step_s`, the
+    wall time the step ran (`step_times` extends a step run with fewer micro-steps to the config's
+    accumulation; the counters are the step as run)."""
+    out = {k: [s.get("host", {}).get(k) for s in steps] for k in ("thread_cpu_s", "run_wait_s", "steal_cpu_s")}
+    return {"step_s": [round(s["seconds"], 5) for s in steps], **out}
+
+
+def slowest(step_times: list[float], host: dict[str, list[float | None]], basis: list[float] | None = None) -> str:
+    """The host's counters over the slowest of `step_times` against the fastest, in words (empty without
+    them): what a `noisy` reason adds so that a reader can tell a busy host from a slow config. `basis`
+    ranks the steps where they differ in work (seconds per unit of work); the default, their times."""
+    if len(step_times) < 2 or not host.get("thread_cpu_s") or len(host["thread_cpu_s"]) != len(step_times):
+        return ""
+    ran = host.get("step_s") or step_times  # the counters' own span: the step as run
+    rank = basis if basis is not None and len(basis) == len(step_times) else step_times
+    hi = max(range(len(rank)), key=rank.__getitem__)
+    lo = min(range(len(rank)), key=rank.__getitem__)
+
+    def pair(key: str) -> str | None:
+        a, b = host[key][hi], host[key][lo]
+        return None if a is None or b is None else f"{a:.2f} vs {b:.2f} s"
+
+    parts = [f"{label} {v}" for label, v in (("training thread on a CPU", pair("thread_cpu_s")),
+                                             ("waiting for a CPU", pair("run_wait_s")),
+                                             ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s"))) if v]
+    which = "slowest step per unit of work" if rank is not step_times else "slowest step"
+    return f"; {which} (ran {ran[hi]:.2f} s) against the fastest ({ran[lo]:.2f} s): " + ", ".join(parts)
