@@ -285,8 +285,8 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     notes = []
     if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
         res.noisy = True
-        notes.append(noisy_reason(spread(tps), len(real)) + hostclock.slowest(real, res.extra["host_per_step"],
-                                                                             cb.spread_basis()))
+        notes.append(noisy_reason(spread(tps), len(real)) + hostclock.slowest(
+            real, res.extra["host_per_step"], cb.spread_basis() if cb.step_cost is not None else None))
     if growth > max(64 * 2**20, 0.01 * peak):
         notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
     res.reason = "; ".join(notes)
