@@ -385,13 +385,16 @@ class MemoryModel:
             return False
         return self.predict(cfg) > usable * (1 + self.margin(cfg))
 
-    def max_saving(self, oom: TrialConfig, cfg: TrialConfig, reserved_free: int | None = None) -> int | None:
+    def max_saving(self, oom: TrialConfig, cfg: TrialConfig, reserved_free: int | None = None,
+                   phase: str | None = None) -> int | None:
         """The most memory cfg can save against the out-of-memory config `oom`: each of the prior's
         terms that cfg shrinks, at its full size, scaled by how far measured peaks exceed the prior
         and by the model's margin; turning expandable_segments on gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
         model (attention kernel, batching, dropout), or in length under eager attention: then nothing
-        is known."""
+        is known. An OOM in `phase` "load" struck before the first step: only what exists by then
+        (the weights and the adapter's own parameters) can save, not activations, logits, gradients
+        or optimizer state."""
         changed = oom.differing_keys(cfg) - NO_MEMORY
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
@@ -399,11 +402,23 @@ class MemoryModel:
             return None  # eager attention's scores grow with length squared: a term the prior lacks
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
         grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
-        saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in (*TERMS, "outside"))
-        slack = max(po.allocator - pc.allocator, 0) * grow
+        if phase == "load":
+            saved = max(loaded_bytes(oom, self.shape) - loaded_bytes(cfg, self.shape), 0)
+            slack = max(po.allocator - pc.allocator, 0) * grow if saved else 0
+        else:
+            saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in (*TERMS, "outside"))
+            slack = max(po.allocator - pc.allocator, 0) * grow
         if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
             slack = reserved_free if reserved_free is not None else po.allocator * grow
         return int(saved * grow + slack)
+
+
+def loaded_bytes(cfg: TrialConfig, shape: Shape) -> int:
+    """What one rank holds once the model is loaded and wrapped, before the first step: the (possibly
+    quantized, sharded) weights and, for LoRA, the adapter's fp32 parameters."""
+    st = rank_state(cfg, shape)
+    own = adapter_params(cfg, shape) * 4 // (cfg.gpus if cfg.engine in ("fsdp2", "zero3") else 1)
+    return st.weights + (own if cfg.method == "lora" and cfg.cpu_offload != "all" else 0)
 
 
 def _kernels(cfg: TrialConfig | None) -> tuple[bool, bool]:

@@ -90,6 +90,32 @@ def test_a_change_that_could_save_enough_is_still_probed() -> None:
         assert k.verdict(variant)[0] is not Verdict.DOMINATED, variant.key()
 
 
+# The same allocator message for an OOM while the model was still being built (phase "load"), under the
+# probe's cap (the "allowed" clause): seen on the H200 when a 4-bit probe built its 16-bit random weights
+# under a 12 GiB cap; here at this module's 24 GiB.
+LOAD_OOM_TEXT = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 86.00 MiB. GPU 0 has a total "
+                 "capacity of 139.80 GiB of which 115.81 GiB is free. Including non-PyTorch memory, this process "
+                 "has 22.98 GiB memory in use. 22.40 GiB allowed; Of the allocated memory 22.39 GiB is allocated by "
+                 "PyTorch, and 1.55 MiB is reserved by PyTorch but unallocated.")
+
+
+def test_an_oom_while_loading_dominates_every_change_made_after_the_load() -> None:
+    failed = oom(cfg(4, "off"), LOAD_OOM_TEXT)
+    failed.oom_phase = "load"
+    k = know(failed)
+    assert k.shortfall(failed) > 0
+    # micro-batch, checkpointing, optimizer and allocator act after the load: none can save what it lacked
+    for variant in (cfg(1, "on"), cfg(1, "on", optimizer="paged_adamw_8bit"), cfg(1, "on", expandable_segments=True)):
+        verdict, detail = k.verdict(variant)
+        assert verdict is Verdict.DOMINATED, (variant.key(), detail)
+        assert "while loading" in detail
+    # a 4-bit base is a quarter of the weights: that could fit, so it is still probed
+    assert k.verdict(cfg(1, "on", quantization="nf4"))[0] is not Verdict.DOMINATED
+    # the same figures from a failure in the forward pass prove nothing about checkpointing at micro-batch 1
+    failed.oom_phase = "forward"
+    assert know(failed).verdict(cfg(1, "on"))[0] is not Verdict.DOMINATED
+
+
 def test_a_shorter_length_under_eager_attention_is_never_pruned_by_the_prior() -> None:
     eager = {"attn_implementation": "eager"}
     k = know(fit(cfg(1, "on", **eager), 6800, 15.2), oom(cfg(2, "off", **eager)))

@@ -18,7 +18,11 @@ def _cache_dir() -> str:
 
 
 def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
-    """A preset saved once with random weights, so that a quantized load has weights to quantize."""
+    """A preset saved once with random weights, so that a quantized load has weights to quantize.
+
+    Built where it fits whole: on the GPU when the device has the unquantized model's bytes free (fast),
+    else in host memory. Never under the probe's memory limit: a 4-bit probe on a 12 GiB card must not
+    first hold the 13 GiB of 16-bit weights it quantizes (`prepare_device` calls this before the cap)."""
     import hashlib
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -31,7 +35,10 @@ def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
     cfg = AutoConfig.for_model(**src.config)
     import torch
 
-    with torch.device(device):
+    with torch.device("meta"):
+        size = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_config(cfg, dtype=dtype).parameters())
+    where = "cuda" if device == "cuda" and torch.cuda.mem_get_info()[0] > 1.25 * size else "cpu"
+    with torch.device(where):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
     model.save_pretrained(tmp)
@@ -42,7 +49,7 @@ def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    if device == "cuda":
+    if where == "cuda":
         torch.cuda.empty_cache()
     return folder
 

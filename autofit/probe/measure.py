@@ -100,6 +100,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
     if req.device != "cuda":
         if cfg.precision == "fp16":
             raise Unsupported("fp16 mixed precision needs a GPU (Trainer refuses it on the CPU)")
+        state.weights = weights_path(cfg, req.model, req.device)
         mem.rebase()
         return lambda: None
     if not torch.cuda.is_available():
@@ -110,6 +111,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
     torch.zeros(1, device="cuda")  # create the context now, so it is measured as overhead
     if cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise Unsupported(f"bf16 is not supported on {torch.cuda.get_device_name()}")
+    state.weights = weights_path(cfg, req.model, req.device)  # before the cap: saving them is not the probe
     if req.memory_limit_bytes:
         # The cap covers the PyTorch allocator only: take off what lives outside it (the
         # CUDA context now; cuBLAS/NCCL handles are counted in the peak afterwards).
@@ -127,8 +129,7 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
 
     cfg, src, mem = req.config, req.model, state.mem
     assert mem is not None
-    # Random weights for a quantized preset are saved once, before anything is measured.
-    path = weights_path(cfg, src, req.device)
+    path = state.weights or src.ref
     if req.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     mem.start()

@@ -18,6 +18,8 @@ class ProbeState:
     outside_at_start: int = 0
     """GPU memory outside the allocator when the cap was set (the CUDA context)."""
     memory_after_load: int | None = None
+    weights: str | None = None
+    """Where from_pretrained reads the weights (build.weights_path), chosen before the cap is set."""
     pinned_cpus: list[int] | None = None
     """The GPU-local CPU cores the probe runs on (None: the scheduler's choice)."""
     t_start: float = field(default_factory=time.perf_counter)
