@@ -372,12 +372,19 @@ class ProbeTime:
         return est is not None and est > left
 
     def may_probe(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
-        """cfg may be probed now: it finishes with the time kept, or the time kept is for a repeat of the
-        best that no longer fits and cfg finishes on its own (the rest of the budget goes to a probe
-        measured once rather than to nothing). The one rule for choosing and for the worker's check."""
+        """cfg may be probed now: it finishes with the time kept; or it finishes on its own and the time
+        kept is not for the best's repeat (that is done, or no longer fits), so the rest of the budget
+        goes to a probe measured once rather than to nothing. A search stops only when no untried config
+        can finish, or when the one remaining use of the time is the best's repeat. The one rule for
+        choosing and for the worker's check."""
         if self.in_time(know, cfg, left):
             return True
-        return self.repeat_out_of_reach(know, left) and (self.estimate(know, cfg) or 0.0) <= left
+        est = self.estimate(know, cfg)
+        if est is not None and est > left:
+            return False
+        best = know.best()
+        confirmed = not self.confirm or best is None or len(best.measurements) >= 2
+        return confirmed or self.repeat_out_of_reach(know, left)
 
     def pick(self, know: Knowledge, viable: list[TrialConfig], left: float,
              choose: Callable[[list[TrialConfig]], TrialConfig] | None = None) -> TrialConfig | None:

@@ -159,7 +159,19 @@ def test_when_the_proposal_would_not_finish_a_cheaper_config_is_probed() -> None
     left = 2 * est_small + 1.0  # its own repeat kept: twice its time
     assert not clock.in_time(k, big, left) and clock.in_time(k, small, left)
     assert clock.pick(k, [big, small, cfg(128, 2, "on")], left) == small
-    assert clock.pick(k, [big, small], est_small) is None  # the best is confirmed: cfg's own repeat is kept
+    # the best is confirmed: cfg's own repeat would not fit, but cfg does; the time goes to it
+    assert clock.pick(k, [big, small], est_small) == small and clock.may_probe(k, small, est_small)
+    assert clock.pick(k, [big, small], est_small - 1.0) is None  # nothing untried can finish: stop
+
+
+def test_time_is_kept_for_the_best_repeat_before_any_probe_measured_once() -> None:
+    """The best measured once and its repeat still fits: a probe that would leave no room for it waits."""
+    clock = ProbeTime(steps=7, max_acc=1, confirm=True)
+    k = know(timed(cfg(128, 1), 10.0))
+    small = cfg(128, 2)
+    left = clock.estimate(k, small) + 0.5 * clock.kept(k)  # room for one of the two, not both
+    assert not clock.repeat_out_of_reach(k, left)
+    assert clock.pick(k, [small], left) is None and not clock.may_probe(k, small, left)
 
 
 def test_time_kept_for_a_repeat_that_no_longer_fits_goes_to_a_probe_that_does() -> None:
