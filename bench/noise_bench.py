@@ -81,11 +81,14 @@ def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace,
 
 
 def host_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Over every timed step of every run: how the step's time moves with each host counter (Pearson r)
-    and the training thread's CPU share of the step. Steps that slow down with the thread's wait or the
-    steal are the host's; with its CPU time at the same share, a slower CPU; with neither, the device."""
+    """Over every timed step of every run: how the step's time moves with each host counter and the GPU's
+    clock and power (Pearson r), and the training thread's CPU share of the step. Steps that slow down
+    with the thread's wait or the steal are the host's; with its CPU time at the same share, a slower CPU;
+    with a lower SM clock, the GPU's clock management; with none of them, the device's work itself."""
     steps = [(t, h) for r in runs if r.get("host_per_step") for t, h in  # the steps as run, not extended
-             zip(r["host_per_step"]["step_s"], zip(*(r["host_per_step"][k] for k in HOST_KEYS)), strict=False)]
+             zip(r["host_per_step"]["step_s"],
+                 zip(*(r["host_per_step"].get(k) or [None] * len(r["host_per_step"]["step_s"]) for k in HOST_KEYS)),
+                 strict=False)]
     out: dict[str, Any] = {"steps": len(steps)}
     if len(steps) < 3:
         return out
@@ -100,7 +103,8 @@ def host_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-HOST_KEYS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s")
+HOST_KEYS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s", "sm_clock_mhz", "power_w")
+"""The host's counters and the GPU's clock and power per step (autofit/probe/hostclock.py)."""
 
 
 def main() -> int:

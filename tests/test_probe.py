@@ -46,8 +46,10 @@ def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
     """Beside each timed step's time, the training thread's CPU time, its wait for a CPU and the
     hypervisor's steal (Linux counters): what tells a busy host from a slow config."""
     host, times = short_fit["extra"]["host_per_step"], short_fit["step_times"]
-    assert set(host) == {"step_s", "thread_cpu_s", "run_wait_s", "steal_cpu_s"}
+    assert set(host) == {"step_s", "thread_cpu_s", "run_wait_s", "steal_cpu_s", "sm_clock_mhz", "power_w",
+                         "clock_events"}
     assert all(len(v) == len(times) for v in host.values())
+    assert host["sm_clock_mhz"] == host["power_w"] == [None] * len(times)  # no GPU, no NVML figures
     assert all(0 < ran <= t for ran, t in zip(host["step_s"], times, strict=True))  # extended, never shortened
     # the training thread's CPU time and its wait for a CPU both lie inside the step as it ran, and on a
     # CPU probe it computes or waits for a core nearly all of it (busy test machines: mostly waiting)
@@ -69,6 +71,22 @@ def test_a_noisy_reason_names_the_hosts_share_of_the_slowest_step() -> None:
     by_work = slowest([2.0, 3.6, 1.95], host, [2.0, 1.8, 1.95])
     assert "slowest step per unit of work (ran 2.00 s) against the fastest (3.60 s)" in by_work
     assert slowest([2.0], host) == "" and slowest([2.0, 3.0], {"thread_cpu_s": []}) == ""
+    # with the GPU's figures: its SM clock in the slowest step against the fastest, and why it was held back
+    gpu = {**host, "sm_clock_mhz": [1980, 1410, 1980], "clock_events": [[], ["power cap"], []]}
+    assert "SM clock 1,410 vs 1,980 MHz, clock held back by power cap in the slowest" in slowest([2.0, 3.6, 1.95], gpu)
+
+
+def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None:
+    import pynvml
+
+    from autofit.probe.sampler import _DeviceClock
+
+    clock = _DeviceClock()
+    clock.add(1980, 650.0, 0)
+    clock.add(1410, 700.0, int(pynvml.nvmlClocksEventReasonSwPowerCap))
+    clock.add(None, None, None)  # a reading the driver refused counts for nothing
+    assert clock.window() == {"sm_clock_mhz": 1695, "power_w": 675.0, "clock_events": ["power cap"]}
+    assert clock.window() == {"sm_clock_mhz": None, "power_w": None, "clock_events": []}
 
 
 @pytest.mark.slow

@@ -12,6 +12,11 @@ thread that issues them runs slower or not at all. Three counters tell which, pe
   (`/proc/stat`'s steal column): a shared host.
 
 Linux only; elsewhere the last two are None.
+
+Beside them, from the memory sampler's NVML thread (sampler.Memory.device_window), the device's side:
+`sm_clock_mhz` and `power_w` (means over the step's samples) and `clock_events`, the reasons NVML gave
+for a clock below its maximum (idle, power cap, thermal, ...). A step that slows with the thread's CPU
+time unchanged and the SM clock lower is the GPU's clock management, not the host.
 """
 
 from __future__ import annotations
@@ -62,8 +67,14 @@ def per_step(steps: list[dict]) -> dict[str, list[float | None]]:
     """The timed steps' counters as lists beside `step_times` (a key per counter), with `step_s`, the
     wall time the step ran (`step_times` extends a step run with fewer micro-steps to the config's
     accumulation; the counters are the step as run)."""
-    out = {k: [s.get("host", {}).get(k) for s in steps] for k in ("thread_cpu_s", "run_wait_s", "steal_cpu_s")}
+    out = {k: [s.get("host", {}).get(k) for s in steps] for k in (*COUNTERS, *DEVICE)}
     return {"step_s": [round(s["seconds"], 5) for s in steps], **out}
+
+
+COUNTERS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s")
+"""The host's counters, seconds per step."""
+DEVICE = ("sm_clock_mhz", "power_w", "clock_events")
+"""The GPU's figures per step (None or absent without NVML)."""
 
 
 def slowest(step_times: list[float], host: dict[str, list[float | None]], basis: list[float] | None = None) -> str:
@@ -84,5 +95,11 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
     parts = [f"{label} {v}" for label, v in (("training thread on a CPU", pair("thread_cpu_s")),
                                              ("waiting for a CPU", pair("run_wait_s")),
                                              ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s"))) if v]
+    clocks = host.get("sm_clock_mhz") or []
+    if len(clocks) == len(step_times) and clocks[hi] is not None and clocks[lo] is not None:
+        parts.append(f"SM clock {clocks[hi]:,} vs {clocks[lo]:,} MHz")
+        events = (host.get("clock_events") or [None] * len(step_times))[hi]
+        if events:
+            parts.append("clock held back by " + ", ".join(events) + " in the slowest")
     which = "slowest step per unit of work" if rank is not step_times else "slowest step"
     return f"; {which} (ran {ran[hi]:.2f} s) against the fastest ({ran[lo]:.2f} s): " + ", ".join(parts)

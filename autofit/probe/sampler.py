@@ -32,6 +32,7 @@ class Memory:
         """Called from the sampling thread when the CPU probe runs far past its limit."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._clock = _DeviceClock()
         if device == "cuda" and nvml_index is not None:
             try:
                 import pynvml
@@ -80,6 +81,8 @@ class Memory:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.01 if self.device == "cpu" else gpu_sample_period()):
+            if self.nvml is not None:
+                self._clock.sample(self.nvml)
             now = self.added()
             self.sampled_peak = max(self.sampled_peak, now)
             self._phase_peak = max(self._phase_peak, now)
@@ -87,6 +90,11 @@ class Memory:
                 self.over_limit = True
                 if now > 2 * self.limit + 2**30 and self.runaway is not None:
                     self.runaway(now)  # far past the limit between two checks: stop here
+
+    def device_window(self) -> dict[str, Any]:
+        """The GPU's SM clock and power over the samples since the last call (means), and the clock
+        event reasons NVML reported in them; empty without NVML (the CPU, a container without it)."""
+        return self._clock.window() if self.nvml is not None else {}
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,3 +127,60 @@ class Memory:
             return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         now = self.added()
         return now, now
+
+
+CLOCK_EVENTS = {  # NVML's clock event reasons (why the SM clock is below its maximum), by pynvml's name
+    "idle": "nvmlClocksEventReasonGpuIdle", "application clocks": "nvmlClocksEventReasonApplicationsClocksSetting",
+    "power cap": "nvmlClocksEventReasonSwPowerCap", "hardware slowdown": "nvmlClocksEventReasonHwSlowdown",
+    "sync boost": "nvmlClocksEventReasonSyncBoost", "thermal (software)": "nvmlClocksEventReasonSwThermalSlowdown",
+    "thermal (hardware)": "nvmlClocksEventReasonHwThermalSlowdown",
+    "power brake": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
+}
+
+
+class _DeviceClock:
+    """Running sums of the SM clock and power draw, and the clock event reasons seen, between windows.
+    Sampled from the memory sampler's thread; read and reset from the training thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.clock_sum = self.power_sum = 0.0
+        self.clock_n = self.power_n = 0
+        self.events = 0
+
+    def sample(self, handle: Any) -> None:
+        import pynvml
+
+        readings = []
+        for read in (lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                     lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                     lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)):
+            try:
+                readings.append(read())
+            except Exception:  # not supported on this GPU or driver: that figure stays unknown
+                readings.append(None)
+        self.add(*readings)
+
+    def add(self, clock: float | None, power: float | None, events: int | None) -> None:
+        """One sample's readings (None: not read)."""
+        with self._lock:
+            if clock is not None:
+                self.clock_sum, self.clock_n = self.clock_sum + clock, self.clock_n + 1
+            if power is not None:
+                self.power_sum, self.power_n = self.power_sum + power, self.power_n + 1
+            if events is not None:
+                self.events |= int(events)
+
+    def window(self) -> dict[str, Any]:
+        import pynvml
+
+        with self._lock:
+            out = {"sm_clock_mhz": round(self.clock_sum / self.clock_n) if self.clock_n else None,
+                   "power_w": round(self.power_sum / self.power_n, 1) if self.power_n else None,
+                   "clock_events": [name for name, attr in CLOCK_EVENTS.items()
+                                    if self.events & int(getattr(pynvml, attr, 0))]}
+            self._reset()
+        return out

@@ -122,6 +122,7 @@ class ProbeCallback:
         self.sync()
         self._t0 = time.perf_counter()
         self._host0 = hostclock.read()
+        self.mem.device_window()  # the device's figures count from the step's start
         self._step_reserved = 0
         self.phase = "forward"
 
@@ -151,7 +152,7 @@ class ProbeCallback:
         micro = (self._opt0 - self._t0) / args.gradient_accumulation_steps
         self.steps.append({"seconds": time.perf_counter() - self._t0, "micro": micro,
                            "optimizer": self._opt, "reserved": self._step_reserved,
-                           "host": self._host0.until(hostclock.read())})
+                           "host": {**self._host0.until(hostclock.read()), **self.mem.device_window()}})
         if len(self.steps) == self.plan.warmup:
             self._start_timing()
         elif self.timing and all_ranks(timing_done(self.spread_basis(), self.plan.timed, self.plan.extra)):
