@@ -100,10 +100,12 @@ def host_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"r_step_time_vs_{key}"] = round(statistics.correlation(times, vals), 3) if len(set(vals)) > 1 else None
         out[f"mean_{key}"] = round(statistics.mean(vals), 4)
     out["thread_cpu_share"] = round(sum(h[0] for _, h in steps) / sum(times), 3)
+    if all(h[1] is not None for _, h in steps):  # results before process_cpu_s was recorded lack it
+        out["process_cpu_share"] = round(sum(h[1] for _, h in steps) / sum(times), 3)
     return out
 
 
-HOST_KEYS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s", "sm_clock_mhz", "power_w")
+HOST_KEYS = ("thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s", "sm_clock_mhz", "power_w")
 """The host's counters and the GPU's clock and power per step (autofit/probe/hostclock.py)."""
 
 

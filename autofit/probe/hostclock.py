@@ -1,13 +1,17 @@
 """Where a timed step's wall time went on the host's side, read beside the step's clock.
 
 A launch-bound step (micro-batch 1 of a 7B: the CPU issuing kernels sets the pace) slows when the
-thread that issues them runs slower or not at all. Three counters tell which, per step:
+threads that issue them run slower or not at all. Forward and optimizer kernels are issued by the
+training thread; backward's by autograd's own thread for the device, so the training thread alone
+does not show it. Four counters, per step:
 
-- `thread_cpu_s`: CPU time of the training thread itself (`time.thread_time`). Near the step's wall
-  time, the thread was busy the whole step (launch-bound); well below it, it waited on the device.
-  The same work taking more CPU time means a slower CPU (frequency, a busy sibling core).
-- `run_wait_s`: time the thread was ready but waited for a CPU (`/proc/thread-self/schedstat`):
-  other processes on this machine's cores.
+- `thread_cpu_s`: CPU time of the training thread itself (`time.thread_time`);
+- `process_cpu_s`: CPU time of all the process's threads (`time.process_time`: autograd's device
+  thread, data loading, the memory sampler). Near the step's wall time or above, some thread was
+  busy the whole step: launch-bound; well below it, the threads waited on the device. The same
+  work taking more CPU time means a slower CPU (frequency, a busy sibling core).
+- `run_wait_s`: time the process's threads were ready but waited for a CPU, summed over them
+  (`/proc/self/task/*/schedstat`): other processes on this machine's cores.
 - `steal_cpu_s`: CPU time the hypervisor gave to other guests, summed over the machine's CPUs
   (`/proc/stat`'s steal column): a shared host.
 
@@ -30,6 +34,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class HostClock:
     thread_cpu: float
+    process_cpu: float
     run_wait: float | None
     steal: float | None
 
@@ -39,19 +44,26 @@ class HostClock:
             return None if a is None or b is None else round(b - a, 5)
 
         return {"thread_cpu_s": diff(self.thread_cpu, later.thread_cpu),
+                "process_cpu_s": diff(self.process_cpu, later.process_cpu),
                 "run_wait_s": diff(self.run_wait, later.run_wait), "steal_cpu_s": diff(self.steal, later.steal)}
 
 
 def read() -> HostClock:
     """The counters now, from the calling thread (the training loop's callbacks run on its thread)."""
-    return HostClock(time.thread_time(), _run_wait(), _steal())
+    return HostClock(time.thread_time(), time.process_time(), _run_wait(), _steal())
 
 
 def _run_wait() -> float | None:
-    try:
-        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+    """Seconds the process's threads have waited on a run queue, summed (a thread that ended since the
+    last reading takes its share with it: the difference is a lower bound for that step)."""
+    total, seen = 0, False
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+            seen = True
+        except (OSError, IndexError, ValueError):  # the thread ended while we read
+            continue
+    return total / 1e9 if seen else None
 
 
 def _steal() -> float | None:
@@ -71,7 +83,7 @@ def per_step(steps: list[dict]) -> dict[str, list[float | None]]:
     return {"step_s": [round(s["seconds"], 5) for s in steps], **out}
 
 
-COUNTERS = ("thread_cpu_s", "run_wait_s", "steal_cpu_s")
+COUNTERS = ("thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s")
 """The host's counters, seconds per step."""
 DEVICE = ("sm_clock_mhz", "power_w", "clock_events")
 """The GPU's figures per step (None or absent without NVML)."""
@@ -89,10 +101,13 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
     lo = min(range(len(rank)), key=rank.__getitem__)
 
     def pair(key: str) -> str | None:
+        if len(host.get(key) or []) != len(step_times):
+            return None
         a, b = host[key][hi], host[key][lo]
         return None if a is None or b is None else f"{a:.2f} vs {b:.2f} s"
 
     parts = [f"{label} {v}" for label, v in (("training thread on a CPU", pair("thread_cpu_s")),
+                                             ("all its threads on a CPU", pair("process_cpu_s")),
                                              ("waiting for a CPU", pair("run_wait_s")),
                                              ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s"))) if v]
     clocks = host.get("sm_clock_mhz") or []
