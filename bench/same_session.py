@@ -9,7 +9,10 @@ GPU sessions, so a search on one machine against a grid measured on another comp
 machines as much as the configs. The full grid takes ~500 s; this script re-measures only
 the grid's leaders under the limit (the N fastest fits by the committed grid), then runs the
 search over the same space, both in one session, and compares the search's best with the best
-leader as measured now.
+leader as measured now. Since one fresh process of such a config can measure 1.2x another a minute
+later, the comparison that decides is like for like: where the search picked a leader, both
+figures come from the leaders' pass; otherwise (and with --after N) the pick and the best leader
+are measured again after the search, alternately, N times each, and their medians compared.
 
     python bench/same_session.py --limit 24GiB --leaders 2 --budget 80s
     python bench/same_session.py --landscape bench/landscapes/s2.json --budget 3m --name live-s2   # issue 15
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +78,23 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
             landscape_leaders(land, a.leaders))
 
 
+def interleaved(target: object, model: object, configs: dict[str, TrialConfig], n: int,
+                max_acc: int) -> dict[str, list[float]]:
+    """Each config measured n times in fresh processes, alternating (a, b, a, b, ...), so that a drift of
+    the machine over the minutes falls on both alike; the fits' tokens/s by label."""
+    out: dict[str, list[float]] = {label: [] for label in configs}
+    with Runner(target, Path(tempfile.mkdtemp()), standby=1, max_probe_accumulation=max_acc) as runner:
+        runner.warm_up()
+        for i in range(n):
+            for label, cfg in configs.items():
+                res = runner.run(cfg, model, name=f"after-{label}-{i}", timeout=300)
+                print(f"after {label} {i}: {config_brief(res.config)}  {res.tokens_per_s or 0:,.0f} tok/s "
+                      f"({res.outcome.value})", flush=True)
+                if res.outcome.is_fit() and res.tokens_per_s:
+                    out[label].append(res.tokens_per_s)
+    return out
+
+
 def main() -> None:
     p = search_args(DEFAULT_SPACE, "80s", "search-vs-grid-leaders-s2-same-session")
     p.add_argument("--grid", default="bench/results/grid-s1-s2.json")
@@ -82,6 +103,9 @@ def main() -> None:
     p.add_argument("--device")
     p.add_argument("--landscape", help="a recorded landscape (bench/landscapes/*.json) instead of --grid: its "
                                        "model, space and limit, its fastest fits as the leaders")
+    p.add_argument("--after", type=int, default=2,
+                   help="after the search, measure its pick and the best leader alternately N times each "
+                        "(when the pick is not a leader; 0: never)")
     a = p.parse_args()
     if a.landscape:
         recorded, top_n = from_landscape(a)
@@ -115,6 +139,17 @@ def main() -> None:
     pick_key = TrialConfig.from_dict(best["config"]).key() if best.get("config") else None
     same = next((r for r in now if r["key"] == pick_key), None)
     rows = read_trials(run_dir)
+    after = None
+    if a.after and same is None and pick_key in by_key and top is not None:
+        top_key = next(r["key"] for r in now if r["now"] is top)
+        after = interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_key]}, a.after,
+                            int(a.max_probe_accumulation))
+    if same is not None:  # both from the leaders' pass: the same protocol, minutes apart at most
+        like = same["now"]["tokens_per_s"] / top["tokens_per_s"]
+    elif after and after["pick"] and after["leader"]:
+        like = statistics.median(after["pick"]) / statistics.median(after["leader"])
+    else:
+        like = None
     figures.update({
         "run_id": run_dir.name,
         "stop_reason": summary.get("stop_reason"),
@@ -129,6 +164,8 @@ def main() -> None:
         "ratio_search_over_best_leader_now": (best.get("tokens_per_s") or 0) / top["tokens_per_s"] if top else None,
         "search_pick_is_a_leader": same is not None,
         "search_pick_now_as_leader_tokens_per_s": same and same["now"]["tokens_per_s"],
+        "after_search": after,
+        "ratio_like_for_like": like,
         "target_ratio": 0.97,
         "note": "leaders: the grid's (or landscape's) fastest fits under the limit, re-measured in this session "
                 "before the search",
