@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OOM_PHASES = ("load", "forward", "backward", "optimizer")
+OOM_PHASES = ("load", "check", "forward", "backward", "optimizer")
 """Where a probe can run out of memory (`ProbeResult.oom_phase`), in the order a step meets them."""
 
 
@@ -59,8 +59,10 @@ class ProbeResult:
     """How far the config is over: a CUDA OOM's request beyond what was free (or left of the cap), a CPU
     limit's sampled peak beyond the limit, a headroom OOM's measured peak beyond the usable memory."""
     oom_phase: str | None = None
-    """Where an OOM struck (`OOM_PHASES`): "load" before the first training step began (model load,
-    correctness gate, the first batch), else the step's "forward", "backward" or "optimizer"."""
+    """Where an OOM struck (`OOM_PHASES`): "load" before the first training step began (model load and
+    wrapping, the trainer's set-up: only the weights and the adapter exist), "check" in the correctness
+    checks before training (the kernel gate's reference pass, the sample-boundary check), else the step's
+    "forward", "backward" or "optimizer"."""
     oom_request_bytes: int | None = None
     """The allocation that failed ("Tried to allocate 2.00 GiB")."""
     oom_in_use_bytes: int | None = None

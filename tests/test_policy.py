@@ -112,8 +112,9 @@ def test_an_oom_while_loading_dominates_every_change_made_after_the_load() -> No
     # a 4-bit base is a quarter of the weights: that could fit, so it is still probed
     assert k.verdict(cfg(1, "on", quantization="nf4"))[0] is not Verdict.DOMINATED
     # the same figures from a failure in the forward pass prove nothing about checkpointing at micro-batch 1
-    failed.oom_phase = "forward"
-    assert know(failed).verdict(cfg(1, "on"))[0] is not Verdict.DOMINATED
+    for phase in ("check", "forward"):  # the correctness checks' forward passes hold activations and logits too
+        failed.oom_phase = phase
+        assert know(failed).verdict(cfg(1, "on"))[0] is not Verdict.DOMINATED, phase
 
 
 def test_a_shorter_length_under_eager_attention_is_never_pruned_by_the_prior() -> None:
@@ -284,3 +285,14 @@ def test_a_large_length_table_is_sampled_and_its_means_hold() -> None:
         p = plan(Batching(b), big, 2048, 2, 0)  # the whole table's plan
         want = (p.trained_tokens / len(p.batches), sum(m.tensor_tokens for m in p.batches) / len(p.batches))
         assert shapes.per_micro_batch(b, 2048, 2) == pytest.approx(want, rel=0.03)
+
+
+def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> None:
+    from autofit.report import nothing_fits_message
+
+    failed = oom(cfg(1, "on"), LOAD_OOM_TEXT)
+    failed.oom_phase, failed.peak_memory_bytes = "load", failed.peak_lower_bound()
+    msg = nothing_fits_message([failed], LIMIT)
+    assert "while the model was loading" in msg and "quantization" in msg and "checkpointing cannot help" in msg
+    failed.oom_phase = "forward"  # the same figures from a failure in training: the usual advice
+    assert "gradient checkpointing (on, or on+offload)" in nothing_fits_message([failed], LIMIT)

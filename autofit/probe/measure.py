@@ -58,6 +58,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     sync = prepare_device(req, state)
     check_architecture(req)
     model = load_model(req, state)
+    state.stage = "check"  # forward passes with activations and logits: not a load-only failure
     gate = run_gate(req, state, model)
     if gate is not None and not gate.ok:
         return mismatch_result(req, gate)
@@ -67,6 +68,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
         check = check_boundaries(model, batches, req.config.precision)
         if not check.ok:
             return mismatch(req, check)
+    state.stage = "load"
     trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
     res = kernel_figures(figures(req, state, trained, batches), req, state, gate)

@@ -23,8 +23,10 @@ class ProbeState:
     pinned_cpus: list[int] | None = None
     """The GPU-local CPU cores the probe runs on (None: the scheduler's choice)."""
     t_start: float = field(default_factory=time.perf_counter)
+    stage: str = "load"
+    """Before training: "load", or "check" while the correctness checks run forward passes."""
 
     @property
     def phase(self) -> str:
-        """Where the probe is (result.OOM_PHASES): the training callback's phase, "load" before it exists."""
-        return self.callback.phase if self.callback is not None else "load"
+        """Where the probe is (result.OOM_PHASES): the training callback's phase, `stage` before it exists."""
+        return self.callback.phase if self.callback is not None else self.stage
