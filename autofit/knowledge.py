@@ -144,11 +144,11 @@ class Knowledge:
         fewer tokens per micro-batch). None: no failure proves it."""
         for o, r in self.memory_failures():
             short = self.shortfall(r)
-            saving = self.memory.max_saving(o, cfg, _reserved_free(r), r.oom_phase)
+            saving = self.memory.max_saving(o, cfg, _reserved_free(r), "load" if r.failed_loading else None)
             if saving is None or saving >= short:
                 continue
             what = f"micro-batch {o.micro_batch_size}, length {o.max_length}"
-            if r.oom_phase == "load":
+            if r.failed_loading:
                 return (f"the model ran out of memory while loading ({what}: short by >= {format_size(short)}) "
                         f"and the changes from it save at most {format_size(saving)} of what exists by then")
             if short <= 1:

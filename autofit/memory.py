@@ -392,9 +392,11 @@ class MemoryModel:
         and by the model's margin; turning expandable_segments on gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
         model (attention kernel, batching, dropout), or in length under eager attention: then nothing
-        is known. An OOM in `phase` "load" struck before the first step: only what exists by then
-        (the weights and the adapter's own parameters) can save, not activations, logits, gradients
-        or optimizer state."""
+        is known. An OOM with `phase` "load" struck while the model was built (result.failed_loading):
+        only what exists by then (the weights and the adapter's own parameters) can save, not
+        activations, logits, gradients or optimizer state. Several ranks or an engine: nothing is
+        claimed (each rank loads the whole model before an engine shards it; the prior's terms split
+        by engine do not say what a rank holds at that moment)."""
         changed = oom.differing_keys(cfg) - NO_MEMORY
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
@@ -402,6 +404,8 @@ class MemoryModel:
             return None  # eager attention's scores grow with length squared: a term the prior lacks
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
         grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
+        if phase == "load" and any(c.gpus > 1 or c.engine != "none" for c in (oom, cfg)):
+            return None
         if phase == "load":
             saved = max(loaded_bytes(oom, self.shape) - loaded_bytes(cfg, self.shape), 0)
             slack = max(po.allocator - pc.allocator, 0) * grow if saved else 0

@@ -524,10 +524,12 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
     outcomes = {r.outcome for r in results}
     if outcomes and outcomes <= {Outcome.UNSUPPORTED, Outcome.CRASH}:
         msg += " Every probe was unsupported or crashed: see the probe logs."
-    if memory and all(r.oom_phase == "load" for r in memory):
-        msg += (" Every one ran out while the model was loading, before a step: its weights alone do not fit, "
+    if memory and all(r.failed_loading for r in memory):
+        quantized = all(r.config.get("quantization", "none") != "none" for r in memory)
+        msg += (" Every one ran out while the model was loading, before training: its weights alone do not fit, "
                 "and a shorter length, a smaller micro-batch or checkpointing cannot help. Allow next: "
-                "quantization (--space qlora: a 4-bit base), a smaller model, or a larger --memory-limit.")
+                + ("" if quantized else "quantization (--space qlora: a 4-bit base), ")
+                + "a smaller model, more GPUs (--gpus with engine fsdp2), or a larger --memory-limit.")
     elif memory or not unstable:
         msg += (" Allow next: quantization (--space qlora: a 4-bit base), a shorter --max-length, "
                 "gradient checkpointing (on, or on+offload), or a larger --memory-limit.")

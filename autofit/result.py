@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-OOM_PHASES = ("load", "check", "forward", "backward", "optimizer")
+OOM_PHASES = ("load", "check", "setup", "forward", "backward", "optimizer")
 """Where a probe can run out of memory (`ProbeResult.oom_phase`), in the order a step meets them."""
 
 
@@ -59,10 +59,10 @@ class ProbeResult:
     """How far the config is over: a CUDA OOM's request beyond what was free (or left of the cap), a CPU
     limit's sampled peak beyond the limit, a headroom OOM's measured peak beyond the usable memory."""
     oom_phase: str | None = None
-    """Where an OOM struck (`OOM_PHASES`): "load" before the first training step began (model load and
-    wrapping, the trainer's set-up: only the weights and the adapter exist), "check" in the correctness
-    checks before training (the kernel gate's reference pass, the sample-boundary check), else the step's
-    "forward", "backward" or "optimizer"."""
+    """Where an OOM struck (`OOM_PHASES`): "load" while the model is built, quantized and wrapped, "check"
+    in the correctness checks before training (the kernel gate's reference pass, the sample-boundary
+    check), "setup" in the trainer's set-up before the first step (an engine's buffers, DeepSpeed's
+    optimizer state), else the step's "forward", "backward" or "optimizer"."""
     oom_request_bytes: int | None = None
     """The allocation that failed ("Tried to allocate 2.00 GiB")."""
     oom_in_use_bytes: int | None = None
@@ -97,6 +97,13 @@ class ProbeResult:
     retryable: bool = False
     """The outcome says nothing about the config (killed from outside autofit): probe it once more."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed_loading(self) -> bool:
+        """Out of memory before the model was even loaded and wrapped (no `memory_after_load`): only its
+        weights and adapter existed. Results from before the check and setup phases were told apart
+        called those "load" too, but had loaded by then."""
+        return self.outcome is Outcome.OOM and self.oom_phase == "load" and self.memory_after_load is None
 
     @property
     def spread(self) -> float | None:

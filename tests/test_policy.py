@@ -112,9 +112,27 @@ def test_an_oom_while_loading_dominates_every_change_made_after_the_load() -> No
     # a 4-bit base is a quarter of the weights: that could fit, so it is still probed
     assert k.verdict(cfg(1, "on", quantization="nf4"))[0] is not Verdict.DOMINATED
     # the same figures from a failure in the forward pass prove nothing about checkpointing at micro-batch 1
-    for phase in ("check", "forward"):  # the correctness checks' forward passes hold activations and logits too
+    for phase in ("check", "setup", "forward"):  # the checks' forward passes and an engine's set-up hold more
         failed.oom_phase = phase
         assert know(failed).verdict(cfg(1, "on"))[0] is not Verdict.DOMINATED, phase
+    # a result written before the check and setup phases existed called a gate's failure "load", but the
+    # model had loaded (memory_after_load): not a load-only failure
+    failed.oom_phase, failed.memory_after_load = "load", int(13.5 * GIB)
+    assert not failed.failed_loading and know(failed).verdict(cfg(1, "on"))[0] is not Verdict.DOMINATED
+
+
+def test_a_load_failure_under_an_engine_prunes_nothing() -> None:
+    """Full fine-tuning with ZeRO-2 on 2 GPUs, out of memory while loading: each rank loads the whole model
+    before the engine shards it, and offloading the optimizer, more GPUs or an 8-bit optimizer are the very
+    changes that could fix it: none is pruned."""
+    base = cfg(1, "on", method="full", gpus=2, engine="zero2")
+    failed = oom(base, LOAD_OOM_TEXT)
+    failed.oom_phase = "load"
+    k = know(failed)
+    for variant in (base.replace(cpu_offload="optimizer"), base.replace(gpus=4), base.replace(optimizer="adamw_8bit"),
+                    base.replace(micro_batch_size=2)):
+        assert k.memory.max_saving(base, variant, None, "load") is None
+        assert k.verdict(variant)[0] is not Verdict.DOMINATED, variant.key()
 
 
 def test_a_shorter_length_under_eager_attention_is_never_pruned_by_the_prior() -> None:
@@ -294,5 +312,8 @@ def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> N
     failed.oom_phase, failed.peak_memory_bytes = "load", failed.peak_lower_bound()
     msg = nothing_fits_message([failed], LIMIT)
     assert "while the model was loading" in msg and "quantization" in msg and "checkpointing cannot help" in msg
+    nf4 = oom(cfg(1, "on", quantization="nf4"), LOAD_OOM_TEXT)  # already 4-bit: quantization is no advice
+    nf4.oom_phase, nf4.peak_memory_bytes = "load", nf4.peak_lower_bound()
+    assert "quantization" not in nothing_fits_message([nf4], LIMIT).split("Allow next")[1]
     failed.oom_phase = "forward"  # the same figures from a failure in training: the usual advice
     assert "gradient checkpointing (on, or on+offload)" in nothing_fits_message([failed], LIMIT)

@@ -43,6 +43,9 @@ def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
     tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
     model.save_pretrained(tmp)
     del model
+    import gc
+
+    gc.collect()  # nothing of the 16-bit model may stay reserved when the probe's cap is set
     try:
         os.rename(tmp, folder)
     except OSError:  # another probe saved it first

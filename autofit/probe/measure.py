@@ -55,8 +55,8 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     check_support(req)  # kernels that cannot run here: unsupported before the device is touched
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, state, now)
+    check_architecture(req)  # before the device: an unsupported architecture builds nothing
     sync = prepare_device(req, state)
-    check_architecture(req)
     model = load_model(req, state)
     state.stage = "check"  # forward passes with activations and logits: not a load-only failure
     gate = run_gate(req, state, model)
@@ -68,7 +68,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
         check = check_boundaries(model, batches, req.config.precision)
         if not check.ok:
             return mismatch(req, check)
-    state.stage = "load"
+    state.stage = "setup"
     trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
     res = kernel_figures(figures(req, state, trained, batches), req, state, gate)

@@ -24,7 +24,8 @@ class ProbeState:
     """The GPU-local CPU cores the probe runs on (None: the scheduler's choice)."""
     t_start: float = field(default_factory=time.perf_counter)
     stage: str = "load"
-    """Before training: "load", or "check" while the correctness checks run forward passes."""
+    """Before training: "load" while the model is built, "check" while the correctness checks run forward
+    passes, then "setup" (the training callback takes over from there)."""
 
     @property
     def phase(self) -> str:
