@@ -80,13 +80,14 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
 
 def interleaved(target: object, model: object, configs: dict[str, TrialConfig], n: int,
                 max_acc: int) -> dict[str, list[float]]:
-    """Each config measured n times in fresh processes, alternating (a, b, a, b, ...), so that a drift of
-    the machine over the minutes falls on both alike; the fits' tokens/s by label."""
+    """Each config measured n times in fresh processes, in the order a, b, b, a, a, b, ... so that a
+    steady drift of the machine over the minutes falls on both alike; the fits' tokens/s by label."""
     out: dict[str, list[float]] = {label: [] for label in configs}
+    order = list(configs.items())
     with Runner(target, Path(tempfile.mkdtemp()), standby=1, max_probe_accumulation=max_acc) as runner:
         runner.warm_up()
         for i in range(n):
-            for label, cfg in configs.items():
+            for label, cfg in (order if i % 2 == 0 else order[::-1]):
                 res = runner.run(cfg, model, name=f"after-{label}-{i}", timeout=300)
                 print(f"after {label} {i}: {config_brief(res.config)}  {res.tokens_per_s or 0:,.0f} tok/s "
                       f"({res.outcome.value})", flush=True)

@@ -76,18 +76,17 @@ def test_a_noisy_reason_names_the_hosts_share_of_the_slowest_step() -> None:
     assert "slowest step per unit of work (ran 2.00 s) against the fastest (3.60 s)" in by_work
     assert slowest([2.0], host) == "" and slowest([2.0, 3.0], {"thread_cpu_s": []}) == ""
     # with the GPU's figures: its SM clock in the slowest step against the fastest, and why it was held back
-    gpu = {**host, "sm_clock_mhz": [1980, 1410, 1980], "clock_events": [[], ["power cap"], []]}
+    gpu = {**host, "sm_clock_mhz": [1980, 1410, 1980], "clock_events": [["idle"], ["idle", "power cap"], ["idle"]]}
     assert "SM clock 1,410 vs 1,980 MHz, clock held back by power cap in the slowest" in slowest([2.0, 3.6, 1.95], gpu)
 
 
 def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None:
-    import pynvml
-
-    from autofit.probe.sampler import _DeviceClock
+    from autofit.probe.sampler import _DeviceClock, clock_event_bit
 
     clock = _DeviceClock()
+    assert clock_event_bit("power cap") and clock_event_bit("power cap") != clock_event_bit("idle")
     clock.add(1980, 650.0, 0)
-    clock.add(1410, 700.0, int(pynvml.nvmlClocksEventReasonSwPowerCap))
+    clock.add(1410, 700.0, clock_event_bit("power cap"))
     clock.add(None, None, None)  # a reading the driver refused counts for nothing
     assert clock.window() == {"sm_clock_mhz": 1695, "power_w": 675.0, "clock_events": ["power cap"]}
     assert clock.window() == {"sm_clock_mhz": None, "power_w": None, "clock_events": []}

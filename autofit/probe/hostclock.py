@@ -35,7 +35,8 @@ from pathlib import Path
 class HostClock:
     thread_cpu: float
     process_cpu: float
-    run_wait: float | None
+    run_wait: dict[str, float] | None
+    """Seconds each of the process's threads (by id) has waited on a run queue."""
     steal: float | None
 
     def until(self, later: HostClock) -> dict[str, float | None]:
@@ -45,7 +46,15 @@ class HostClock:
 
         return {"thread_cpu_s": diff(self.thread_cpu, later.thread_cpu),
                 "process_cpu_s": diff(self.process_cpu, later.process_cpu),
-                "run_wait_s": diff(self.run_wait, later.run_wait), "steal_cpu_s": diff(self.steal, later.steal)}
+                "run_wait_s": _waited(self.run_wait, later.run_wait), "steal_cpu_s": diff(self.steal, later.steal)}
+
+
+def _waited(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Run-queue wait added between two readings, summed over the threads alive at the second (a thread
+    started since counts from zero; one that ended since takes its share with it: a lower bound)."""
+    if before is None or after is None:
+        return None
+    return round(sum(max(t - before.get(tid, 0.0), 0.0) for tid, t in after.items()), 5)
 
 
 def read() -> HostClock:
@@ -53,17 +62,15 @@ def read() -> HostClock:
     return HostClock(time.thread_time(), time.process_time(), _run_wait(), _steal())
 
 
-def _run_wait() -> float | None:
-    """Seconds the process's threads have waited on a run queue, summed (a thread that ended since the
-    last reading takes its share with it: the difference is a lower bound for that step)."""
-    total, seen = 0, False
+def _run_wait() -> dict[str, float] | None:
+    """Seconds each of the process's threads has waited on a run queue, by thread id."""
+    waits = {}
     for stat in Path("/proc/self/task").glob("*/schedstat"):
         try:
-            total += int(stat.read_text().split()[1])
-            seen = True
+            waits[stat.parent.name] = int(stat.read_text().split()[1]) / 1e9
         except (OSError, IndexError, ValueError):  # the thread ended while we read
             continue
-    return total / 1e9 if seen else None
+    return waits or None
 
 
 def _steal() -> float | None:
@@ -113,7 +120,8 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
     clocks = host.get("sm_clock_mhz") or []
     if len(clocks) == len(step_times) and clocks[hi] is not None and clocks[lo] is not None:
         parts.append(f"SM clock {clocks[hi]:,} vs {clocks[lo]:,} MHz")
-        events = (host.get("clock_events") or [None] * len(step_times))[hi]
+        # "idle" is in nearly every step (the GPU idles while a step is synchronised): not a reason
+        events = [e for e in (host.get("clock_events") or [None] * len(step_times))[hi] or [] if e != "idle"]
         if events:
             parts.append("clock held back by " + ", ".join(events) + " in the slowest")
     which = "slowest step per unit of work" if rank is not step_times else "slowest step"

@@ -138,6 +138,22 @@ CLOCK_EVENTS = {  # NVML's clock event reasons (why the SM clock is below its ma
 }
 
 
+def _nvml(name: str) -> Any:
+    """A pynvml name, or its older spelling (nvidia-ml-py before 12.535 said "Throttle", not "Event")."""
+    import pynvml
+
+    value = getattr(pynvml, name, None)
+    return value if value is not None else getattr(pynvml, name.replace("ClocksEvent", "ClocksThrottle"))
+
+
+def clock_event_bit(name: str) -> int:
+    """NVML's bit for a clock event reason of CLOCK_EVENTS (0 where this pynvml has none)."""
+    try:
+        return int(_nvml(CLOCK_EVENTS[name]))
+    except AttributeError:
+        return 0
+
+
 class _DeviceClock:
     """Running sums of the SM clock and power draw, and the clock event reasons seen, between windows.
     Sampled from the memory sampler's thread; read and reset from the training thread."""
@@ -157,7 +173,7 @@ class _DeviceClock:
         readings = []
         for read in (lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                      lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                     lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)):
+                     lambda: _nvml("nvmlDeviceGetCurrentClocksEventReasons")(handle)):
             try:
                 readings.append(read())
             except Exception:  # not supported on this GPU or driver: that figure stays unknown
@@ -175,12 +191,9 @@ class _DeviceClock:
                 self.events |= int(events)
 
     def window(self) -> dict[str, Any]:
-        import pynvml
-
         with self._lock:
             out = {"sm_clock_mhz": round(self.clock_sum / self.clock_n) if self.clock_n else None,
                    "power_w": round(self.power_sum / self.power_n, 1) if self.power_n else None,
-                   "clock_events": [name for name, attr in CLOCK_EVENTS.items()
-                                    if self.events & int(getattr(pynvml, attr, 0))]}
+                   "clock_events": [name for name in CLOCK_EVENTS if self.events & clock_event_bit(name)]}
             self._reset()
         return out

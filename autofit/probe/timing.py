@@ -71,8 +71,8 @@ class ProbeCallback:
         self.step_cost: Callable[[int], float] | None = None
         """With real batches (--dataset): the work of optimizer step n (`RealBatches.step_cost`); steps then
         differ in size."""
-        self.phase = "load"
-        """Where training is now (result.OOM_PHASES): "load" until the first step begins; an out-of-memory
+        self.phase = "setup"
+        """Where training is now (result.OOM_PHASES): "setup" until the first step begins; an out-of-memory
         error caught at any moment belongs to it."""
 
     @property
@@ -120,9 +120,9 @@ class ProbeCallback:
         if model is not None and not model.training:
             raise RuntimeError("autofit: the model is in eval mode during training")
         self.sync()
-        self._t0 = time.perf_counter()
-        self._host0 = hostclock.read()
+        self._host0 = hostclock.read()  # read before the step's clock starts: their cost is not the step's
         self.mem.device_window()  # the device's figures count from the step's start
+        self._t0 = time.perf_counter()
         self._step_reserved = 0
         self.phase = "forward"
 
@@ -149,8 +149,9 @@ class ProbeCallback:
         acc = getattr(self.trainer, "accelerator", None)
         if acc is not None and getattr(acc, "optimizer_step_was_skipped", False):
             self.skipped_steps += 1
+        seconds = time.perf_counter() - self._t0
         micro = (self._opt0 - self._t0) / args.gradient_accumulation_steps
-        self.steps.append({"seconds": time.perf_counter() - self._t0, "micro": micro,
+        self.steps.append({"seconds": seconds, "micro": micro,
                            "optimizer": self._opt, "reserved": self._step_reserved,
                            "host": {**self._host0.until(hostclock.read()), **self.mem.device_window()}})
         if len(self.steps) == self.plan.warmup:
