@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, run_cli
-from test_regress import write_run
+from test_regress import BASE, write_run
 
 from autofit.cli import main
 from autofit.errors import UsageError
@@ -162,6 +162,15 @@ def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
         assert "Probe: 1,000 tokens/s, peak 100 MiB (every sequence 128 tokens" in text, fmt
 
 
+def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_path: Path) -> None:
+    """The quantization keys are validated against the installed BitsAndBytesConfig: in transformers 5.25
+    its base became a dataclass of one field, and reading only the dataclass fields refused load_in_4bit."""
+    run = write_run(tmp_path / "run", config=BASE.config.replace(quantization="nf4").to_dict())
+    for fmt in FORMATS:
+        text = export_run(run, fmt).text
+        assert "nf4" in text, fmt
+
+
 @pytest.mark.parametrize("content, problem", [
     ('{"outcome":', "is not valid JSON (line 1 column 12: Expecting value)"),
     ("[1,2,3]", "holds a JSON list, not an object with the winner"),
@@ -217,3 +226,24 @@ def test_importing_the_exporters_imports_no_ml_library() -> None:
 def test_export_to_stdout(tiny_run: Path) -> None:
     proc = run_cli("export", str(tiny_run))
     assert proc.returncode == 0 and proc.stdout.startswith("#!/usr/bin/env python3")
+
+
+@pytest.mark.slow
+def test_a_4bit_preset_recipe_quantizes_random_weights_built_in_host_memory(tiny_run: Path, tmp_path: Path) -> None:
+    """A preset has no weights to quantize: the recipe builds them at random in host memory (on the card
+    they would need the 16-bit model's memory: 13 GB for a 7B meant for a 12 GB card), saves them once and
+    loads them 4-bit. Here on the CPU, with bitsandbytes' CPU kernels: 3 real steps on nf4 layers."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("logs", "*.png"))
+    best = json.loads((run / "best.json").read_text())
+    best["config"]["quantization"] = "nf4"
+    (run / "best.json").write_text(json.dumps(best))
+    script = tmp_path / "train.py"
+    proc = export(run, "hf-trainer", script)
+    assert proc.returncode == 0, proc.stderr
+    assert "'bnb_4bit_quant_type': 'nf4'" in script.read_text()
+    done = subprocess.run([sys.executable, str(script), "--dataset", str(DATA), "--output-dir", str(tmp_path / "out"),
+                           "--max-steps", "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("recipe-summary ")]
+    assert summary and json.loads(summary[-1].split(" ", 1)[1])["steps"] == 3

@@ -41,11 +41,14 @@ def trl_installed() -> bool:
 
 
 def names_of(obj: Any) -> list[str]:
-    """A dataclass's fields, or a callable's parameters."""
-    if dataclasses.is_dataclass(obj):
-        return sorted(f.name for f in dataclasses.fields(obj))
+    """The keyword arguments a class or function takes: a class's constructor parameters with its dataclass
+    fields (transformers 5.25 made BitsAndBytesConfig's base a dataclass of one field, `quant_method`, while
+    its own __init__ takes load_in_4bit and the rest), or a callable's parameters."""
+    names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
     target = obj.__init__ if inspect.isclass(obj) else obj
-    return sorted(inspect.signature(target).parameters)
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    names |= {n for n, p in inspect.signature(target).parameters.items() if p.kind not in skip and n != "self"}
+    return sorted(names)
 
 
 def documented_keys(doc: str, argument: str) -> list[str]:
@@ -84,8 +87,12 @@ def _read_installed() -> dict[str, list[str]]:
     return out
 
 
+READER = 2
+"""How the names are read (names_of); a cache written by another reader is not used."""
+
+
 def _cache_file(v: dict[str, str]) -> Path:
-    digest = hashlib.sha1(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(json.dumps({**v, "reader": READER}, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / f"fields-{digest}.json"
 
 
