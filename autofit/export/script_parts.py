@@ -168,7 +168,9 @@ def build_model(model_ref):
         quant = BitsAndBytesConfig(**quant)
     if model_ref is None:
         config = AutoConfig.for_model(**MODEL_CONFIG)
-        with torch.device("cpu" if zero3 else device):
+        # random weights to quantize are built in host memory: on the card they would need the 16-bit
+        # model's memory that quantizing is meant to save (a 7B: 13 GB on a 12 GB card)
+        with torch.device("cpu" if zero3 or quant is not None else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         if quant is None:
             return model
