@@ -23,6 +23,7 @@ Two modes, both through the real CLI (subprocesses, as a user runs it):
     python bench/kernels_bench.py --mode probes --scenarios S1,S4
     python bench/kernels_bench.py --export-run RUN --reprobes 0 --export-steps 30 \\
         --curve-variants eager,liger                           # the loss curve's floor, and Liger's share
+    python bench/kernels_bench.py --export-run RUN --reprobes 2 --warm-steps 30  # curves from a trained base
     python bench/kernels_bench.py --profile-point '{"micro_batch_size": 2, "liger": true}' \\
         --model llama2-7b --limit 40GiB                        # one profile, printed
 
@@ -100,6 +101,8 @@ class Setup:
     """The winner probed again in the export's call (--reprobes): the recipe's same-conditions reference."""
     curve_variants: tuple[str, ...] = ()
     """--curve-variants: recipes beside the stock one for the loss curve (CURVE_VARIANTS)."""
+    warm_steps: int = 0
+    """--warm-steps: the loss curves start from the preset trained this many steps by the stock recipe."""
     gpus: tuple[int, ...] = ()
     """--gpus: the scenarios' searches at once, two GPUs a scenario (today's space, the extended one)."""
 
@@ -378,8 +381,10 @@ def bench_dataset(folder: Path) -> Path:
     return path
 
 
-def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None) -> dict[str, Any]:
-    """Export `run_dir`'s winner (hf-trainer), run it `steps` steps; its summary (tokens/s, peak, losses)."""
+def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None,
+               model: Path | None = None) -> dict[str, Any]:
+    """Export `run_dir`'s winner (hf-trainer), run it `steps` steps (from `model`'s weights, else the run's
+    model); its summary (tokens/s, peak, losses)."""
     script = work / "train.py"
     proc = autofit_cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
     if proc.returncode != 0:
@@ -388,6 +393,8 @@ def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: in
            "--max-steps", str(steps)]
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
+    if model is not None:
+        cmd += ["--model", str(model)]
     t0 = time.monotonic()
     run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=bench_env(gpu))
     lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
@@ -410,6 +417,57 @@ CURVE_VARIANTS = {
 correct stock kernel: its curve against the stock one is the floor two correct implementations reach
 (early training on random weights moves fast, and rounding compounds); the others are one kernel each,
 to say which one moves the curve."""
+
+
+SAVE_PRESET = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+recipe.build_model(None).save_pretrained(sys.argv[2])
+recipe.load_tokenizer(None).save_pretrained(sys.argv[2])
+"""
+"""The exported script's own preset (random weights) and stand-in tokenizer, saved: a folder its --model reads."""
+
+MERGE = """
+import sys
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+base = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype="auto")
+PeftModel.from_pretrained(base, sys.argv[2]).merge_and_unload().save_pretrained(sys.argv[3])
+AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[3])
+"""
+"""A saved model with a trained adapter merged into its weights."""
+
+
+def warm_base(run_dir: Path, work: Path, steps: int, gpu: int | None) -> tuple[Path | None, dict[str, Any]]:
+    """The preset trained `steps` steps by the stock-kernel recipe, its adapter merged into the weights: a
+    base whose loss has come down from ln(vocab) to where the data holds it, standing in for pretrained
+    weights. From random weights the loss falls 3x in 20 steps, and a kernel recipe one step ahead of the
+    stock one differs by several percent at a step without training anything else; fine-tuning starts
+    from a trained model, where a kernel that computes a different loss shows as a lasting offset.
+    The random preset is saved first, so that the warm-up and the merge read the very same weights."""
+    folder = work / "warm"
+    folder.mkdir()
+    copy = variant_copy(run_dir, work, "warm", STOCK)
+    script, preset, base = folder / "train.py", folder / "preset", folder / "base"
+
+    def helper(code: str, *args: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                              check=False, timeout=1800, env=bench_env(gpu))
+
+    made = autofit_cli("export", str(copy), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
+    saved = helper(SAVE_PRESET, script, preset) if made.returncode == 0 else made
+    if saved.returncode != 0:
+        return None, {"steps": steps, "error": saved.stderr[-1500:]}
+    run = run_recipe(copy, folder, steps, None, gpu, preset)
+    summary = {"steps": steps, "losses": run.get("losses"), "rc": run.get("rc")}
+    if run.get("rc") != 0:
+        return None, {**summary, "error": run.get("stderr_tail") or run.get("error")}
+    merged = helper(MERGE, preset, folder / "out", base)
+    if merged.returncode != 0:
+        return None, {**summary, "error": merged.stderr[-1500:]}
+    return base, summary
 
 
 def variant_copy(run_dir: Path, folder: Path, name: str, changes: dict[str, Any]) -> Path:
@@ -454,8 +512,12 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     point = {**{k: best.config[k] for k in setup.common if k in best.config}, **config_of(best)}
     again = [probe(setup, best.model, limit_arg, point) for _ in range(setup.reprobes)]
     again_tps = [r["tokens_per_s"] for r in again if r.get("outcome") == "fit" and r.get("tokens_per_s")]
+    warm, warmed = None, None
+    if setup.warm_steps and setup.stock_reference:
+        warm, warmed = warm_base(run_dir, work, setup.warm_steps, gpus[1])
     with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
-        mine, stock = [*pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3]), jobs), {}][:2]
+        mine, stock = [*pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3], warm), jobs),
+                       {}][:2]
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
     peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
     tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
@@ -464,7 +526,7 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     for name in setup.curve_variants if stock else ():
         (work / name).mkdir()
         run = run_recipe(variant_copy(run_dir, work, name, CURVE_VARIANTS[name]), work / name,
-                         setup.export_steps, None, gpus[1])
+                         setup.export_steps, None, gpus[1], warm)
         variants[name] = {"changes": CURVE_VARIANTS[name], "losses": run.get("losses"),
                           "tokens_per_s": run.get("tokens_per_s"), "rc": run.get("rc"),
                           "max_rel_diff_vs_stock": curve_diff(run, stock)}
@@ -481,6 +543,7 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
             "stock_recipe": stock, "loss_curve_max_rel_diff": diff,
             "loss_tolerance": tol, "loss_curve_within_tolerance": diff is not None and diff <= tol,
             "curve_variants": variants, "stock_floor_max_rel_diff": floor,
+            "warm_start": warmed,  # None: the curves start from the preset's random weights
             # the correctness gate's own rule (data/correctness.py): max(table, FLOOR_FACTOR x the floor
             # two correct implementations show)
             "loss_bound_with_floor": bound,
@@ -593,6 +656,9 @@ def main() -> None:
                     help=f"with the export: more recipes for the loss curve, comma-separated of "
                          f"{', '.join(CURVE_VARIANTS)} (eager: the floor two correct stock kernels reach)")
     ap.add_argument("--export-run", help="a kernel search's run folder (from --keep): only its export fidelity")
+    ap.add_argument("--warm-steps", type=int, default=0,
+                    help="with the export: start the loss curves from the preset trained this many steps by the "
+                         "stock recipe (a settled loss, as fine-tuning a trained model), not from random weights")
     a = ap.parse_args()
     unknown = {x.strip() for x in a.curve_variants.split(",") if x.strip()} - set(CURVE_VARIANTS)
     if unknown:
@@ -600,6 +666,7 @@ def main() -> None:
     setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
                   stock_reference=not a.no_stock_reference, reprobes=a.reprobes,
                   curve_variants=tuple(x.strip() for x in a.curve_variants.split(",") if x.strip()),
+                  warm_steps=a.warm_steps,
                   gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
     if a.matmul:
         print(matmul_tflops())
