@@ -28,7 +28,7 @@ from common import GIB, save
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
 from autofit.probe.quiet import CONTROLS_ENV
-from autofit.protocol import HEADROOM
+from autofit.protocol import HEADROOM, TIMED_STEPS
 from autofit.runner import HOLD, Runner
 from autofit.spec import TrialConfig
 from autofit.target import Target
@@ -47,6 +47,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--modes", default="before,hold,after")
     p.add_argument("--max-probe-accumulation", type=int, default=4,
                    help="micro-steps timed per optimizer step, the rest extrapolated (0: all)")
+    p.add_argument("--timed-steps", type=int, default=TIMED_STEPS,
+                   help=f"timed optimizer steps per probe (default {TIMED_STEPS}, the probe's): more say whether "
+                        "the spread between processes is per-step noise that a longer window averages out")
     p.add_argument("--name", default=None, help="result file name (default noise-<model>-<device>)")
     return p.parse_args()
 
@@ -59,7 +62,7 @@ def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace,
     os.environ[CONTROLS_ENV] = controls  # read by the probe children this runner starts
     runs = []
     with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold,
-                max_probe_accumulation=a.max_probe_accumulation or None) as runner:
+                timed_steps=a.timed_steps, max_probe_accumulation=a.max_probe_accumulation or None) as runner:
         runner.warm_up()
         for i in range(a.runs):
             stops = HOLD.stops
@@ -126,7 +129,7 @@ def main() -> int:
         save(a.name or f"noise-{a.model}-{a.device}", {
             "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
                         f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby, "
-                        f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}",
+                        f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}, timed steps: {a.timed_steps}",
             "target": target.describe(long=True),
             "config": cfg.to_dict(),
             "modes": modes,
