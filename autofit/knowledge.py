@@ -144,7 +144,7 @@ class Knowledge:
         fewer tokens per micro-batch). None: no failure proves it."""
         for o, r in self.memory_failures():
             short = self.shortfall(r)
-            saving = self.memory.max_saving(o, cfg, _reserved_free(r), "load" if r.failed_loading else None)
+            saving = self.memory.max_saving(o, cfg, _reserved_free(r), r.failed_loading)
             if saving is None or saving >= short:
                 continue
             what = f"micro-batch {o.micro_batch_size}, length {o.max_length}"

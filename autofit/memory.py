@@ -386,13 +386,13 @@ class MemoryModel:
         return self.predict(cfg) > usable * (1 + self.margin(cfg))
 
     def max_saving(self, oom: TrialConfig, cfg: TrialConfig, reserved_free: int | None = None,
-                   phase: str | None = None) -> int | None:
+                   loading: bool = False) -> int | None:
         """The most memory cfg can save against the out-of-memory config `oom`: each of the prior's
         terms that cfg shrinks, at its full size, scaled by how far measured peaks exceed the prior
         and by the model's margin; turning expandable_segments on gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
         model (attention kernel, batching, dropout), or in length under eager attention: then nothing
-        is known. An OOM with `phase` "load" struck while the model was built (result.failed_loading):
+        is known. With `loading`, the OOM struck while the model was built (result.failed_loading):
         only what exists by then (the weights and the adapter's own parameters) can save, not
         activations, logits, gradients or optimizer state. Several ranks or an engine: nothing is
         claimed (each rank loads the whole model before an engine shards it; the prior's terms split
@@ -400,18 +400,17 @@ class MemoryModel:
         changed = oom.differing_keys(cfg) - NO_MEMORY
         if changed - MODELED or (changed and not self.shape.hidden):
             return None
+        if loading and any(c.gpus > 1 or c.engine != "none" for c in (oom, cfg)):
+            return None
         if "max_length" in changed and "eager" in (oom.attn_implementation, cfg.attn_implementation):
             return None  # eager attention's scores grow with length squared: a term the prior lacks
         po, pc = prior(oom, self.shape, self.on_gpu), prior(cfg, self.shape, self.on_gpu)
         grow = max(self.scale(), 1.0) * (1 + max(self.margin(oom), self.margin(cfg)))
-        if phase == "load" and any(c.gpus > 1 or c.engine != "none" for c in (oom, cfg)):
-            return None
-        if phase == "load":
+        if loading:
             saved = max(loaded_bytes(oom, self.shape) - loaded_bytes(cfg, self.shape), 0)
-            slack = max(po.allocator - pc.allocator, 0) * grow if saved else 0
         else:
             saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in (*TERMS, "outside"))
-            slack = max(po.allocator - pc.allocator, 0) * grow
+        slack = max(po.allocator - pc.allocator, 0) * grow if saved or not loading else 0
         if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
             slack = reserved_free if reserved_free is not None else po.allocator * grow
         return int(saved * grow + slack)

@@ -136,14 +136,14 @@ def main() -> None:
                                         + (["--device", a.device] if a.device else []))
     best = summary.get("best") or {}
     now = [r for r in figures["leaders"] if r["now"]["outcome"] == "fit"]
-    top = max((r["now"] for r in now), key=lambda r: r["tokens_per_s"]) if now else None
+    top_row = max(now, key=lambda r: r["now"]["tokens_per_s"]) if now else None
+    top = top_row and top_row["now"]
     pick_key = TrialConfig.from_dict(best["config"]).key() if best.get("config") else None
     same = next((r for r in now if r["key"] == pick_key), None)
     rows = read_trials(run_dir)
     after = None
-    if a.after and same is None and pick_key in by_key and top is not None:
-        top_key = next(r["key"] for r in now if r["now"] is top)
-        after = interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_key]}, a.after,
+    if a.after and same is None and pick_key in by_key and top_row is not None:
+        after = interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after,
                             int(a.max_probe_accumulation))
     if same is not None:  # both from the leaders' pass: the same protocol, minutes apart at most
         like = same["now"]["tokens_per_s"] / top["tokens_per_s"]

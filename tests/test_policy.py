@@ -131,7 +131,7 @@ def test_a_load_failure_under_an_engine_prunes_nothing() -> None:
     k = know(failed)
     for variant in (base.replace(cpu_offload="optimizer"), base.replace(gpus=4), base.replace(optimizer="adamw_8bit"),
                     base.replace(micro_batch_size=2)):
-        assert k.memory.max_saving(base, variant, None, "load") is None
+        assert k.memory.max_saving(base, variant, None, loading=True) is None
         assert k.verdict(variant)[0] is not Verdict.DOMINATED, variant.key()
 
 

@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -107,22 +108,22 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
     hi = max(range(len(rank)), key=rank.__getitem__)
     lo = min(range(len(rank)), key=rank.__getitem__)
 
-    def pair(key: str) -> str | None:
-        if len(host.get(key) or []) != len(step_times):
-            return None
-        a, b = host[key][hi], host[key][lo]
-        return None if a is None or b is None else f"{a:.2f} vs {b:.2f} s"
+    def at(key: str, i: int) -> Any:
+        values = host.get(key) or []
+        return values[i] if len(values) == len(step_times) else None
+
+    def pair(key: str, fmt: str = "{:.2f} vs {:.2f} s") -> str | None:
+        a, b = at(key, hi), at(key, lo)
+        return None if a is None or b is None else fmt.format(a, b)
 
     parts = [f"{label} {v}" for label, v in (("training thread on a CPU", pair("thread_cpu_s")),
                                              ("all its threads on a CPU", pair("process_cpu_s")),
                                              ("waiting for a CPU", pair("run_wait_s")),
-                                             ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s"))) if v]
-    clocks = host.get("sm_clock_mhz") or []
-    if len(clocks) == len(step_times) and clocks[hi] is not None and clocks[lo] is not None:
-        parts.append(f"SM clock {clocks[hi]:,} vs {clocks[lo]:,} MHz")
-        # "idle" is in nearly every step (the GPU idles while a step is synchronised): not a reason
-        events = [e for e in (host.get("clock_events") or [None] * len(step_times))[hi] or [] if e != "idle"]
-        if events:
-            parts.append("clock held back by " + ", ".join(events) + " in the slowest")
+                                             ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s")),
+                                             ("SM clock", pair("sm_clock_mhz", "{:,} vs {:,} MHz"))) if v]
+    # "idle" is in nearly every step (the GPU idles while a step is synchronised): not a reason
+    held = [e for e in at("clock_events", hi) or [] if e != "idle"]
+    if held and pair("sm_clock_mhz"):
+        parts.append("clock held back by " + ", ".join(held) + " in the slowest")
     which = "slowest step per unit of work" if rank is not step_times else "slowest step"
     return f"; {which} (ran {ran[hi]:.2f} s) against the fastest ({ran[lo]:.2f} s): " + ", ".join(parts)
