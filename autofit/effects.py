@@ -11,6 +11,8 @@ becomes informative by declaring its factors here.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 from .data.shapes import TokenShapes
@@ -40,10 +42,23 @@ SPEED: dict[str, dict[Any, float]] = {
 HALF_TOKENS = 512
 """Tokens per micro-batch at which a GPU reaches half its matrix-product throughput: tokens/s rises
 with the micro-batch as T / (T + HALF_TOKENS) and flattens (S1: micro-batch 1 -> 2 at 2048 tokens
-gained 6%)."""
+gained 6%). The prior only: a study that measured two micro-batches of one config learns its own
+(`fitted_half_tokens`)."""
+MAX_HALF_TOKENS = 1 << 20
+HALF_TOKENS_QUANTIZED = 8192
+"""The prior with a quantized base: every micro-step dequantises the weights for each product, a
+cost that does not grow with its tokens (S5, nf4 at length 1024: micro-batch 1 -> 2 -> 4 ran 1.93x
+and 1.56x, H ~ 27,000 and ~5,000 tokens)."""
+
+Half = Callable[[TrialConfig], float]
+"""The micro-step's fixed cost in tokens for a config: `prior_half`, or a study's (Knowledge.half_tokens)."""
 
 
-def factor(cfg: TrialConfig, shapes: TokenShapes | None = None) -> float:
+def prior_half(cfg: TrialConfig) -> float:
+    return HALF_TOKENS if cfg.quantization in (None, "none") else HALF_TOKENS_QUANTIZED
+
+
+def factor(cfg: TrialConfig, shapes: TokenShapes | None = None, half: Half = prior_half) -> float:
     """Relative trained tokens/s of cfg by the declared effects (scale-free: only ratios mean anything).
 
     A micro-batch's time follows its tensor tokens T (padding included) as T + HALF_TOKENS; what counts
@@ -52,11 +67,22 @@ def factor(cfg: TrialConfig, shapes: TokenShapes | None = None) -> float:
     micro-batch's fixed cost show: micro-batch 1 of 60-token samples is ~10x slower per trained token
     than a padding-free micro-batch of 2,048 tokens.
     """
-    f = 1.0
-    for key, table in SPEED.items():
-        f *= table.get(getattr(cfg, key), 1.0)
-    trained, tensor = micro_batch_tokens(cfg, shapes)
-    return f * trained / (tensor + HALF_TOKENS)
+    trained, _ = micro_batch_tokens(cfg, shapes)
+    return SPEED["gpus"].get(cfg.gpus, 1.0) * trained / micro_step_cost(cfg, shapes, half)
+
+
+def micro_step_cost(cfg: TrialConfig, shapes: TokenShapes | None = None, half: Half = prior_half) -> float:
+    """Relative time of one micro-step of cfg on one rank: its tensor tokens plus the fixed cost
+    (`half`: the prior, or what the study's fits say, `fitted_half_tokens`), slowed by the declared
+    effects of the other keys (the ranks' count aside: every
+    rank runs its own micro-steps at once). Only ratios mean anything."""
+    _, tensor = micro_batch_tokens(cfg, shapes)
+    return (tensor + half(cfg)) / declared(cfg)
+
+
+def declared(cfg: TrialConfig) -> float:
+    """The declared effects of cfg's keys on one rank's speed, the micro-batch and the ranks aside."""
+    return math.prod(table.get(getattr(cfg, key), 1.0) for key, table in SPEED.items() if key != "gpus")
 
 
 def micro_batch_tokens(cfg: TrialConfig, shapes: TokenShapes | None = None) -> tuple[float, float]:
@@ -66,9 +92,40 @@ def micro_batch_tokens(cfg: TrialConfig, shapes: TokenShapes | None = None) -> t
     return shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
 
 
-def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: TokenShapes | None = None) -> float:
+def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: TokenShapes | None = None,
+             half: Half = prior_half) -> float:
     """cfg's tokens/s from a measured reference, scaled by the declared effects of what differs."""
-    return measured * factor(cfg, shapes) / factor(reference, shapes)
+    return measured * factor(cfg, shapes, half) / factor(reference, shapes, half)
+
+
+def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShapes | None = None) -> float | None:
+    """The micro-step's fixed cost in tokens, learned from measured fits of different micro-batches
+    (the median over such pairs; their other keys' declared effects divided out), else None.
+
+    With time per micro-step (T + H) / declared and tokens/s trained / time, two fits a (the larger
+    micro-batch) and b give q = (s_a / trained_a / declared_a) / (s_b / trained_b / declared_b)
+    = (T_b + H) / (T_a + H), so H = (T_b - q T_a) / (q - 1): from 0 (q = T_b / T_a, a micro-step's
+    time follows its tokens) up without bound (q = 1, all of it fixed cost). Where each micro-step
+    pays a large fixed cost (a launch-bound step, a 4-bit base dequantised on every product), H is
+    many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x micro-batch 1 (H ~ 27,000 tokens), where
+    HALF_TOKENS predicts 1.2x; the policy's expectations and the budget's estimates must know it.
+    """
+    found = []
+    for i, (a, sa) in enumerate(fits):
+        for b, sb in fits[i + 1:]:
+            if a.micro_batch_size == b.micro_batch_size or a.differing_keys(b) & SAME_TOKENS:
+                continue
+            rates = sorted(((*micro_batch_tokens(c, shapes), s / declared(c)) for c, s in ((a, sa), (b, sb))),
+                           key=lambda x: -x[1])  # (trained, tensor, speed / declared), the larger first
+            (trained_big, tensor_big, r_big), (trained_small, tensor_small, r_small) = rates
+            q = (r_big / trained_big) / (r_small / trained_small)
+            h = (tensor_small - q * tensor_big) / (q - 1.0) if q < 1.0 else MAX_HALF_TOKENS
+            found.append(min(max(h, 0.0), MAX_HALF_TOKENS))
+    return statistics.median(found) if found else None
+
+
+SAME_TOKENS = frozenset({"max_length", "batching", "gpus", "engine"})
+"""Keys two fits must share to tell the fixed cost of a micro-step: what a micro-batch holds and where it runs."""
 
 
 def differences(a: TrialConfig, b: TrialConfig) -> int:

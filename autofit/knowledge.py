@@ -15,7 +15,7 @@ from . import effects, kernels
 from .data.correctness import boundary_key
 from .data.shapes import TokenShapes
 from .memory import MemoryModel, Shape
-from .objective import best_of, once_and_noisy
+from .objective import best_of, once_and_noisy, speed
 from .protocol import Checks
 from .result import ProbeResult
 from .space import CKPT_COST, QUANT_COST
@@ -77,6 +77,8 @@ class Knowledge:
     shapes: TokenShapes | None = None
     """With --dataset: each strategy's mean micro-batch (trained and tensor tokens), for the policy's
     speed expectations (effects.factor)."""
+    _halves: dict[str, float | None] = field(default_factory=dict, repr=False)
+    """half_tokens' answers by quantization (a Knowledge is built afresh for each decision)."""
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
@@ -133,6 +135,18 @@ class Knowledge:
 
     def best(self) -> ProbeResult | None:
         return best_of(self.fits())
+
+    def half_tokens(self, cfg: TrialConfig) -> float:
+        """The micro-step's fixed cost in tokens for cfg (effects.Half): learned from this study's fits
+        of cfg's quantization (effects.fitted_half_tokens), else the declared prior. What a larger
+        micro-batch gains, for the policy's speed expectations and the probe-time estimates."""
+        quant = cfg.quantization
+        if quant not in self._halves:
+            self._halves[quant] = effects.fitted_half_tokens(
+                [(c, speed(r)) for r in self.fits() if r.tokens_per_s
+                 and (c := TrialConfig.from_dict(r.config)).quantization == quant], self.shapes)
+        fitted = self._halves[quant]
+        return effects.prior_half(cfg) if fitted is None else fitted
 
     def best_length(self) -> int | None:
         b = self.best()
@@ -267,9 +281,12 @@ class Knowledge:
         return [c for c in candidates if self.verdict(c)[0].probes()]
 
     def estimate_seconds(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float | None:
-        """A probe's likely wall time, scaled from the probes so far by tokens it trains. Probes of
-        the same cost class (quantized load, compile, kernels: `_cost_class`) speak for cfg when there
-        are any, so a 4-bit load or a compile is paid for in the estimate once one was seen."""
+        """A probe's likely wall time: the probes so far per unit of cost (the micro-steps they trained
+        and each one's declared cost, effects.micro_step_cost, with the study's own fixed cost of a
+        micro-step: micro-batch 4 is not 4x micro-batch 1), widened by how much cfg differs from the
+        nearest of them; a config measured once speaks for its own repeat. Probes of the same cost class
+        (quantized load, compile, kernels: `_cost_class`) speak for cfg when there are any, so a 4-bit
+        load or a compile is paid for in the estimate once one was seen."""
         # training time, not wall time: the first probe's wall time includes waiting for imports.
         # Any probe that trained to the end counts (an unstable one or one over the headroom, too).
         timed = [r for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
@@ -283,14 +300,24 @@ class Knowledge:
             return ([r for r in results if _cost_class(r.config) == mine]
                     or [r for r in results if _fixed_costs(r.config) <= _fixed_costs(cfg.to_dict())] or results)
 
-        rows = [(r.train_seconds or r.wall_seconds,
-                 _probe_tokens(TrialConfig.from_dict(r.config), steps, max_acc, self.shapes))
-                for r in same_class(timed)]
-        per_token = max(w / t for w, t in rows)
+        rows = [(r.train_seconds or r.wall_seconds, TrialConfig.from_dict(r.config)) for r in same_class(timed)]
+        fewest = min(effects.differences(cfg, c) for _, c in rows)
+        # cfg's own probes where it was measured; else the class's typical time per unit of cost
+        per_cost = statistics.median(w / self._probe_cost(c, steps, max_acc) for w, c in rows
+                                     if fewest or not effects.differences(cfg, c))
         later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
         overheads = [r.wall_seconds - r.train_seconds for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
-        return min(per_token * _probe_tokens(cfg, steps, max_acc, self.shapes), max(w for w, _ in rows) * 4) + overhead
+        # an estimate across differing keys is as unsure as a speed estimated across them
+        spread = 1.0 + (effects.uncertainty(fewest) if fewest else 0.0)
+        return min(per_cost * self._probe_cost(cfg, steps, max_acc) * spread, max(w for w, _ in rows) * 4) + overhead
+
+    def _probe_cost(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float:
+        """What a probe's training time scales with: the micro-steps it trains (accumulation capped
+        at `max_acc`) times each one's declared cost; with a dataset, each micro-batch's mean tensor
+        tokens (micro-batch 1 of short samples is quick to probe)."""
+        acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
+        return steps * acc * effects.micro_step_cost(cfg, self.shapes, self.half_tokens)
 
 
 def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
@@ -314,15 +341,6 @@ def _reserved_free(res: ProbeResult) -> int | None:
     if res.max_memory_reserved and res.max_memory_allocated:
         return max(res.max_memory_reserved - res.max_memory_allocated, 0)
     return None
-
-
-def _probe_tokens(cfg: TrialConfig, steps: int, max_acc: int | None, shapes: TokenShapes | None = None) -> float:
-    """What a probe's training time scales with: its micro-batches' tokens; with a dataset, each
-    micro-batch's mean tensor tokens plus its fixed cost (effects.HALF_TOKENS), as effects.factor
-    counts them (micro-batch 1 of short samples is quick to probe)."""
-    acc = min(cfg.gradient_accumulation_steps, max_acc or 10**9)
-    _, tensor = effects.micro_batch_tokens(cfg, shapes)
-    return steps * acc * (tensor + (effects.HALF_TOKENS if shapes is not None else 0))
 
 
 def promise(cfg: TrialConfig) -> tuple[Any, ...]:

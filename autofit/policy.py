@@ -73,14 +73,15 @@ def measured(know: Knowledge) -> list[tuple[TrialConfig, float]]:
 
 
 def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig,
-                   shapes: TokenShapes | None = None) -> tuple[float, float]:
+                   shapes: TokenShapes | None = None, half: effects.Half = effects.prior_half) -> tuple[float, float]:
     """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone;
-    `shapes`: the dataset's micro-batches (Knowledge.shapes), None for full rows of random tokens."""
+    `shapes`: the dataset's micro-batches (Knowledge.shapes), None for full rows of random tokens;
+    `half`: the micro-step's fixed cost in tokens (Knowledge.half_tokens)."""
     if not fits:
-        mu = effects.factor(cfg, shapes)
+        mu = effects.factor(cfg, shapes, half)
         return mu, mu * 0.3
     n, ref, tps = min(((effects.differences(cfg, f), f, t) for f, t in fits), key=lambda x: (x[0], -x[2]))
-    mu = effects.estimate(cfg, ref, tps, shapes)
+    mu = effects.estimate(cfg, ref, tps, shapes, half)
     return mu, mu * effects.uncertainty(n)
 
 
@@ -106,7 +107,7 @@ def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: floa
           fits: list[tuple[TrialConfig, float]], best: float | None) -> Score:
     """`fits` (`measured`) and `best` (the best fit's speed) are the study's, the same for every candidate."""
     p = fit_probability(know, cfg)
-    mu, sigma = expected_speed(fits, cfg, know.shapes)
+    mu, sigma = expected_speed(fits, cfg, know.shapes, know.half_tokens)
     gain = expected_improvement(mu, sigma, best) if best is not None else mu
     value = p * gain / max(seconds or 1.0, 1.0) ** weight
     return Score(cfg, p, mu, gain, seconds, value)
