@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -491,8 +492,10 @@ def curve_diff(mine: dict[str, Any], ref: dict[str, Any]) -> float | None:
 
 
 def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
-                    gpus: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
-    """The exported winner against its probe (5% tokens/s, 3% peak) and its loss curve against stock kernels."""
+                    gpus: tuple[int | None, int | None] = (None, None),
+                    keep: Callable[[dict[str, Any]], None] = lambda part: None) -> dict[str, Any]:
+    """The exported winner against its probe (5% tokens/s, 3% peak) and its loss curve against stock kernels.
+    `keep` gets what is measured so far after each stage, so a call cut by its time limit keeps it."""
     if best is None or not (run_dir / "best.json").is_file():
         return {"skipped": "no winner"}
     best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))  # what export reads (repeats merged)
@@ -512,12 +515,17 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     point = {**{k: best.config[k] for k in setup.common if k in best.config}, **config_of(best)}
     again = [probe(setup, best.model, limit_arg, point) for _ in range(setup.reprobes)]
     again_tps = [r["tokens_per_s"] for r in again if r.get("outcome") == "fit" and r.get("tokens_per_s")]
+    part: dict[str, Any] = {"probe_tokens_per_s": best.tokens_per_s, "same_call_probes": again}
+    keep(part)
     warm, warmed = None, None
     if setup.warm_steps and setup.stock_reference:
         warm, warmed = warm_base(run_dir, work, setup.warm_steps, gpus[1])
+        keep({**part, "warm_start": warmed})
     with ThreadPoolExecutor(2 if gpus[1] is not None else 1) as pool:
-        mine, stock = [*pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3], warm), jobs),
-                       {}][:2]
+        runs = pool.map(lambda j: run_recipe(j[0], j[1], setup.export_steps, j[2], j[3], warm), jobs)
+        mine = next(runs)
+        keep({**part, "warm_start": warmed, "recipe": mine})
+        stock = next(runs, {})
     tps = mine.get("tokens_per_s", 0) / best.tokens_per_s if best.tokens_per_s and mine.get("tokens_per_s") else None
     peak = mine["peak_bytes"] / best.peak_memory_bytes if mine.get("peak_bytes") and best.peak_memory_bytes else None
     tol = TOLERANCES[best.config.get("precision", "bf16")].loss_rel
@@ -686,7 +694,10 @@ def main() -> None:
     if a.export_run:
         run_dir = Path(a.export_run)
         best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
-        save(name, {"export_of": run_dir.name, "winner": config_of(best), "export": export_fidelity(setup, run_dir, best)})
+        head = {"export_of": run_dir.name, "winner": config_of(best)}
+        export = export_fidelity(setup, run_dir, best,
+                                 keep=lambda part: save(name, {**head, "export": part, "complete": False}))
+        save(name, {**head, "export": export, "complete": True})
         return
     require_kernel_keys()
     matmul = None if a.small else matmul_tflops_apart()

@@ -7,9 +7,10 @@ does not show it. Four counters, per step:
 
 - `thread_cpu_s`: CPU time of the training thread itself (`time.thread_time`);
 - `process_cpu_s`: CPU time of all the process's threads (`time.process_time`: autograd's device
-  thread, data loading, the memory sampler). Near the step's wall time or above, some thread was
-  busy the whole step: launch-bound; well below it, the threads waited on the device. The same
-  work taking more CPU time means a slower CPU (frequency, a busy sibling core).
+  thread, data loading, the memory sampler). Well below the step's wall time, the threads slept
+  while the device worked. Near it, some thread was on a CPU the whole step: issuing kernels, or
+  spinning while it waits for the device (CUDA's full launch queue and its synchronize spin by
+  default), so near it does not by itself say launch-bound; the device's power does (below).
 - `run_wait_s`: time the process's threads were ready but waited for a CPU, summed over them
   (`/proc/self/task/*/schedstat`): other processes on this machine's cores.
 - `steal_cpu_s`: CPU time the hypervisor gave to other guests, summed over the machine's CPUs
@@ -20,7 +21,8 @@ Linux only; elsewhere the last two are None.
 Beside them, from the memory sampler's NVML thread (sampler.Memory.device_window), the device's side:
 `sm_clock_mhz` and `power_w` (means over the step's samples) and `clock_events`, the reasons NVML gave
 for a clock below its maximum (idle, power cap, thermal, ...). A step that slows with the thread's CPU
-time unchanged and the SM clock lower is the GPU's clock management, not the host.
+time unchanged and the SM clock lower is the GPU's clock management, not the host; one that slows
+while the GPU draws less power and holds its clock had less work each second: it waited for the host.
 """
 
 from __future__ import annotations
