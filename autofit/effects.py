@@ -44,7 +44,10 @@ HALF_TOKENS = 512
 with the micro-batch as T / (T + HALF_TOKENS) and flattens (S1: micro-batch 1 -> 2 at 2048 tokens
 gained 6%). The prior only: a study that measured two micro-batches of one config learns its own
 (`fitted_half_tokens`)."""
-MAX_HALF_TOKENS = 1 << 20
+HALF_TOKENS_CAP = 16
+"""A learned fixed cost is at most this many times the larger micro-batch's tokens of its pair: a pair
+measured within the noise of all-fixed-cost (twice the tokens at nearly twice the tokens/s) would
+otherwise give an unbounded one, and one pair's answer is used for every micro-batch."""
 HALF_TOKENS_QUANTIZED = 8192
 """The prior with a quantized base: every micro-step dequantises the weights for each product, a
 cost that does not grow with its tokens (S5, nf4 at length 1024: micro-batch 1 -> 2 -> 4 ran 1.93x
@@ -105,7 +108,8 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
     With time per micro-step (T + H) / declared and tokens/s trained / time, two fits a (the larger
     micro-batch) and b give q = (s_a / trained_a / declared_a) / (s_b / trained_b / declared_b)
     = (T_b + H) / (T_a + H), so H = (T_b - q T_a) / (q - 1): from 0 (q = T_b / T_a, a micro-step's
-    time follows its tokens) up without bound (q = 1, all of it fixed cost). Where each micro-step
+    time follows its tokens) up without bound (q = 1, all of it fixed cost; bounded here by
+    HALF_TOKENS_CAP x T_a). Where each micro-step
     pays a large fixed cost (a launch-bound step, a 4-bit base dequantised on every product), H is
     many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x micro-batch 1 (H ~ 27,000 tokens), where
     HALF_TOKENS predicts 1.2x; the policy's expectations and the budget's estimates must know it.
@@ -119,8 +123,10 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
                            key=lambda x: -x[1])  # (trained, tensor, speed / declared), the larger first
             (trained_big, tensor_big, r_big), (trained_small, tensor_small, r_small) = rates
             q = (r_big / trained_big) / (r_small / trained_small)
-            h = (tensor_small - q * tensor_big) / (q - 1.0) if q < 1.0 else MAX_HALF_TOKENS
-            found.append(min(max(h, 0.0), MAX_HALF_TOKENS))
+            # near q = 1 the solution runs away with the noise: bounded by a multiple of the pair's tokens
+            cap = HALF_TOKENS_CAP * tensor_big
+            h = (tensor_small - q * tensor_big) / (q - 1.0) if q < 1.0 else cap
+            found.append(min(max(h, 0.0), cap))
     return statistics.median(found) if found else None
 
 

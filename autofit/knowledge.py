@@ -15,7 +15,7 @@ from . import effects, kernels
 from .data.correctness import boundary_key
 from .data.shapes import TokenShapes
 from .memory import MemoryModel, Shape
-from .objective import best_of, once_and_noisy, speed
+from .objective import best_of, once_and_noisy
 from .protocol import Checks
 from .result import ProbeResult
 from .space import CKPT_COST, QUANT_COST
@@ -138,12 +138,13 @@ class Knowledge:
 
     def half_tokens(self, cfg: TrialConfig) -> float:
         """The micro-step's fixed cost in tokens for cfg (effects.Half): learned from this study's fits
-        of cfg's quantization (effects.fitted_half_tokens), else the declared prior. What a larger
-        micro-batch gains, for the policy's speed expectations and the probe-time estimates."""
+        of cfg's quantization (effects.fitted_half_tokens; their measured tokens/s, no compile time
+        spread over a run), else the declared prior. What a larger micro-batch gains, for the
+        policy's speed expectations and the probe-time estimates."""
         quant = cfg.quantization
         if quant not in self._halves:
             self._halves[quant] = effects.fitted_half_tokens(
-                [(c, speed(r)) for r in self.fits() if r.tokens_per_s
+                [(c, r.tokens_per_s) for r in self.fits() if r.tokens_per_s
                  and (c := TrialConfig.from_dict(r.config)).quantization == quant], self.shapes)
         fitted = self._halves[quant]
         return effects.prior_half(cfg) if fitted is None else fitted
