@@ -77,8 +77,8 @@ def factor(cfg: TrialConfig, shapes: TokenShapes | None = None, half: Half = pri
 def micro_step_cost(cfg: TrialConfig, shapes: TokenShapes | None = None, half: Half = prior_half) -> float:
     """Relative time of one micro-step of cfg on one rank: its tensor tokens plus the fixed cost
     (`half`: the prior, or what the study's fits say, `fitted_half_tokens`), slowed by the declared
-    effects of the other keys (the ranks' count aside: every
-    rank runs its own micro-steps at once). Only ratios mean anything."""
+    effects of the other keys (the ranks' count aside: every rank runs its own micro-steps at once).
+    Only ratios mean anything."""
     _, tensor = micro_batch_tokens(cfg, shapes)
     return (tensor + half(cfg)) / declared(cfg)
 
@@ -109,9 +109,8 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
     micro-batch) and b give q = (s_a / trained_a / declared_a) / (s_b / trained_b / declared_b)
     = (T_b + H) / (T_a + H), so H = (T_b - q T_a) / (q - 1): from 0 (q = T_b / T_a, a micro-step's
     time follows its tokens) up without bound (q = 1, all of it fixed cost; bounded here by
-    HALF_TOKENS_CAP x T_a). Where each micro-step
-    pays a large fixed cost (a launch-bound step, a 4-bit base dequantised on every product), H is
-    many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x micro-batch 1 (H ~ 27,000 tokens), where
+    HALF_TOKENS_CAP x T_a). Where each micro-step pays a large fixed cost (a launch-bound step, a
+    4-bit base dequantised on every product), H is many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x micro-batch 1 (H ~ 27,000 tokens), where
     HALF_TOKENS predicts 1.2x; the policy's expectations and the budget's estimates must know it.
     """
     found = []

@@ -302,10 +302,11 @@ class Knowledge:
                     or [r for r in results if _fixed_costs(r.config) <= _fixed_costs(cfg.to_dict())] or results)
 
         rows = [(r.train_seconds or r.wall_seconds, TrialConfig.from_dict(r.config)) for r in same_class(timed)]
-        fewest = min(effects.differences(cfg, c) for _, c in rows)
+        apart = [effects.differences(cfg, c) for _, c in rows]
+        fewest = min(apart)
         # cfg's own probes where it was measured; else the class's typical time per unit of cost
-        per_cost = statistics.median(w / self._probe_cost(c, steps, max_acc) for w, c in rows
-                                     if fewest or not effects.differences(cfg, c))
+        per_cost = statistics.median(w / self._probe_cost(c, steps, max_acc)
+                                     for (w, c), n in zip(rows, apart, strict=True) if fewest or n == 0)
         later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
         overheads = [r.wall_seconds - r.train_seconds for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
@@ -366,15 +367,20 @@ class ProbeTime:
     def estimate(self, know: Knowledge, cfg: TrialConfig) -> float | None:
         return know.estimate_seconds(cfg, self.steps, self.max_acc)
 
+    def pending_repeat(self, know: Knowledge) -> TrialConfig | None:
+        """The best fit's config while time is kept to measure it again and it was measured once."""
+        best = know.best()
+        if not self.confirm or best is None or len(best.measurements) >= 2:
+            return None
+        return TrialConfig.from_dict(best.config)
+
     def kept(self, know: Knowledge, cfg: TrialConfig | None = None) -> float:
         """Time to keep back, beside probing cfg, for measuring the best fit again: the current
         best's repeat, or cfg's own if it is longer, since cfg may become the best."""
         if not self.confirm:
             return 0.0
-        best = know.best()
-        keep = 0.0
-        if best is not None and len(best.measurements) < 2:
-            keep = self.estimate(know, TrialConfig.from_dict(best.config)) or 0.0
+        pending = self.pending_repeat(know)
+        keep = (self.estimate(know, pending) or 0.0) if pending is not None else 0.0
         return max(keep, (self.estimate(know, cfg) or 0.0) if cfg is not None else 0.0)
 
     def in_time(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
@@ -384,10 +390,8 @@ class ProbeTime:
 
     def repeat_out_of_reach(self, know: Knowledge, left: float) -> bool:
         """Time is kept to measure the best fit again, but that repeat no longer fits in `left` seconds."""
-        best = know.best()
-        if not self.confirm or best is None or len(best.measurements) >= 2:
-            return False
-        est = self.estimate(know, TrialConfig.from_dict(best.config))
+        pending = self.pending_repeat(know)
+        est = self.estimate(know, pending) if pending is not None else None
         return est is not None and est > left
 
     def may_probe(self, know: Knowledge, cfg: TrialConfig, left: float) -> bool:
@@ -401,9 +405,7 @@ class ProbeTime:
         est = self.estimate(know, cfg)
         if est is not None and est > left:
             return False
-        best = know.best()
-        confirmed = not self.confirm or best is None or len(best.measurements) >= 2
-        return confirmed or self.repeat_out_of_reach(know, left)
+        return self.pending_repeat(know) is None or self.repeat_out_of_reach(know, left)
 
     def pick(self, know: Knowledge, viable: list[TrialConfig], left: float,
              choose: Callable[[list[TrialConfig]], TrialConfig] | None = None) -> TrialConfig | None:

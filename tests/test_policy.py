@@ -6,8 +6,6 @@ ones from torch's own error text; no probe runs."""
 from __future__ import annotations
 
 import pytest
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import create_trial
 
 from autofit import effects
 from autofit.knowledge import Knowledge, ProbeTime, Verdict
@@ -19,6 +17,7 @@ from autofit.result import Outcome, ProbeResult
 from autofit.signatures import oom_figures
 from autofit.space import Space
 from autofit.spec import TrialConfig
+from stored import probe_trial
 
 GIB = 2**30
 SHAPE = Shape.from_config(PRESETS["llama2-7b"])
@@ -27,7 +26,6 @@ USABLE = usable_bytes(LIMIT)
 SPACE = Space("s2", {"method": "lora", "max_length": 2048, "global_batch": 16, "optimizer": "adamw_torch_fused"},
               {"micro_batch_size": [1, 2, 3, 4, 6, 8], "gradient_checkpointing": ["off", "every_4", "every_2", "on"],
                "expandable_segments": [False, True]})
-DIST = {k: CategoricalDistribution(v) for k, v in SPACE.dimensions.items()}
 # torch's CUDA caching allocator, word for word (c10/cuda/CUDACachingAllocator.cpp), at micro-batch 4
 OOM_TEXT = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
             "of 139.80 GiB of which 116.52 GiB is free. Including non-PyTorch memory, this process has 22.70 GiB "
@@ -55,14 +53,7 @@ def oom(c: TrialConfig, text: str = OOM_TEXT) -> ProbeResult:
 
 
 def know(*results: ProbeResult) -> Knowledge:
-    trials = []
-    for i, r in enumerate(results):
-        c = TrialConfig.from_dict(r.config)
-        t = create_trial(params={k: getattr(c, k) for k in SPACE.dimensions}, distributions=DIST,
-                         value=r.tokens_per_s or 0.0,
-                         user_attrs={"kind": "probe", "config_key": c.key(), "result": r.to_dict()})
-        t.number = i
-        trials.append(t)
+    trials = [probe_trial(SPACE.dimensions, r, i) for i, r in enumerate(results)]
     return Knowledge.build(trials, SHAPE, on_gpu=True, usable=USABLE)
 
 
@@ -262,10 +253,7 @@ def test_with_a_dataset_of_short_samples_the_edge_policy_probes_padding_free_nex
     from autofit.data.shapes import TokenShapes
 
     first = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_max"})
-    dist = {k: CategoricalDistribution(v) for k, v in DATA_SPACE.dimensions.items()}
-    t = create_trial(params={"micro_batch_size": 1, "batching": "pad_max"}, distributions=dist, value=300.0,
-                     user_attrs={"kind": "probe", "config_key": first.key(),
-                                 "result": fit(first, 300, 15.2).to_dict()})
+    t = probe_trial(DATA_SPACE.dimensions, fit(first, 300, 15.2), 0)
     rest = [c for c in DATA_SPACE.candidates() if c.key() != first.key()]
     k = Knowledge.build([t], SHAPE, on_gpu=True, usable=USABLE, shapes=TokenShapes(SHORT))
     pick = edge_chooser(k, lambda c: 15.0, left=300)(rest)
@@ -278,10 +266,7 @@ def test_with_a_dataset_a_probe_of_short_micro_batches_is_expected_to_be_quick()
     from autofit.data.shapes import TokenShapes
 
     first = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_max"})
-    dist = {k: CategoricalDistribution(v) for k, v in DATA_SPACE.dimensions.items()}
-    t = create_trial(params={"micro_batch_size": 1, "batching": "pad_max"}, distributions=dist, value=300.0,
-                     user_attrs={"kind": "probe", "config_key": first.key(),
-                                 "result": fit(first, 300, 15.2, wall=15.0).to_dict()})
+    t = probe_trial(DATA_SPACE.dimensions, fit(first, 300, 15.2, wall=15.0), 0)
     short = DATA_SPACE.config({"micro_batch_size": 1, "batching": "pad_longest"})
     seconds = {}
     for name, shapes in (("blind", None), ("data", TokenShapes(SHORT))):

@@ -7,9 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-
-from optuna.distributions import CategoricalDistribution
-from optuna.trial import FrozenTrial, create_trial
+from optuna.trial import FrozenTrial
 
 from autofit.errors import UsageError
 from autofit.knowledge import Knowledge, Verdict
@@ -18,6 +16,7 @@ from autofit.models import resolve_model
 from autofit.replay import Landscape, ReplayOutcome, ReplayRunner, SimClock, replay
 from autofit.result import Outcome
 from autofit.spec import TrialConfig
+from stored import probe_trial
 
 LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
 COMMITTED = sorted(LANDSCAPES.glob("*.json"))
@@ -95,23 +94,17 @@ def test_landscape_round_trips_through_its_file(tmp_path: Path) -> None:
 def proven_unfit(land: Landscape, run: ReplayOutcome) -> list[str]:
     """The probes of a replayed search that the out-of-memory probes before them already proved
     could not fit (Verdict.DOMINATED, judged afresh from the recorded results in probe order)."""
-    space = land.search_space()
-    dist = {k: CategoricalDistribution(v) for k, v in space.dimensions.items()}
     shape = Shape.from_config(land.model_source().config)
+    dimensions = land.search_space().dimensions
     trials: list[FrozenTrial] = []
     proven = []
     for p in (p for p in run.probed if not p.repeat):
-        cfg = TrialConfig.from_dict(land.result(p.key).config)
+        res = land.result(p.key)
         know = Knowledge.build(trials, shape, on_gpu=True, usable=land.usable_bytes)
-        verdict, why = know.verdict(cfg)
+        verdict, why = know.verdict(TrialConfig.from_dict(res.config))
         if verdict is Verdict.DOMINATED:
             proven.append(f"{p.key}: {why}")
-        res = land.result(p.key)
-        t = create_trial(params={k: getattr(cfg, k) for k in space.dimensions}, distributions=dist,
-                         value=res.tokens_per_s or 0.0,
-                         user_attrs={"kind": "probe", "config_key": p.key, "result": res.to_dict()})
-        t.number = len(trials)
-        trials.append(t)
+        trials.append(probe_trial(dimensions, res, len(trials)))
     return proven
 
 
