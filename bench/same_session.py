@@ -10,9 +10,10 @@ machines as much as the configs. The full grid takes ~500 s; this script re-meas
 the grid's leaders under the limit (the N fastest fits by the committed grid), then runs the
 search over the same space, both in one session, and compares the search's best with the best
 leader as measured now. Since one fresh process of such a config can measure 1.2x another a minute
-later, the comparison that decides is like for like: where the search picked a leader, both
-figures come from the leaders' pass; otherwise (and with --after N) the pick and the best leader
-are measured again after the search, alternately, N times each, and their medians compared.
+later, the comparison that decides is like for like: unless the pick is the best leader as measured
+now, the pick and that leader are measured again after the search, alternately, N times each
+(--after N), and their medians compared. The search's figures and its run folder are saved before
+that pass, so a call cut short during it still keeps them.
 
     python bench/same_session.py --limit 24GiB --leaders 2 --budget 80s
     python bench/same_session.py --landscape bench/landscapes/s2.json --budget 3m --name live-s2   # issue 15
@@ -74,15 +75,16 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
     a.model = land.model["ref"]
     a.limit = f"{land.memory_limit_bytes // 2**20}MiB"
     return ({"landscape": Path(a.landscape).name, "landscape_date": land.date, "scenario": land.scenario,
-             "landscape_best_tokens_per_s": land.best().tokens_per_s},
+             "landscape_best_tokens_per_s": land.best().tokens_per_s,
+             "landscape_best_key": TrialConfig.from_dict(land.best().config).key()},
             landscape_leaders(land, a.leaders))
 
 
-def interleaved(target: object, model: object, configs: dict[str, TrialConfig], n: int,
-                max_acc: int) -> dict[str, list[float]]:
+def interleaved(target: object, model: object, configs: dict[str, TrialConfig], n: int, max_acc: int,
+                out: dict[str, list[float]]) -> None:
     """Each config measured n times in fresh processes, in the order a, b, b, a, a, b, ... so that a
-    steady drift of the machine over the minutes falls on both alike; the fits' tokens/s by label."""
-    out: dict[str, list[float]] = {label: [] for label in configs}
+    steady drift of the machine over the minutes falls on both alike; the fits' tokens/s go into out
+    by label as they come (an interrupted pass keeps what it measured)."""
     order = list(configs.items())
     with Runner(target, Path(tempfile.mkdtemp()), standby=1, max_probe_accumulation=max_acc) as runner:
         runner.warm_up()
@@ -93,7 +95,24 @@ def interleaved(target: object, model: object, configs: dict[str, TrialConfig], 
                       f"({res.outcome.value})", flush=True)
                 if res.outcome.is_fit() and res.tokens_per_s:
                     out[label].append(res.tokens_per_s)
-    return out
+
+
+def probe_list(rows: list[dict]) -> list[dict]:
+    """The search's probes in order, as the result file keeps them."""
+    return [{"trial": r.get("trial"), "config": config_brief(r["config"]),
+             "outcome": r.get("outcome"), "tokens_per_s": r.get("tokens_per_s"),
+             "peak_gib": round(r["peak_memory_bytes"] / GIB, 2) if r.get("peak_memory_bytes") else None,
+             "wall_seconds": r.get("wall_seconds"), "reason": r.get("reason") or ""} for r in rows]
+
+
+def like_for_like(figures: dict, after: dict[str, list[float]] | None) -> float | None:
+    """The pick over the best leader, each measured by the same protocol in this session: from the
+    alternating pass after the search where it ran, else from the leaders' pass where the pick is a leader."""
+    if after and after["pick"] and after["leader"]:
+        return statistics.median(after["pick"]) / statistics.median(after["leader"])
+    if figures["search_pick_is_a_leader"] and figures["best_leader_now_tokens_per_s"]:
+        return figures["search_pick_now_as_leader_tokens_per_s"] / figures["best_leader_now_tokens_per_s"]
+    return None
 
 
 def main() -> None:
@@ -106,7 +125,7 @@ def main() -> None:
                                        "model, space and limit, its fastest fits as the leaders")
     p.add_argument("--after", type=int, default=2,
                    help="after the search, measure its pick and the best leader alternately N times each "
-                        "(when the pick is not a leader; 0: never)")
+                        "(when the pick is not the best leader as measured now; 0: never)")
     a = p.parse_args()
     if a.landscape:
         recorded, top_n = from_landscape(a)
@@ -141,39 +160,43 @@ def main() -> None:
     pick_key = TrialConfig.from_dict(best["config"]).key() if best.get("config") else None
     same = next((r for r in now if r["key"] == pick_key), None)
     rows = read_trials(run_dir)
-    after = None
-    if a.after and same is None and pick_key in by_key and top_row is not None:
-        after = interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after,
-                            int(a.max_probe_accumulation))
-    if same is not None:  # both from the leaders' pass: the same protocol, minutes apart at most
-        like = same["now"]["tokens_per_s"] / top["tokens_per_s"]
-    elif after and after["pick"] and after["leader"]:
-        like = statistics.median(after["pick"]) / statistics.median(after["leader"])
-    else:
-        like = None
     figures.update({
         "run_id": run_dir.name,
         "stop_reason": summary.get("stop_reason"),
         "search_wall_seconds": wall,
         "probes_run": len(rows),
+        "probes": probe_list(rows),
         "search_best_tokens_per_s": best.get("tokens_per_s"),
         "search_best_measurements": (best.get("extra") or {}).get("measurements"),
         "search_best_config": best.get("config"),
         "search_best_peak_gib": (best.get("peak_memory_bytes") or 0) / GIB,
+        "search_pick_is_landscape_best": recorded.get("landscape_best_key") == pick_key if a.landscape else None,
         "best_leader_now_tokens_per_s": top and top["tokens_per_s"],
         "best_leader_now_config": top and top["config"],
         "ratio_search_over_best_leader_now": (best.get("tokens_per_s") or 0) / top["tokens_per_s"] if top else None,
         "search_pick_is_a_leader": same is not None,
         "search_pick_now_as_leader_tokens_per_s": same and same["now"]["tokens_per_s"],
-        "after_search": after,
-        "ratio_like_for_like": like,
+        "after_search": None,
         "target_ratio": 0.97,
         "note": "leaders: the grid's (or landscape's) fastest fits under the limit, re-measured in this session "
-                "before the search",
+                "before the search; like for like: the pick and the best leader measured alternately after "
+                "the search (from the leaders' pass where that did not run)",
     })
-    save(a.name, figures)
+    figures["ratio_like_for_like"] = like_for_like(figures, None)
+    save(a.name, figures)  # the search's figures and run are kept before the pass after it
     shutil.make_archive(str(out_dir() / f"{a.name}-run"), "gztar", run_dir)
-    print(json.dumps({k: v for k, v in figures.items() if k != "leaders"}, indent=1, default=str))
+    if a.after and pick_key in by_key and top_row is not None and pick_key != top_row["key"]:
+        after: dict[str, list[float]] = {"pick": [], "leader": []}
+        figures["after_search"] = after
+        try:
+            interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after,
+                        int(a.max_probe_accumulation), after)
+        except KeyboardInterrupt:
+            figures["after_search_interrupted"] = True
+            print("interrupted: keeping the pass after the search as far as it went", flush=True)
+        figures["ratio_like_for_like"] = like_for_like(figures, after)
+        save(a.name, figures)
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("leaders", "probes")}, indent=1, default=str))
 
 
 if __name__ == "__main__":
