@@ -34,7 +34,15 @@ from .result import Outcome, ProbeResult
 from .search import Search, SearchSettings
 from .space import Space
 from .spec import TrialConfig
-from .study import open_study, probe_results, repeats_of, skipped_counts, stop_reason_of, superseded_of
+from .study import (
+    open_study,
+    probe_results,
+    repeats_of,
+    skipped_counts,
+    stop_reason_of,
+    superseded_of,
+    untried_of,
+)
 from .target import Target
 
 NEAR_BEST = 0.97
@@ -215,12 +223,15 @@ class ReplayOutcome:
     elapsed_s: float
     """Simulated seconds the search used."""
     probed: tuple[Probed, ...] = ()
+    untried: dict[str, int] = field(default_factory=dict)
+    """The space's configs the search left unprobed, by the verdict that ruled each out (`probe`: none did)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "policy": self.policy, "seed": self.seed, "budget_s": self.budget_s,
                 "ratio": self.ratio, "winner": self.winner, "time_to_near_best_s": self.time_to_near_best_s,
                 "probes": self.probes, "oom_probes": self.oom_probes, "unfit_probes": self.unfit_probes,
-                "skipped": self.skipped, "stop_reason": self.stop_reason, "elapsed_s": self.elapsed_s,
+                "skipped": self.skipped, "untried": self.untried, "stop_reason": self.stop_reason,
+                "elapsed_s": self.elapsed_s,
                 "probed": [[round(p.ended_s, 1), p.key, p.outcome.value, p.repeat] for p in self.probed]}
 
 
@@ -244,13 +255,14 @@ def replay(landscape: Landscape, policy: str | Policy, seed: int, budget_s: floa
         study = open_study(storage, "replay", create=False, seed=seed)
         found = probe_results(study.get_trials(deepcopy=False), repeats_of(study), superseded_of(study))
         winner = best_of([r for _, r in found])
-        skipped = skipped_counts(study)
+        skipped, untried = skipped_counts(study), untried_of(study)
         stop = stop_reason_of(study) or stop
-    return _judge(landscape, str(policy), seed, budget_s, winner, runner.probed, skipped, stop, clock())
+    return _judge(landscape, str(policy), seed, budget_s, winner, runner.probed, skipped, untried, stop, clock())
 
 
 def _judge(landscape: Landscape, policy: str, seed: int, budget_s: float, winner: ProbeResult | None,
-           probed: list[Probed], skipped: dict[str, int], stop: str, elapsed: float) -> ReplayOutcome:
+           probed: list[Probed], skipped: dict[str, int], untried: dict[str, int], stop: str,
+           elapsed: float) -> ReplayOutcome:
     best = speed(landscape.best())
     key = TrialConfig.from_dict(winner.config).key() if winner is not None else None
     ratio = speed(landscape.result(key)) / best if key is not None else 0.0
@@ -263,4 +275,4 @@ def _judge(landscape: Landscape, policy: str, seed: int, budget_s: float, winner
     return ReplayOutcome(landscape.scenario, policy, seed, budget_s, ratio, key, first, len(probed),
                          sum(p.outcome.is_memory() for p in probed),
                          sum(not landscape.result(p.key).outcome.is_fit() for p in probed),
-                         skipped, stop, elapsed, tuple(probed))
+                         skipped, stop, elapsed, tuple(probed), untried)

@@ -212,8 +212,10 @@ def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) 
 
 
 def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
-                  timeline: list[tuple[float, float]], stop_reason: str = "") -> dict[str, Any] | None:
-    """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result)."""
+                  timeline: list[tuple[float, float]], stop_reason: str = "",
+                  untried: dict[str, int] | None = None) -> dict[str, Any] | None:
+    """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result);
+    `untried`: the configs the search left unprobed, by verdict (study.untried_of)."""
     results = [ProbeResult.from_dict(r) for r in rows]
     with open(run_dir / "trials.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -235,7 +237,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
                  f"{spec['model']['ref']} on {where}")
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     (run_dir / "report.md").write_text(
-        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir)))
+        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried))
     return best_doc
 
 
@@ -252,8 +254,8 @@ def _describe_target(t: dict[str, Any]) -> str:
 
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
-                    data: dict[str, Any] | None = None) -> str:
-    lines = _header(spec, results, limit, stop_reason)
+                    data: dict[str, Any] | None = None, untried: dict[str, int] | None = None) -> str:
+    lines = _header(spec, results, limit, stop_reason, untried)
     if best is None:
         lines += ["## Nothing fits", "", nothing_fits_message(results, limit), ""]
     else:
@@ -270,7 +272,24 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     return "\n".join(lines) + "\n"
 
 
-def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None, stop_reason: str) -> list[str]:
+UNTRIED_WORDS = {"predicted": "predicted over the usable memory",
+                 "dominated": "proven over the memory by an out-of-memory probe's shortfall",
+                 "slower": "bounded below the best by a measured fit", "shorter": "shorter than a length that fits",
+                 "mismatched": "sharing a failed correctness check", "needs_gpus": "needing more GPUs",
+                 "probe": "still open when the search stopped"}
+"""What each verdict says of the configs it left unprobed (knowledge.Verdict's values)."""
+
+
+def untried_line(untried: dict[str, int] | None) -> str:
+    """`N configs not probed: 40 predicted over the usable memory, ...`, or '' when nothing is known."""
+    if not untried:
+        return ""
+    parts = ", ".join(f"{n} {UNTRIED_WORDS.get(k, k)}" for k, n in sorted(untried.items(), key=lambda kv: -kv[1]))
+    return f"{sum(untried.values())} configs not probed: {parts}"
+
+
+def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None, stop_reason: str,
+            untried: dict[str, int] | None = None) -> list[str]:
     target = spec["targets"][0]
     weights = (", random weights: memory and speed as trained weights"
                if spec["model"]["kind"] in ("preset", "config") else "")
@@ -283,7 +302,8 @@ def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None,
              f"headroom {target.get('headroom', HEADROOM):.0%}"),
             (f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
              f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
-             + (f"; stopped: {stop_reason}" if stop_reason else "")), ""]
+             + (f"; stopped: {stop_reason}" if stop_reason else "")),
+            *([f"- {untried_line(untried)}"] if untried else []), ""]
 
 
 def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None) -> list[str]:

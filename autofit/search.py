@@ -11,6 +11,7 @@ import errno
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,17 +41,19 @@ from .study import (
     open_study,
     record_repeat,
     record_stop_reason,
+    record_untried,
     repeats_of,
     skipped_counts,
     stop_reason_of,
     study_rows,
     supersede,
     superseded_of,
+    untried_of,
 )
 from .target import Target
 
 __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "open_study",
-           "skipped_counts", "stop_reason_of", "study_rows"]
+           "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
 
 INTERRUPTED = "interrupted"
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
@@ -195,6 +198,7 @@ class Search:
                 r.close()
         if self.errors:
             raise self.errors[0]
+        record_untried(study, self._untried(study))
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
 
@@ -332,6 +336,12 @@ class Search:
                                 user_attrs={"seeded": "most promising untried"})
             pace.streak = 0
         return ""
+
+    def _untried(self, study: optuna.Study) -> dict[str, int]:
+        """The space's configs left unprobed, counted by the verdict the final knowledge gives them."""
+        know = self._knowledge(study, self.s.targets[0])
+        counts = Counter(know.verdict(c)[0].value for c in self.candidates if c.key() not in know.by_key)
+        return dict(sorted(counts.items()))
 
     def _nothing_viable(self, know: Knowledge) -> str:
         """The stop reason when no config is left to probe; where untried configs only need more GPUs

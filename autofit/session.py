@@ -29,7 +29,7 @@ from .protocol import HEADROOM
 from .report import nothing_fits_message, write_outputs
 from .result import ProbeResult
 from .rundir import ProbeSettings, RunDir, RunSpec, create, load_spec, new_run_id
-from .search import Event, Search, SearchSettings, open_study, skipped_counts, study_rows
+from .search import Event, Search, SearchSettings, open_study, skipped_counts, study_rows, untried_of
 from .space import Space, load_space
 from .spec import BATCHINGS
 from .target import Target, resolve_targets
@@ -98,6 +98,8 @@ class Summary:
     best: dict[str, Any] | None
     skipped: dict[str, int]
     interrupted: bool = False
+    untried: dict[str, int] = field(default_factory=dict)
+    """The space's configs left unprobed, by the verdict that rules each out (study.untried_of)."""
 
 
 # --------------------------------------------------------------------------- deciding
@@ -310,11 +312,11 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
     """Write trials.jsonl, best.json and report.md from the study."""
     rows, timeline = study_rows(study)
     try:
-        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason)
+        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried_of(study))
     except OSError as e:
         raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
                           f"keeps every result: `autofit report {session.run_dir}` rebuilds them.") from None
-    return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted)
+    return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted, untried_of(study))
 
 
 def nothing_fits(session: Session, summary: Summary) -> NothingFits:

@@ -50,6 +50,7 @@ class TrialKind(StrEnum):
 REPEAT_PREFIX = "repeat:"
 SUPERSEDED_PREFIX = "superseded:"
 STOP_REASON = "stop_reason"
+UNTRIED = "untried"
 
 
 def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, Any]]] | None = None,
@@ -94,6 +95,17 @@ def record_stop_reason(study: optuna.Study, reason: str) -> None:
 
 def stop_reason_of(study: optuna.Study) -> str:
     return str(study.user_attrs.get(STOP_REASON, ""))
+
+
+def record_untried(study: optuna.Study, counts: dict[str, int]) -> None:
+    """The configs of the space the last search left unprobed, by why (a Verdict's value; `probe`:
+    none ruled it out, the search ended first). The edge order never proposes what a verdict rules
+    out, so this, not the skipped trials, says what the knowledge saved."""
+    study.set_user_attr(UNTRIED, counts)
+
+
+def untried_of(study: optuna.Study) -> dict[str, int]:
+    return {str(k): int(v) for k, v in (study.user_attrs.get(UNTRIED) or {}).items()}
 
 
 @dataclass(frozen=True)

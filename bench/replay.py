@@ -3,7 +3,9 @@
 For each landscape, policy and budget, 20 seeds of the real search (autofit/replay.py): the
 winner's recorded tokens/s over the landscape's best (median and worst seed), the simulated time
 until a config within 97% of the best was probed (median; "-" where a seed never got there),
-probes, out-of-memory probes, and skips by reason (summed over the seeds). No GPU needed.
+probes, out-of-memory probes, skipped trials by reason (summed over the seeds: the `promise` order
+proposes configs a verdict then skips; the `edge` order never proposes them), and the configs left
+unprobed at the end by the verdict that rules each out (median seed; `open`: none does). No GPU needed.
 The result file keeps every seed's figures and seed 0's probe list (end time, config, outcome).
 
     python bench/replay.py [--seeds 20] [--budgets 180,600] [--policies promise,edge]
@@ -22,6 +24,8 @@ from common import save
 from autofit.replay import Landscape, ReplayOutcome, replay
 
 LANDSCAPES = Path(__file__).resolve().parent / "landscapes"
+UNTRIED_LABEL = {"probe": "open"}
+"""`probe` in the untried counts: no verdict ruled the config out, the search ended first."""
 
 
 def summary(runs: list[ReplayOutcome]) -> dict[str, Any]:
@@ -31,6 +35,8 @@ def summary(runs: list[ReplayOutcome]) -> dict[str, Any]:
     for r in runs:
         for k, n in r.skipped.items():
             skipped[k] = skipped.get(k, 0) + n
+    reasons = sorted({k for r in runs for k in r.untried})
+    untried = {k: statistics.median(r.untried.get(k, 0) for r in runs) for k in reasons}
     probes, ooms = sum(r.probes for r in runs), sum(r.oom_probes for r in runs)
     return {"seeds": len(runs), "median_ratio": statistics.median(ratios), "worst_ratio": min(ratios),
             "median_time_to_97_s": statistics.median(times) if times else None,
@@ -38,15 +44,17 @@ def summary(runs: list[ReplayOutcome]) -> dict[str, Any]:
             "median_oom_probes": statistics.median(r.oom_probes for r in runs),
             "oom_share": ooms / probes if probes else 0.0,
             "unfit_probes": sum(r.unfit_probes for r in runs), "skipped": dict(sorted(skipped.items())),
+            "untried_median": untried,
             "stop_reasons": sorted({r.stop_reason for r in runs})}
 
 
 def row(scenario: str, policy: str, budget: float, s: dict[str, Any]) -> str:
     t = f"{s['median_time_to_97_s']:.0f}" if s["median_time_to_97_s"] is not None else "-"
-    skipped = " ".join(f"{k} {v}" for k, v in s["skipped"].items())
+    skipped = " ".join(f"{k} {v}" for k, v in s["skipped"].items()) or "-"
+    untried = " ".join(f"{UNTRIED_LABEL.get(k, k)} {v:g}" for k, v in s["untried_median"].items())
     return (f"{scenario:<5} {policy:<8} {budget:>5.0f} {s['median_ratio']:>7.3f} {s['worst_ratio']:>6.3f} "
             f"{t:>6} {s['reached_97']:>3}/{s['seeds']:<3} {s['median_probes']:>6} {s['median_oom_probes']:>5} "
-            f"{s['oom_share']:>5.0%}  {skipped}")
+            f"{s['oom_share']:>5.0%}  {skipped}  |  {untried}")
 
 
 def main() -> None:
@@ -58,7 +66,8 @@ def main() -> None:
     a = p.parse_args()
     budgets = [float(b) for b in a.budgets.split(",")]
     print(f"{'scen':<5} {'policy':<8} {'budget':>5} {'median':>7} {'worst':>6} {'t97 s':>6} {'hit':>7} "
-          f"{'probes':>6} {'ooms':>5} {'oom%':>5}  skipped (all seeds)")
+          f"{'probes':>6} {'ooms':>5} {'oom%':>5}  skipped trials (all seeds)  |  untried at the end, by "
+          "reason (median seed)")
     results = []
     for path in sorted(LANDSCAPES.glob("*.json")):
         land = Landscape.load(path)

@@ -17,6 +17,7 @@ that pass, so a call cut short during it still keeps them.
 
     python bench/same_session.py --limit 24GiB --leaders 2 --budget 80s
     python bench/same_session.py --landscape bench/landscapes/s2.json --budget 3m --name live-s2   # issue 15
+    python bench/same_session.py --landscape bench/landscapes/s2.json bench/landscapes/s5.json --budget 3m --name live
     python bench/same_session.py --model tiny-llama --device cpu --space search_spaces/cpu-demo.yaml \
         --grid GRID.json --limit 200MiB --budget 40s          # dry run on the CPU
 """
@@ -24,6 +25,7 @@ that pass, so a call cut short during it still keeps them.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -35,8 +37,10 @@ from common import GIB, brief, in_repo, out_dir, read_trials, repo_relative, sav
 from search_bench import run_search, search_args
 
 from autofit.models import resolve_model
+from autofit.objective import ranked_fits
 from autofit.replay import Landscape
 from autofit.report import config_brief
+from autofit.result import ProbeResult
 from autofit.runner import Runner
 from autofit.space import load_space
 from autofit.spec import TrialConfig
@@ -53,11 +57,10 @@ def leaders(grid: dict, limit: str, n: int) -> list[dict]:
 
 
 def landscape_leaders(land: Landscape, n: int) -> list[dict]:
-    """The n fastest fits of a landscape (its fits are inside its limit's usable memory by the probe's rule),
-    shaped as the grid's points are."""
-    fits = [{"key": k, "tokens_per_s": p["tokens_per_s"]} for k, p in land.points.items()
-            if p["outcome"] == "fit" and p.get("tokens_per_s")]
-    return sorted(fits, key=lambda pt: -pt["tokens_per_s"])[:n]
+    """The n best fits of a landscape by the search's objective (its fits are inside its limit's usable
+    memory by the probe's rule), shaped as the grid's points are."""
+    ranked = ranked_fits([ProbeResult.from_dict(p) for p in land.points.values() if p.get("tokens_per_s")])
+    return [{"key": TrialConfig.from_dict(r.config).key(), "tokens_per_s": r.tokens_per_s} for r in ranked[:n]]
 
 
 def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
@@ -121,17 +124,29 @@ def main() -> None:
     p.add_argument("--limit", default=DEFAULT_LIMIT)
     p.add_argument("--leaders", type=int, default=2)
     p.add_argument("--device")
-    p.add_argument("--landscape", help="a recorded landscape (bench/landscapes/*.json) instead of --grid: its "
-                                       "model, space and limit, its fastest fits as the leaders")
+    p.add_argument("--landscape", nargs="+", metavar="FILE",
+                   help="recorded landscapes (bench/landscapes/*.json) instead of --grid, checked one after the "
+                        "other in this session: each one's model, space and limit, its fastest fits as the "
+                        "leaders; with several, each result is named NAME-SCENARIO")
     p.add_argument("--after", type=int, default=2,
                    help="after the search, measure its pick and the best leader alternately N times each "
                         "(when the pick is not the best leader as measured now; 0: never)")
     a = p.parse_args()
-    if a.landscape:
-        recorded, top_n = from_landscape(a)
-    else:
+    if not a.landscape:
         grid = json.loads(Path(a.grid).read_text())
-        recorded, top_n = {"grid_file": Path(a.grid).name, "grid_date": grid.get("date")}, leaders(grid, a.limit, a.leaders)
+        check(a, {"grid_file": Path(a.grid).name, "grid_date": grid.get("date")}, leaders(grid, a.limit, a.leaders))
+        return
+    for path in a.landscape:
+        one = copy.copy(a)
+        one.landscape = path
+        recorded, top_n = from_landscape(one)
+        if len(a.landscape) > 1:
+            one.name = f"{a.name}-{recorded['scenario']}"
+        check(one, recorded, top_n)
+
+
+def check(a: argparse.Namespace, recorded: dict, top_n: list[dict]) -> None:
+    """One search beside its leaders re-measured first; the result saved as a.name."""
     target = resolve_targets(None, a.device, a.limit)[0]
     model = resolve_model(a.model)
     by_key = {c.key(): c for c in load_space(a.space).candidates()}

@@ -80,6 +80,8 @@ def test_a_replay_on_s1_runs_the_search_and_judges_its_winner() -> None:
     assert ends == sorted(ends) and ends[-1] == out.elapsed_s
     if out.time_to_near_best_s is not None:
         assert out.time_to_near_best_s in ends
+    # the configs it never probed, each counted once by the verdict that rules it out
+    assert sum(out.untried.values()) == len(S1.points) - len({p.key for p in out.probed}), out.untried
 
 
 def test_landscape_round_trips_through_its_file(tmp_path: Path) -> None:

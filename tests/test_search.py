@@ -27,7 +27,7 @@ from autofit.result import Outcome, ProbeResult
 from autofit.rundir import read_spec
 from autofit.space import SPACES_DIR, load_space
 from autofit.spec import TrialConfig
-from autofit.study import merge_repeats, open_study, repeats_of
+from autofit.study import merge_repeats, open_study, repeats_of, stop_reason_of, untried_of
 
 
 def finished_keys(trials: list[dict]) -> list[str]:
@@ -49,6 +49,15 @@ def test_search_finds_a_fit_and_writes_every_output(tiny_run: Path) -> None:
         assert Path(t["log_path"]).is_file()
     report = (tiny_run / "report.md").read_text()
     assert "## Winner" in report and "Where the memory goes" in report and "CPU" in report
+    # every config of the space it did not probe is counted once, by the verdict that rules it out
+    spec = read_spec(tiny_run)
+    study = open_study(spec["storage"], spec["study_name"], create=False, seed=0)
+    untried = untried_of(study)
+    left = len(load_space(SEARCH_SPACE).candidates()) - len(set(finished_keys(trials)))
+    assert left > 0 and sum(untried.values()) == left, untried
+    if stop_reason_of(study) == "no remaining configuration can win":
+        assert Verdict.PROBE.value not in untried, untried
+    assert f"{left} configs not probed: " in report
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import CannotWrite
 from ..report import write_outputs
 from ..session import open_run_study
-from ..study import stop_reason_of, study_rows
+from ..study import stop_reason_of, study_rows, untried_of
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     spec, study = open_run_study(run_dir)
     rows, timeline = study_rows(study)
     try:
-        best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study))
+        best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study))
     except OSError as e:
         raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probes), "

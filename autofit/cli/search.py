@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..policy import Policy
 from ..protocol import TRAIN_TOKENS
-from ..report import config_brief
+from ..report import config_brief, untried_line
 from ..rundir import CONFIRM
 from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
@@ -120,7 +120,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     summary = summarize(session, study, reason, interrupted)
     if args.json:
         print(json.dumps({"run_dir": str(summary.run_dir), "stop_reason": reason, "probes": len(summary.rows),
-                          "skipped": summary.skipped, "best": summary.best}, indent=1))
+                          "skipped": summary.skipped, "untried": summary.untried, "best": summary.best}, indent=1))
     if interrupted:
         print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
               f"{session.run_dir}", file=sys.stderr)
@@ -142,10 +142,12 @@ def _opening(session: Session) -> str:
 
 def _closing(s: Summary) -> str:
     best = s.best or {}
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items())) or "none"
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
     return (f"\nbest: {best['tokens_per_s']:,.0f} tokens/s, peak {format_size(best['peak_memory_bytes'])} "
-            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probes, skipped "
-            f"{sum(s.skipped.values())} ({skipped})\nreport: {s.run_dir / 'report.md'}\n"
+            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probes"
+            + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
+            + (f"; {untried_line(s.untried)}" if s.untried else "")
+            + f"\nreport: {s.run_dir / 'report.md'}\n"
             f"next:   autofit export {s.run_dir} --format hf-trainer -o train.py")
 
 
