@@ -208,9 +208,10 @@ def check(a: argparse.Namespace, recorded: dict, top_n: list[dict]) -> None:
                         int(a.max_probe_accumulation), after)
         except KeyboardInterrupt:
             figures["after_search_interrupted"] = True
-            print("interrupted: keeping the pass after the search as far as it went", flush=True)
         figures["ratio_like_for_like"] = like_for_like(figures, after)
         save(a.name, figures)
+        if figures.get("after_search_interrupted"):
+            raise SystemExit(f"interrupted: {a.name} keeps the pass after the search as far as it went")
     print(json.dumps({k: v for k, v in figures.items() if k not in ("leaders", "probes")}, indent=1, default=str))
 
 
