@@ -30,6 +30,8 @@ SPEED: dict[str, dict[Any, float]] = {
     "attn_implementation": {"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05, "flash_attention_3": 1.05,
                             "flex_attention": 1.0},
     "optimizer": {"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
+    # the allocator's segments move memory (fragmentation), not the step's work
+    "expandable_segments": {False: 1.0, True: 1.0},
     # Several GPUs (not yet measured by autofit; rough, from the engines' published scaling on one
     # NVLink host): the group's tokens/s grows a little under linearly with the ranks; sharding adds
     # communication (ZeRO-3 / FSDP all-gather the weights in forward and backward); host offload
@@ -133,11 +135,29 @@ SAME_TOKENS = frozenset({"max_length", "batching", "gpus", "engine"})
 """Keys two fits must share to tell the fixed cost of a micro-step: what a micro-batch holds and where it runs."""
 
 
-def differences(a: TrialConfig, b: TrialConfig) -> int:
-    """How many keys two configs differ in (the fewer, the better one predicts the other)."""
-    return len(a.differing_keys(b))
+MINOR = 0.25
+"""The least a differing key counts in `differences`: a key declared to move speed by a few percent at
+most (the optimizer of a LoRA adapter, the allocator's segments) still leaves its own effect unmeasured."""
+MAJOR = math.log(1.2)
+"""A key whose declared factors span this much (1.2x) or more counts as a whole difference."""
 
 
-def uncertainty(n_differences: int) -> float:
-    """Relative spread of an estimate made across n differing keys (a measured config: the noise)."""
+def weight(key: str) -> float:
+    """How much a differing key adds to an estimate's spread: by the span of its declared factors, from
+    MINOR (declared to move speed by little) to 1 (by 1.2x or more, or not declared: unknown)."""
+    table = SPEED.get(key)
+    if not table:
+        return 1.0
+    span = math.log(max(table.values()) / min(table.values()))
+    return min(1.0, max(MINOR, span / MAJOR))
+
+
+def differences(a: TrialConfig, b: TrialConfig) -> float:
+    """How far apart two configs are for estimating one from the other: their differing keys, each
+    weighted by how much it is declared to move speed (`weight`); 0 for the same config."""
+    return sum(weight(k) for k in a.differing_keys(b))
+
+
+def uncertainty(n_differences: float) -> float:
+    """Relative spread of an estimate made across n (weighted) differing keys (a measured config: the noise)."""
     return 0.03 + 0.06 * math.sqrt(n_differences)

@@ -13,9 +13,9 @@ config that would finish in the time left by
   smallest out-of-memory config of a ladder (micro-batch, the checkpointing ladder) the fitted
   group and the bound bisect the rest.
 - Expected improvement: the speed estimated from the most similar measured fit, scaled by the
-  declared effects of what differs (effects.py), with a spread that grows with the number of
-  differences; the expected gain over the best fit so far (zero for a config that is surely
-  slower, a little for an uncertain one).
+  declared effects of what differs (effects.py), with a spread that grows with the differing keys,
+  each weighted by how much it is declared to move speed (effects.weight); the expected gain over
+  the best fit so far (zero for a config that is surely slower, a little for an uncertain one).
 - Cost: the probe's estimated wall time (knowledge.estimate_seconds: tokens it trains, load and
   compile overheads seen so far); its weight w grows as the budget shrinks, so a short budget
   goes to cheap, informative probes first.

@@ -11,7 +11,7 @@ from autofit import effects
 from autofit.knowledge import Knowledge, ProbeTime, Verdict
 from autofit.memory import MemoryModel, Shape
 from autofit.models import PRESETS
-from autofit.policy import edge_chooser, expected_improvement, fit_probability
+from autofit.policy import edge_chooser, expected_improvement, expected_speed, fit_probability
 from autofit.protocol import usable_bytes
 from autofit.result import Outcome, ProbeResult
 from autofit.signatures import oom_figures
@@ -185,6 +185,22 @@ def test_expected_improvement_is_zero_only_for_a_surely_slower_config() -> None:
     assert expected_improvement(900.0, 0.0, 1000.0) == 0.0
     assert 0 < expected_improvement(900.0, 100.0, 1000.0) < expected_improvement(1000.0, 100.0, 1000.0)
     assert expected_improvement(1200.0, 10.0, 1000.0) == pytest.approx(200.0, rel=0.01)
+
+
+def test_a_key_declared_to_move_speed_little_adds_little_spread() -> None:
+    """A variant of the best that differs only in the allocator's segments is not worth a probe for the
+    noise alone, where one that differs in checkpointing still is: the spread follows the declared span."""
+    best = cfg(2, "every_4")
+    fits = [(best, 10_000.0)]
+    allocator, ladder = cfg(2, "every_4", expandable_segments=True), cfg(2, "off")
+    assert effects.weight("expandable_segments") == effects.MINOR < effects.weight("gradient_checkpointing") == 1.0
+    assert effects.differences(best, best) == 0.0
+    _, spread_allocator = expected_speed(fits, allocator)
+    _, spread_ladder = expected_speed(fits, ladder)
+    assert spread_allocator < 0.07 * 10_000 < spread_ladder
+    whole = expected_improvement(10_000.0, 10_000.0 * effects.uncertainty(1), 10_000.0)  # counted as a whole key
+    assert expected_improvement(*expected_speed(fits, allocator), 10_000.0) < 0.7 * whole
+    assert expected_improvement(*expected_speed(fits, ladder), 10_000.0) > whole
 
 
 def test_declared_effects_order_the_ladder() -> None:
