@@ -56,6 +56,7 @@ __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "op
            "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
 
 INTERRUPTED = "interrupted"
+NO_WINNER = "no remaining configuration can win"
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
@@ -198,7 +199,12 @@ class Search:
                 r.close()
         if self.errors:
             raise self.errors[0]
-        record_untried(study, self._untried(study))
+        untried = self._untried(study)
+        record_untried(study, untried)
+        if untried.get(Verdict.PROBE.value) and self.stop_reason.startswith(NO_WINNER):
+            # the best measured again came in lower, so what was bounded below it no longer is
+            self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried config(s) "
+                              f"could beat it: `autofit search --resume {self.s.run_dir} --budget 5m` probes them")
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
 
@@ -350,7 +356,7 @@ class Search:
         if wider:
             return (f"nothing left to probe here: {len(wider)} untried configuration(s) need more GPUs than a "
                     f"worker has ({know.ranks}); run with --gpus {min(wider)} on a machine with that many")
-        return "no remaining configuration can win"
+        return NO_WINNER
 
     def _ask(self, study: optuna.Study, know: Knowledge, target: Target,
              ) -> tuple[optuna.Trial, TrialConfig, int]:
