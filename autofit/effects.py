@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 from .data.shapes import TokenShapes
@@ -142,9 +143,11 @@ MAJOR = math.log(1.2)
 """A key whose declared factors span this much (1.2x) or more counts as a whole difference."""
 
 
+@cache
 def weight(key: str) -> float:
     """How much a differing key adds to an estimate's spread: by the span of its declared factors, from
-    MINOR (declared to move speed by little) to 1 (by 1.2x or more, or not declared: unknown)."""
+    MINOR (declared to move speed by little) to 1 (by 1.2x or more, or not declared: unknown). Asked for
+    every candidate against every fit at each step, of a constant table: computed once per key."""
     table = SPEED.get(key)
     if not table:
         return 1.0

@@ -311,12 +311,13 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
 def summarize(session: Session, study: optuna.Study, reason: str, interrupted: bool = False) -> Summary:
     """Write trials.jsonl, best.json and report.md from the study."""
     rows, timeline = study_rows(study)
+    untried = untried_of(study)
     try:
-        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried_of(study))
+        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried)
     except OSError as e:
         raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
                           f"keeps every result: `autofit report {session.run_dir}` rebuilds them.") from None
-    return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted, untried_of(study))
+    return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted, untried)
 
 
 def nothing_fits(session: Session, summary: Summary) -> NothingFits:

@@ -206,11 +206,12 @@ def check(a: argparse.Namespace, recorded: dict, top_n: list[dict]) -> None:
         try:
             interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after,
                         int(a.max_probe_accumulation), after)
+            interrupted = False
         except KeyboardInterrupt:
-            figures["after_search_interrupted"] = True
+            interrupted = figures["after_search_interrupted"] = True
         figures["ratio_like_for_like"] = like_for_like(figures, after)
         save(a.name, figures)
-        if figures.get("after_search_interrupted"):
+        if interrupted:
             raise SystemExit(f"interrupted: {a.name} keeps the pass after the search as far as it went")
     print(json.dumps({k: v for k, v in figures.items() if k not in ("leaders", "probes")}, indent=1, default=str))
 
