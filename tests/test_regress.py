@@ -426,8 +426,8 @@ def test_a_different_gpu_model_is_refused_unless_allowed(run: Path) -> None:
 
 @pytest.mark.slow
 def test_update_baseline_keeps_the_previous_one(run: Path) -> None:
-    # three times as fast: inside the 80% tolerance, so measured once; the margin below holds against
-    # the CPU's run-to-run noise (a CI run measured 1.7x its own baseline)
+    # three times as fast: inside the 80% tolerance; the margin below holds against the CPU's
+    # run-to-run noise (a CI run measured 1.7x its own baseline)
     edit_best(run, tokens_per_s=3)
     proc = regress_cli(run, *TOL, "--update-baseline")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -435,7 +435,13 @@ def test_update_baseline_keeps_the_previous_one(run: Path) -> None:
     assert len(kept) == 1
     old = json.loads(kept[0].read_text())["tokens_per_s"]
     new = json.loads((run / "best.json").read_text())["tokens_per_s"]
-    assert new < old / 1.3 and json.loads((run / "r.json").read_text())["checks"][0]["attempts"] == 1
+    assert new < old / 1.3
+    # measured once unless the first run fell outside the tolerance (a CI run once measured a third of
+    # its usual pace): then three runs, and the median judges
+    check = json.loads((run / "r.json").read_text())["checks"][0]
+    first_inside = (0.2 * old <= check["runs"][0] <= 1.8 * old
+                    and check["peak_bytes"] <= 1.8 * check["baseline_peak_bytes"])
+    assert check["attempts"] == (1 if first_inside else 3), check
     assert regress_cli(run, *TOL).returncode == 0
 
 
