@@ -161,6 +161,8 @@ class Search:
         self.shape = Shape.from_config(s.model.config)
         self.token_shapes = shapes_of(s.dataset, s.model, s.data_cache)
         self.errors: list[BaseException] = []
+        self.searched_on = 0
+        """Untried configs that measuring the best again reopened, after which the workers ran on."""
         self.time = ProbeTime(s.warmup_steps + s.timed_steps, s.max_probe_accumulation, s.confirm > 0)
 
     # ----------------------------------------------------------------------- the whole search
@@ -178,13 +180,27 @@ class Search:
     def _run(self) -> str:
         study = self.prepare()
         self.deadline = self.clock() + self.s.budget_s
-        threads = [self._start_worker(t) for t in self.s.targets]
+        threads: list[threading.Thread] = []
         try:
-            while any(th.is_alive() for th in threads):
-                for th in threads:
-                    th.join(timeout=0.2)
-            if self.s.confirm and not self.errors:
-                self._confirm(self.s.targets[0], self.runners[0])
+            for target in self.s.targets:
+                self._add_runner(target)
+            reopened, done = 0, self._probes_told(study)
+            while True:
+                threads = [self._start_worker(t, r) for t, r in zip(self.s.targets, self.runners)]
+                while any(th.is_alive() for th in threads):
+                    for th in threads:
+                        th.join(timeout=0.2)
+                if self.s.confirm and not self.errors:
+                    self._confirm(self.s.targets[0], self.runners[0])
+                told = self._probes_told(study)
+                reopened = self._reopened(study) if told > done else 0
+                if not reopened:
+                    break
+                # the best measured again came in lower, so what was bounded below it no longer is:
+                # search on in the same budget (a round that probes nothing new ends it)
+                done, self.stop_reason = told, ""
+                self.stop.clear()
+                self.searched_on += reopened
         except KeyboardInterrupt:
             self.stop_reason = INTERRUPTED
             self.stop.set()
@@ -202,11 +218,25 @@ class Search:
         untried = self._untried(study)
         record_untried(study, untried)
         if untried.get(Verdict.PROBE.value) and self.stop_reason.startswith(NO_WINNER):
-            # the best measured again came in lower, so what was bounded below it no longer is
+            # reopened by the last repeat, with nothing new probed since, or no time to probe it
             self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried config(s) "
                               f"could beat it: `autofit search --resume {self.s.run_dir} --budget 5m` probes them")
+        if self.searched_on:
+            self._finish_note(f"searched on after the best's repeat came in lower ({self.searched_on} untried "
+                              f"config(s) could beat it then)")
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
+
+    def _probes_told(self, study: optuna.Study) -> int:
+        """Configs measured so far."""
+        return len(self._knowledge(study, self.s.targets[0]).by_key)
+
+    def _reopened(self, study: optuna.Study) -> int:
+        """Untried configs that could win now, where the workers stopped because none could before
+        the best was measured again (0: the search is over)."""
+        if self.errors or not self.stop_reason.startswith(NO_WINNER) or self.deadline - self.clock() <= 0:
+            return 0
+        return self._untried(study).get(Verdict.PROBE.value, 0)
 
     def _runner(self, target: Target) -> Runner:
         return Runner(target, self.s.run_dir / "logs", standby=self.s.standby,
@@ -215,10 +245,12 @@ class Search:
                       train_steps=self.s.train_steps,
                       dataset=self.s.dataset, data_cache=self.s.data_cache)
 
-    def _start_worker(self, target: Target) -> threading.Thread:
+    def _add_runner(self, target: Target) -> None:
         runner = self.make_runner(target)
         runner.warm_up()
         self.runners.append(runner)
+
+    def _start_worker(self, target: Target, runner: Runner) -> threading.Thread:
         th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
         th.start()
         return th

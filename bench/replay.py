@@ -3,12 +3,17 @@
 For each landscape, policy and budget, 20 seeds of the real search (autofit/replay.py): the
 winner's recorded tokens/s over the landscape's best (median and worst seed), the simulated time
 until a config within 97% of the best was probed (median; "-" where a seed never got there),
-probes, out-of-memory probes, skipped trials by reason (summed over the seeds: the `promise` order
+probes, out-of-memory probes, seeds that searched on after the best's repeat came in lower
+("on"), skipped trials by reason (summed over the seeds: the `promise` order
 proposes configs a verdict then skips; the `edge` order never proposes them), and the configs left
 unprobed at the end by the verdict that rules each out (median seed; `open`: none does). No GPU needed.
 The result file keeps every seed's figures and seed 0's probe list (end time, config, outcome).
 
-    python bench/replay.py [--seeds 20] [--budgets 180,600] [--policies promise,edge]
+With --jitter, a repeat (the search measuring its best again) draws its tokens/s between the
+recorded per-step min and max instead of returning the recorded figure: whether the choice
+survives that much noise, and how often a repeat that came in lower made the search go on.
+
+    python bench/replay.py [--seeds 20] [--budgets 180,600] [--policies promise,edge] [--jitter]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ def summary(runs: list[ReplayOutcome]) -> dict[str, Any]:
             "oom_share": ooms / probes if probes else 0.0,
             "unfit_probes": sum(r.unfit_probes for r in runs), "skipped": dict(sorted(skipped.items())),
             "untried_median": untried,
+            "searched_on": sum("searched on after the best's repeat" in r.stop_reason for r in runs),
             "stop_reasons": sorted({r.stop_reason for r in runs})}
 
 
@@ -54,7 +60,7 @@ def row(scenario: str, policy: str, budget: float, s: dict[str, Any]) -> str:
     untried = " ".join(f"{UNTRIED_LABEL.get(k, k)} {v:g}" for k, v in s["untried_median"].items())
     return (f"{scenario:<5} {policy:<8} {budget:>5.0f} {s['median_ratio']:>7.3f} {s['worst_ratio']:>6.3f} "
             f"{t:>6} {s['reached_97']:>3}/{s['seeds']:<3} {s['median_probes']:>6} {s['median_oom_probes']:>5} "
-            f"{s['oom_share']:>5.0%}  {skipped}  |  {untried}")
+            f"{s['oom_share']:>5.0%} {s['searched_on']:>3}  {skipped}  |  {untried}")
 
 
 def main() -> None:
@@ -62,26 +68,30 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--budgets", default="180,600", help="simulated seconds, comma-separated")
     p.add_argument("--policies", default="promise,edge")
-    p.add_argument("--name", default=f"replay-{date.today().isoformat()}")
+    p.add_argument("--jitter", action="store_true", help="repeats drawn within the recorded step spread")
+    p.add_argument("--name", default=None, help="result name (default replay-DATE, -jitter with --jitter)")
     a = p.parse_args()
+    name = a.name or f"replay-{date.today().isoformat()}" + ("-jitter" if a.jitter else "")
     budgets = [float(b) for b in a.budgets.split(",")]
     print(f"{'scen':<5} {'policy':<8} {'budget':>5} {'median':>7} {'worst':>6} {'t97 s':>6} {'hit':>7} "
-          f"{'probes':>6} {'ooms':>5} {'oom%':>5}  skipped trials (all seeds)  |  untried at the end, by "
+          f"{'probes':>6} {'ooms':>5} {'oom%':>5} {'on':>3}  skipped trials (all seeds)  |  untried at the end, by "
           "reason (median seed)")
     results = []
     for path in sorted(LANDSCAPES.glob("*.json")):
         land = Landscape.load(path)
         for policy in a.policies.split(","):
             for budget in budgets:
-                runs = [replay(land, policy, seed, budget) for seed in range(a.seeds)]
+                runs = [replay(land, policy, seed, budget, jitter=a.jitter) for seed in range(a.seeds)]
                 s = summary(runs)
                 print(row(land.scenario, policy, budget, s), flush=True)
                 results.append({"scenario": land.scenario, "landscape": f"bench/landscapes/{path.name}",
                                 "landscape_date": land.date, "landscape_gpu": land.gpu, "policy": policy,
                                 "budget_s": budget, **s, "seed0_probes": runs[0].to_dict()["probed"],
                                 "runs": [{k: v for k, v in r.to_dict().items() if k != "probed"} for r in runs]})
-    save(a.name, {"note": "simulated clock: probes answered from recorded landscapes (autofit/replay.py)",
-                  "results": results})
+    note = "simulated clock: probes answered from recorded landscapes (autofit/replay.py)"
+    if a.jitter:
+        note += "; repeats drawn uniformly within each point's recorded per-step tokens/s min and max"
+    save(name, {"note": note, "jitter": a.jitter, "results": results})
 
 
 if __name__ == "__main__":

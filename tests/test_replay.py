@@ -84,6 +84,21 @@ def test_a_replay_on_s1_runs_the_search_and_judges_its_winner() -> None:
     assert sum(out.untried.values()) == len(S1.points) - len({p.key for p in out.probed}), out.untried
 
 
+def test_a_repeat_that_comes_in_lower_reopens_the_search_in_the_same_budget() -> None:
+    # jittered repeats on S4: when measuring the best again lowers it, configs that were bounded below
+    # it can win again; the search probes them instead of stopping with them untried
+    land = Landscape.load(LANDSCAPES / "s4.json")
+    runs = [replay(land, "edge", seed=seed, budget_s=600, jitter=True) for seed in range(4)]
+    reopened = [r for r in runs if "searched on after the best's repeat came in lower" in r.stop_reason]
+    assert reopened, [r.stop_reason for r in runs]
+    for r in reopened:  # a config probed after the first repeat
+        first_repeat = next(i for i, p in enumerate(r.probed) if p.repeat)
+        assert any(not p.repeat for p in r.probed[first_repeat + 1:]), r.probed
+    for r in runs:  # stopped for want of a winner: none is left untried, or the stop names the resume
+        if r.stop_reason.startswith("no remaining configuration can win"):
+            assert (Verdict.PROBE.value in r.untried) == ("could beat it: `autofit search --resume" in r.stop_reason)
+
+
 def test_landscape_round_trips_through_its_file(tmp_path: Path) -> None:
     path = S1.save(tmp_path / "s1.json")
     back = Landscape.load(path)
