@@ -184,7 +184,7 @@ class Search:
         try:
             for target in self.s.targets:
                 self._add_runner(target)
-            reopened, done = 0, self._probes_told(study)
+            done = self._probes_told(study)
             while True:
                 threads = [self._start_worker(t, r) for t, r in zip(self.s.targets, self.runners)]
                 while any(th.is_alive() for th in threads):
