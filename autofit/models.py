@@ -84,6 +84,23 @@ class ModelSource:
             base = Path(self.ref).parent.name or "config"
         return "".join(c if c.isalnum() or c in "-_." else "-" for c in base.replace("/", "--"))
 
+    @property
+    def positions(self) -> int | None:
+        """The longest sequence the architecture takes (max_position_embeddings; None where the config
+        does not say, or stretches it with rope_scaling)."""
+        limit = self.config.get("max_position_embeddings")
+        if not isinstance(limit, int) or self.config.get("rope_scaling"):
+            return None
+        return limit
+
+    def check_lengths(self, lengths: list[int], flag: str) -> None:
+        """A max_length longer than the model's positions is the user's mistake, said before anything runs."""
+        limit = self.positions
+        longer = sorted(n for n in lengths if limit is not None and n > limit)
+        if longer:
+            raise UsageError(f"{flag}: max_length {longer[-1]} is longer than {self.ref}'s {limit} positions "
+                             f"(max_position_embeddings in its config); give at most {limit}.")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "ref": self.ref, "config": self.config}
 
@@ -171,7 +188,7 @@ def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"{flag}: hub model {repo_id!r} is not in the local cache and could not be "
-            f"downloaded ({first}). Download it once with `huggingface-cli download "
+            f"downloaded ({first}). Download it once with `hf download "
             f"{repo_id}` or give a local folder or a preset ({', '.join(PRESETS)})."
         ) from None
     return _read_json(Path(path), flag)

@@ -528,6 +528,12 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
     """Why nothing fits, from what the probes hit: memory, unstable training, or errors."""
     memory = [r for r in results if r.outcome.is_memory() and r.peak_memory_bytes]
     unstable = [r for r in results if r.outcome is Outcome.UNSTABLE]
+    if results and all(r.outcome is Outcome.TIMEOUT for r in results):  # no probe ended: nothing is known about memory
+        longest = max(r.wall_seconds or 0.0 for r in results)
+        return (f"No probe finished: {len(results)} probe(s) timed out (the longest after {longest:.0f} s), so "
+                "nothing is known yet about what fits. Give the search a longer --budget (a bare number is "
+                "seconds: 3 means 3 s, write 3m for minutes), or a longer --probe-timeout; `--resume` keeps "
+                "what was measured.")
     msg = "No configuration fits"
     msg += f" under the {format_size(limit)} limit." if limit else "."
     if memory:

@@ -181,15 +181,20 @@ def create(run_dir: Path, spec: RunSpec, env: dict[str, Any], flag: str = "--out
 def load_spec(run_dir: Path, flag: str = "RUN") -> RunSpec:
     """The run folder's spec, its storage following a folder that was moved or copied."""
     path = Path(run_dir) / SPEC
+    if Path(run_dir).is_file():
+        raise UsageError(f"{flag}: {run_dir} is a file; give the run folder that holds it ({Path(run_dir).parent}).")
     if not Path(run_dir).is_dir():
         raise UsageError(f"{flag}: no such folder {run_dir}; give a folder under runs/ made by `autofit search`.")
     if not path.is_file():
         raise UsageError(f"{flag}: {run_dir} is not an autofit run (it has no {SPEC}); give a folder made "
                          "by `autofit search`.")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise UsageError(f"{flag}: {path} is not valid YAML ({e}).") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag}: {path} is not UTF-8 text ({e}); it may have been overwritten: restore it, "
+                         "or search again.") from None
     spec = RunSpec.from_dict(data, f"{flag}: {path}")
     return spec.replace(storage=local_storage(Path(run_dir), spec.storage))
 
@@ -200,12 +205,13 @@ def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
 
 
 def local_storage(run_dir: Path, storage: str) -> str:
-    """A study file inside a run folder that was moved or copied: follow the folder."""
+    """A study file inside a run folder that was moved or copied: follow the folder. The folder's
+    own study file wins whenever it exists (a copy must not write into the original's study)."""
     folder = RunDir(run_dir)
     for path, url in ((folder.study_db, f"sqlite:///{folder.study_db.resolve()}"),
                       (folder.study_journal, str(folder.study_journal.resolve()))):
         stored = storage.removeprefix("sqlite:///")
-        if stored.endswith(path.name) and not Path(stored).exists() and path.exists():
+        if Path(stored).name == path.name and path.exists():
             return url
     return storage
 

@@ -508,8 +508,7 @@ class Search:
             est = self.time.estimate(know, cfg)
             if est is None or est > left:
                 if must:
-                    self._finish_note(f"the best fit was measured once: measuring it again needs about "
-                                      f"{est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left")
+                    self._finish_note(unconfirmed_note(know.best(), r, t.number, est, left))
                     return
                 break
             res = runner.run(cfg, self.s.model, name=f"trial-{t.number:04d}-again",
@@ -541,6 +540,17 @@ class Search:
         with self.lock:
             self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, best,
                                 max(0.0, self.deadline - self.clock())))
+
+
+def unconfirmed_note(best: ProbeResult | None, pick: ProbeResult, number: int, est: float | None,
+                     left: float) -> str:
+    """Why the search ends with a fit it had to measure again and could not: the best measured once
+    (whichever fit was next), or a noisy fit measured once that could beat a winner measured twice."""
+    once = best is None or best.config == pick.config or len(best.measurements) < 2
+    what = ("the best fit was measured once" if once else
+            f"a noisy fit measured once ({pick.tokens_per_s or 0:,.0f} tokens/s, trial {number}) could beat the "
+            "winner")
+    return f"{what}: measuring it again needs about {est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left"
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

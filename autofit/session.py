@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import errno
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,8 @@ class SearchRequest:
     """What was asked, as typed on the command line (strings are parsed by `plan`)."""
 
     model: str | None = None
-    space: str = "lora"
+    space: str | None = None
+    """None: the `lora` space for a new search (and no change asked of a resumed one)."""
     gpu: str | None = None
     device: str | None = None
     memory_limit: str | None = None
@@ -126,7 +127,12 @@ def _resumed(req: SearchRequest) -> Session:
         spec = spec.replace(budget_s=parse_duration(req.budget))
     if spec.dataset is not None:
         check_dataset(spec.dataset, "--resume")
-    return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir))
+    fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space), ("--max-length", req.max_length),
+                                      ("--global-batch", req.global_batch), ("--dataset", req.dataset))
+             if value is not None]
+    notes = (f"--resume continues the run as it was planned: {', '.join(fixed)} ignored (the study measured "
+             f"that model and space); start a new search to change them.",) if fixed else ()
+    return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir), notes=notes)
 
 
 def _joined(req: SearchRequest) -> Session | None:
@@ -151,7 +157,7 @@ def _joined(req: SearchRequest) -> Session | None:
 def _new(req: SearchRequest) -> Session:
     model, space, targets, budget, dims = gather(
         lambda: resolve_model(req.model) if req.model else _missing("--model"),
-        lambda: load_space(req.space),
+        lambda: load_space(req.space or "lora"),
         lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus),
         lambda: parse_duration(req.budget or DEFAULT_BUDGET),
         lambda: space_dimensions(req.max_length, req.global_batch))
@@ -160,6 +166,7 @@ def _new(req: SearchRequest) -> Session:
     if dims:
         space = space.replaced(**dims)
     space, ref, notes = data_space(space, model, req)
+    model.check_lengths(space.lengths, "--max-length" if req.max_length else f"--space {req.space or 'lora'}")
     run_id = new_run_id(model)
     run_dir = req.out / run_id
     storage = req.storage or RunDir(run_dir).default_storage(len(targets))
@@ -181,8 +188,9 @@ def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, Dat
     data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field, TextMode(req.text_mode),
                           space.lengths if req.max_length else ())
     dims: dict[str, list[Any]] = {}
-    if req.max_length is None:
-        dims["max_length"] = list(data.stats.candidates)
+    if req.max_length is None:  # the data's lengths, within what the model takes
+        limit = model.positions
+        dims["max_length"] = [n for n in data.stats.candidates if limit is None or n <= limit] or [limit]
     if "batching" not in space.dimensions and "batching" not in space.fixed:
         dims["batching"] = list(BATCHINGS)
     cuts = ", ".join(f"{c.max_length}: {c.tokens_lost:.2%} of tokens lost" for c in data.stats.cuts)
@@ -261,8 +269,12 @@ def busy_gpus(targets: tuple[Target, ...]) -> list[str]:
             if g.other_processes and any(t.gpu_index == g.index for t in targets)]
 
 
-def start(session: Session) -> optuna.Study:
-    """Create the run folder (spec.yaml, env.json) and open or create the study."""
+def start(session: Session) -> tuple[Session, optuna.Study]:
+    """Create the run folder (spec.yaml, env.json) and open or create the study. A new search
+    takes a folder no other search has: two started in the same second (same run id) get
+    `<id>` and `<id>-2`, so the session returned may name another folder than the one planned."""
+    if session.mode is Mode.NEW:
+        session = _reserve(session)
     create(session.run_dir, session.spec, collect())
     spec = session.spec
     if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
@@ -275,7 +287,29 @@ def start(session: Session) -> optuna.Study:
             study.set_user_attr("spec", spec.to_dict())
     except STORAGE_ERRORS as e:
         raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
-    return study
+    return session, study
+
+
+def _reserve(session: Session) -> Session:
+    """The new run's folder, made here and by no other process (mkdir is atomic): where the
+    planned one exists, the next free `<id>-N`, its study file and study name following."""
+    spec, out = session.spec, session.run_dir.parent
+    for n in range(1, 1000):
+        run_id = spec.run_id if n == 1 else f"{spec.run_id}-{n}"
+        try:
+            (out / run_id).mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise CannotWrite(f"--out: cannot write the run folder {out / run_id} ({e.strerror or e}); "
+                              "give a writable folder with --out.") from None
+        if n == 1:
+            return session
+        storage = RunDir(out / run_id).default_storage(len(spec.targets)) if session.local_storage else spec.storage
+        name = f"autofit-{run_id}" if spec.study_name == f"autofit-{spec.run_id}" else spec.study_name
+        return replace(session, run_dir=out / run_id,
+                       spec=spec.replace(run_id=run_id, storage=storage, study_name=name))
+    raise CannotWrite(f"--out: {out} already holds 999 runs named {spec.run_id}; give another --out.")
 
 
 def search_settings(session: Session, standby: int | None = None) -> SearchSettings:

@@ -158,18 +158,26 @@ def _normal(key: str, value: Any) -> Any:
     return value
 
 
+def shipped_spaces() -> list[str]:
+    """The names `--space` takes besides a path."""
+    return sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+
+
 def load_space(ref: str | Path) -> Space:
     """A space by name (`lora`) or path (`my.yaml`)."""
     path = Path(ref)
     if not path.suffix and not path.exists():
         path = SPACES_DIR / f"{ref}.yaml"
     if not path.is_file():
-        have = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
-        raise UsageError(f"--space: no such file {ref}; give a YAML path or a shipped space ({have}).")
+        have = ", ".join(shipped_spaces())
+        what = f"{ref} is a folder, not a file" if path.is_dir() else f"no such file {ref}"
+        raise UsageError(f"--space: {what}; give a YAML path or a shipped space ({have}).")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise UsageError(f"--space: {path} is not valid YAML: {e}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise UsageError(f"--space: cannot read {path} as UTF-8 text ({e}); give a YAML space file.") from None
     if not isinstance(data, dict):
         raise UsageError(f"--space: {path}: expected a mapping with 'fixed' and 'dimensions'.")
     problems = [f"{path}: unknown section {k!r}; expected fixed, dimensions, divisors_only, method"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from autofit.errors import UsageError
 from autofit.protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from autofit.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
 from autofit.search import open_study
-from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions
+from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions, start
 
 COMMANDS = ("search", "export", "regress", "report", "env", "probe")
 WITH_EXIT_CODES = ("search", "report", "env", "probe", "export", "regress")
@@ -138,6 +139,42 @@ def test_resume_reads_the_spec_and_overrides_only_what_was_given(tmp_path: Path)
     longer = plan(SearchRequest(resume=session.run_dir, budget="5m", device="cpu", memory_limit="1GiB"))
     assert longer.spec.budget_s == 300.0 and longer.spec.targets[0].memory_limit_bytes == 2**30
     assert longer.spec.replace(budget_s=120.0, targets=session.spec.targets) == session.spec
+
+
+def test_resume_says_which_flags_it_cannot_change(tmp_path: Path) -> None:
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
+    write_spec(session.run_dir, session.spec)
+    assert plan(SearchRequest(resume=session.run_dir)).notes == ()
+    resumed = plan(SearchRequest(resume=session.run_dir, model="llama2-7b", space="qlora", max_length="128"))
+    assert resumed.spec == session.spec
+    assert resumed.notes == ("--resume continues the run as it was planned: --model, --space, --max-length "
+                             "ignored (the study measured that model and space); start a new search to change them.",)
+
+
+def test_two_searches_planned_in_the_same_second_get_two_folders(tmp_path: Path) -> None:
+    first = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
+    second = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--space", "cpu-demo")
+    second = second.__class__(second.mode, second.spec.replace(run_id=first.spec.run_id,
+                                                              study_name=first.spec.study_name,
+                                                              storage=first.spec.storage), first.run_dir,
+                              second.local_storage)  # the same second: the same id, folder and study
+    a, study_a = start(first)
+    b, study_b = start(second)
+    assert a.run_dir == first.run_dir and b.run_dir == first.run_dir.with_name(first.run_dir.name + "-2")
+    assert b.spec.run_id == a.spec.run_id + "-2" and b.spec.study_name == a.spec.study_name + "-2"
+    assert b.spec.storage == f"sqlite:///{RunDir(b.run_dir).study_db.resolve()}"
+    assert load_spec(a.run_dir).space.name == "lora" and load_spec(b.run_dir).space.name == "cpu-demo"
+    assert study_a.study_name != study_b.study_name
+
+
+def test_a_copied_run_folder_uses_its_own_study(tmp_path: Path) -> None:
+    session, _ = start(search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu"))
+    copy = tmp_path / "copy" / session.run_dir.name
+    shutil.copytree(session.run_dir, copy)
+    assert load_spec(copy).storage == f"sqlite:///{RunDir(copy).study_db.resolve()}"
+    assert load_spec(session.run_dir).storage == session.spec.storage
+    (copy / "study.db").unlink()  # without a study file of its own, the stored storage is the study
+    assert load_spec(copy).storage == session.spec.storage
 
 
 def test_a_study_at_the_storage_is_joined_with_its_own_spec(tmp_path: Path) -> None:

@@ -43,6 +43,19 @@ FAULTS = [
           "autofit search --resume RUN", 2, "storage: 'foo://bar' is not a storage"),
     Fault("resume-corrupt-spec", "--resume of a run folder whose spec.yaml was cut short",
           "autofit search --resume RUN", 2, "is not a complete autofit run spec"),
+    Fault("space-not-utf8", "a space file that is not UTF-8 text", "autofit search --space latin1.yaml", 2,
+          "--space: cannot read"),
+    Fault("space-is-a-folder", "a folder given as the space file", "autofit search --space FOLDER", 2,
+          "is a folder, not a file"),
+    Fault("max-length-beyond-positions", "a max_length longer than the model takes",
+          "autofit search --model tiny-llama --max-length 100000", 2,
+          "--max-length: max_length 100000 is longer than tiny-llama's 8192 positions"),
+    Fault("report-spec-not-utf8", "a run folder whose spec.yaml is not UTF-8 text", "autofit report RUN", 2,
+          "spec.yaml is not UTF-8 text"),
+    Fault("report-a-file", "a file of a run folder given as the run folder", "autofit report RUN/best.json", 2,
+          "is a file; give the run folder that holds it"),
+    Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
+          "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
           "--out: cannot write the run folder"),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
@@ -78,7 +91,17 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
     "resume-stub-run": lambda tmp: ["search", "--resume", str(_stub_run(tmp))],
     "resume-corrupt-spec": lambda tmp: ["search", "--resume", str(_stub_run(tmp, "run_id: x\nmodel: {kind: pre"
                                                                             "set}\nspace: {}\n"))],
+    "space-not-utf8": lambda tmp: [*SEARCH, "--space", str(_write(tmp / "latin1.yaml", b"dimensions:\n  x: [\xe9]\n"))],
+    "space-is-a-folder": lambda tmp: [*SEARCH, "--space", str(tmp)],
+    "max-length-beyond-positions": lambda tmp: [*SEARCH, "--max-length", "100000"],
+    "report-spec-not-utf8": lambda tmp: ["report", str(_write(_stub_run(tmp) / "spec.yaml", b"run_id: caf\xe9\n").parent)],
+    "report-a-file": lambda tmp: ["report", str(_write(_stub_run(tmp) / "best.json", b"{}"))],
 }
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
 USAGE = [f for f in FAULTS if f.id in ARGS]
 
 
@@ -93,6 +116,16 @@ def test_bad_input_is_one_clear_message_and_creates_nothing(tmp_path: Path, faul
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line, not a list of 800 model names
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # no run folder, no study
+
+
+def test_a_budget_no_probe_can_finish_in_says_so_not_that_nothing_fits(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "budget-shorter-than-a-probe")
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", "cpu-demo", "--budget", "3",
+                   "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == fault.exit_code, proc.stderr
+    assert "--budget 3: a bare number is seconds" in proc.stderr
+    assert fault.message in proc.stderr and "No configuration fits" not in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @contextmanager

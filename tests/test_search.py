@@ -25,6 +25,7 @@ from autofit.models import PRESETS, resolve_model
 from autofit.objective import rank_key
 from autofit.result import Outcome, ProbeResult
 from autofit.rundir import read_spec
+from autofit.search import unconfirmed_note
 from autofit.space import SPACES_DIR, load_space
 from autofit.spec import TrialConfig
 from autofit.study import merge_repeats, open_study, repeats_of, stop_reason_of, untried_of
@@ -446,3 +447,17 @@ def test_the_seed_on_a_dataset_packs_the_samples_not_padding_to_max_length() -> 
     assert padded.seed()["batching"] == "pad_longest"
     only = Space("data", {"max_length": 512}, {"batching": ["pad_max", "group_by_length"], "micro_batch_size": [1, 2]})
     assert only.seed()["batching"] == "pad_max"  # none preferred in the space: its first value
+
+def test_the_stop_says_which_fit_it_could_not_measure_again() -> None:
+    space = load_space(SEARCH_SPACE)
+    winner = ProbeResult(Outcome.FIT, space.config(space.seed()).to_dict(), tokens_per_s=13_727.0)
+    other = ProbeResult(Outcome.FIT, space.config({**space.seed(), "micro_batch_size": 2}).to_dict(),
+                        tokens_per_s=14_100.0)
+    once = "the best fit was measured once: measuring it again needs about 8 s, 4 s of the budget were left"
+    assert unconfirmed_note(winner, winner, 3, 8.2, 4.0) == once
+    assert unconfirmed_note(winner, other, 5, 8.2, 4.0) == once  # the winner itself is still measured once
+    winner.extra["measurements"] = [15_282.0, 12_172.0]
+    # the winner was measured twice; a noisy fit measured once could beat it: not "the best was measured once"
+    assert unconfirmed_note(winner, other, 5, 8.2, -1.0) == \
+        ("a noisy fit measured once (14,100 tokens/s, trial 5) could beat the winner: measuring it again "
+         "needs about 8 s, 0 s of the budget were left")

@@ -31,10 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autofit", formatter_class=fmt, epilog=EPILOG,
         description="Find, by measurement, the fastest fine-tuning configuration that fits on a GPU.")
+    parser.add_argument("--version", action="version", version=f"autofit {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (probe, env, search, export, regress, report, data):
         command.add_parser(sub, fmt)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autofit")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
                          "to batch by; give a dataset or leave batching at pad_max.")
+    model.check_lengths([cfg.max_length], "--set max_length")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
     if not args.json:

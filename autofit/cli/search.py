@@ -23,6 +23,7 @@ from ..rundir import CONFIRM
 from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
 from ..session import run as run_search
+from ..space import shipped_spaces
 from ..units import format_duration, format_size
 from .common import EXIT_CODES, add_data_flags, add_probe_flags, add_target_flags, probe_settings, warn
 
@@ -34,14 +35,15 @@ COLUMNS = ("#", "config", "outcome", "tok/s", "peak", "predicted", "worker")
 class Progress:
     """A live table of probes on a terminal (fitted to its width); one plain line per probe otherwise."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, budget_s: float = 0.0) -> None:
         self.console = Console(highlight=False)
         self.tty = enabled and sys.stdout.isatty()
         self.enabled = enabled
         self.rows: list[tuple[str, ...]] = []
         self.workers: set[str] = set()
         self.best = ""
-        self.left = 0.0
+        self.left = budget_s
+        """The budget left as of the last event (the whole budget before the first)."""
         self.live: Live | None = None
 
     def __enter__(self) -> Progress:  # noqa: PYI034  (Self needs Python 3.11)
@@ -108,14 +110,14 @@ def request(args: argparse.Namespace) -> SearchRequest:
 
 def cmd_search(args: argparse.Namespace) -> int:
     session = plan(request(args))
-    study = start(session)
-    for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets)]:
+    session, study = start(session)
+    for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets), *_short_budget(args.budget)]:
         warn(warning)
     if not args.json:
         print(_opening(session), file=sys.stderr)
         for note in session.notes:
             print(f"autofit: {note}", file=sys.stderr)
-    with Progress(not args.json) as progress:
+    with Progress(not args.json, session.spec.budget_s) as progress:
         reason, interrupted = run_search(session, progress, args.standby)
     summary = summarize(session, study, reason, interrupted)
     if args.json:
@@ -132,6 +134,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _short_budget(budget: str | None) -> list[str]:
+    """A bare number is seconds: under a minute, say so (`--budget 3` is rarely meant as 3 s)."""
+    text = (budget or "").strip()
+    if text.replace(".", "", 1).isdigit() and float(text) < 60:
+        return [f"--budget {text}: a bare number is seconds, and {text} s is shorter than one probe; "
+                f"for minutes write {text}m."]
+    return []
+
+
 def _opening(session: Session) -> str:
     spec = session.spec
     verb = {Mode.NEW: "searching", Mode.RESUME: "resuming", Mode.JOIN: "joining"}[session.mode]
@@ -144,7 +155,7 @@ def _closing(s: Summary) -> str:
     best = s.best or {}
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
     return (f"\nbest: {best['tokens_per_s']:,.0f} tokens/s, peak {format_size(best['peak_memory_bytes'])} "
-            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probes"
+            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probe{'s' if len(s.rows) != 1 else ''}"
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
             + f"\nreport: {s.run_dir / 'report.md'}\n"
@@ -173,7 +184,8 @@ def add_parser(sub: Any, fmt: Any) -> None:
     se = sub.add_parser("search", help="find the fastest configuration that fits", formatter_class=fmt,
                         epilog=SEARCH_EPILOG)
     se.add_argument("--model", help="preset, local folder, config.json, or hub id")
-    se.add_argument("--space", default="lora", help="search space: lora, qlora, full, cpu-demo, or a YAML path")
+    se.add_argument("--space", help="search space: a shipped one (%s) or a YAML path (default lora)"
+                    % ", ".join(shipped_spaces()))
     add_target_flags(se)
     se.add_argument("--budget", default=None,
                     help="wall-clock budget for the whole search (default 30m; on --resume: the run's)")

@@ -146,11 +146,28 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
+        check_lora_targets(model, lora["target_modules"])
         model = get_peft_model(model, LoraConfig(**lora))
     state.memory_after_load = mem.allocator_now()[1]
     mem.phase()
     freeze_built_objects()
     return model
+
+
+def check_lora_targets(model: Any, targets: list[str] | str) -> None:
+    """Every lora_targets name must name a module: peft drops a misspelt one silently when another
+    matches, and the adapter would then train fewer layers than the config says."""
+    import torch
+
+    if isinstance(targets, str):  # peft's own forms ("all-linear", a regex) are peft's to check
+        return
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"lora_targets: {', '.join(missing)} names no module of {type(model).__name__}; "
+                         f"its linear layers are {', '.join(linear)}")
 
 
 def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
