@@ -211,9 +211,12 @@ def version_diff(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str,
     def gpu(env: dict[str, Any]) -> str:
         return ", ".join(sorted({g["name"] for g in env.get("gpus", [])})) or "none"
 
-    rows = [("GPU", gpu(before), gpu(now)), ("driver", str(before.get("driver")), str(now.get("driver"))),
-            ("CUDA (driver)", str(before.get("cuda_driver")), str(now.get("cuda_driver"))),
-            ("torch CUDA build", str(before.get("torch_cuda_build")), str(now.get("torch_cuda_build")))]
+    def text(env: dict[str, Any], key: str) -> str:
+        return "none" if env.get(key) is None else str(env[key])  # as `autofit env` says it
+
+    rows = [("GPU", gpu(before), gpu(now)), ("driver", text(before, "driver"), text(now, "driver")),
+            ("CUDA (driver)", text(before, "cuda_driver"), text(now, "cuda_driver")),
+            ("torch CUDA build", text(before, "torch_cuda_build"), text(now, "torch_cuda_build"))]
     pk_b, pk_n = before.get("packages", {}), now.get("packages", {})
     for pkg in sorted(set(pk_b) | set(pk_n)):
         rows.append((pkg, pk_b.get(pkg, "-"), pk_n.get(pkg, "-")))

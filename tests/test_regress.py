@@ -517,3 +517,10 @@ def test_on_the_cpu_any_number_of_ranks_runs_as_gloo_processes(tmp_path: Path) -
     assert regress.choose_target(stored, None, None, None, per_probe=2) is stored
     assert regress.choose_target(stored, None, None, "2GiB", per_probe=2).ranks == 2
     assert regress.choose_target(Target("cpu", None, "", None), None, None, None, per_probe=3).ranks == 3
+
+
+def test_the_version_diff_says_none_where_a_machine_has_no_gpu_stack() -> None:
+    rows = {what: (before, now, changed) for what, before, now, changed in
+            regress.version_diff({"packages": {"torch": "2.13.0"}}, {"driver": "580.1", "packages": {"torch": "2.13.0"}})}
+    assert rows["driver"] == ("none", "580.1", True) and rows["CUDA (driver)"] == ("none", "none", False)
+    assert rows["GPU"] == ("none", "none", False) and rows["torch"] == ("2.13.0", "2.13.0", False)

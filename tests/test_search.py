@@ -368,6 +368,10 @@ def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
     assert "The smallest peak that ran out of memory was" in proc.stderr and "short" in proc.stderr
     assert "quantization" in proc.stderr and "shorter --max-length" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # export sends the user to `autofit report`, which then says why there is no best.json
+    run = next(tmp_path.iterdir())
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 0 and "no best.json: No configuration fits under the 3 MiB limit" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- spaces and flags

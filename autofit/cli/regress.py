@@ -23,7 +23,8 @@ def cmd_regress(args: argparse.Namespace) -> int:
                          args.dataset)
         env_now = regress.now_env()
         print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
-        print("what changed since the baseline:")
+        print("what changed since the baseline (* changed):")
+        print(f"    {'':<17} {'baseline':<28} now")
         for what, before, now, changed in regress.version_diff(p.env_before, env_now):
             print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
         checks = regress.run_checks(p, tol, show)

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CannotWrite
-from ..report import write_outputs
+from ..report import nothing_fits_message, write_outputs
+from ..result import ProbeResult
 from ..session import open_run_study
 from ..study import stop_reason_of, study_rows, untried_of
 
@@ -20,8 +21,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study))
     except OSError as e:
         raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
-    print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probes), "
+    print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
+    if not best:  # what export and regress sent the user here to learn
+        results = [ProbeResult.from_dict(r) for r in rows]
+        why = (nothing_fits_message(results, spec.targets[0].memory_limit_bytes) if results else
+               f"Nothing was probed: {stop_reason_of(study) or 'the search stopped before its first probe'}.")
+        print(f"no best.json: {why}")
     return 0
 
 
