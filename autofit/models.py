@@ -96,9 +96,9 @@ class ModelSource:
     def check_lengths(self, lengths: list[int], flag: str) -> None:
         """A max_length longer than the model's positions is the user's mistake, said before anything runs."""
         limit = self.positions
-        longer = sorted(n for n in lengths if limit is not None and n > limit)
-        if longer:
-            raise UsageError(f"{flag}: max_length {longer[-1]} is longer than {self.ref}'s {limit} positions "
+        longest = max(lengths, default=0)
+        if limit is not None and longest > limit:
+            raise UsageError(f"{flag}: max_length {longest} is longer than {self.ref}'s {limit} positions "
                              f"(max_position_embeddings in its config); give at most {limit}.")
 
     def to_dict(self) -> dict[str, Any]:

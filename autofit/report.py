@@ -257,7 +257,7 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
                     data: dict[str, Any] | None = None, untried: dict[str, int] | None = None) -> str:
     lines = _header(spec, results, limit, stop_reason, untried)
     if best is None:
-        lines += ["## Nothing fits", "", nothing_fits_message(results, limit), ""]
+        lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
     else:
         lines += _winner(spec, results, best, limit)
     if data is not None:
@@ -524,11 +524,14 @@ def _measured_again(r: ProbeResult) -> str:
             + ", ".join(f"{x:,.0f}" for x in runs) + " tokens/s)")
 
 
-def nothing_fits_message(results: list[ProbeResult], limit: int | None) -> str:
-    """Why nothing fits, from what the probes hit: memory, unstable training, or errors."""
+def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_reason: str = "") -> str:
+    """Why nothing fits, from what the probes hit: memory, unstable training, or errors (with no
+    probe at all, why the search stopped: every config needed more GPUs, ...)."""
+    if not results:
+        return f"Nothing was probed: {stop_reason or 'the search stopped before its first probe'}."
     memory = [r for r in results if r.outcome.is_memory() and r.peak_memory_bytes]
     unstable = [r for r in results if r.outcome is Outcome.UNSTABLE]
-    if results and all(r.outcome is Outcome.TIMEOUT for r in results):  # no probe ended: nothing is known about memory
+    if all(r.outcome is Outcome.TIMEOUT for r in results):  # no probe ended: nothing is known about memory
         longest = max(r.wall_seconds or 0.0 for r in results)
         return (f"No probe finished: {len(results)} probe(s) timed out (the longest after {longest:.0f} s), so "
                 "nothing is known yet about what fits. Give the search a longer --budget (a bare number is "

@@ -36,6 +36,7 @@ from .target import Target, resolve_targets
 from .units import parse_duration
 
 DEFAULT_BUDGET = "30m"
+DEFAULT_SPACE = "lora"
 STORAGE_ERRORS = (OSError, sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError)
 """What a study storage raises when it cannot be written: a full disk, a read-only folder, a lost server."""
 
@@ -53,7 +54,7 @@ class SearchRequest:
 
     model: str | None = None
     space: str | None = None
-    """None: the `lora` space for a new search (and no change asked of a resumed one)."""
+    """None: DEFAULT_SPACE for a new search (and no change asked of a resumed one)."""
     gpu: str | None = None
     device: str | None = None
     memory_limit: str | None = None
@@ -157,7 +158,7 @@ def _joined(req: SearchRequest) -> Session | None:
 def _new(req: SearchRequest) -> Session:
     model, space, targets, budget, dims = gather(
         lambda: resolve_model(req.model) if req.model else _missing("--model"),
-        lambda: load_space(req.space or "lora"),
+        lambda: load_space(req.space or DEFAULT_SPACE),
         lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus),
         lambda: parse_duration(req.budget or DEFAULT_BUDGET),
         lambda: space_dimensions(req.max_length, req.global_batch))
@@ -166,7 +167,7 @@ def _new(req: SearchRequest) -> Session:
     if dims:
         space = space.replaced(**dims)
     space, ref, notes = data_space(space, model, req)
-    model.check_lengths(space.lengths, "--max-length" if req.max_length else f"--space {req.space or 'lora'}")
+    model.check_lengths(space.lengths, "--max-length" if req.max_length else f"--space {req.space or DEFAULT_SPACE}")
     run_id = new_run_id(model)
     run_dir = req.out / run_id
     storage = req.storage or RunDir(run_dir).default_storage(len(targets))
@@ -190,7 +191,8 @@ def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, Dat
     dims: dict[str, list[Any]] = {}
     if req.max_length is None:  # the data's lengths, within what the model takes
         limit = model.positions
-        dims["max_length"] = [n for n in data.stats.candidates if limit is None or n <= limit] or [limit]
+        within = [n for n in data.stats.candidates if limit is None or n <= limit]
+        dims["max_length"] = within or ([limit] if limit is not None else [])
     if "batching" not in space.dimensions and "batching" not in space.fixed:
         dims["batching"] = list(BATCHINGS)
     cuts = ", ".join(f"{c.max_length}: {c.tokens_lost:.2%} of tokens lost" for c in data.stats.cuts)
@@ -300,9 +302,8 @@ def _reserve(session: Session) -> Session:
             (out / run_id).mkdir(parents=True)
         except FileExistsError:
             continue
-        except OSError as e:
-            raise CannotWrite(f"--out: cannot write the run folder {out / run_id} ({e.strerror or e}); "
-                              "give a writable folder with --out.") from None
+        except OSError:  # not writable: create() says so
+            return session
         if n == 1:
             return session
         storage = RunDir(out / run_id).default_storage(len(spec.targets)) if session.local_storage else spec.storage
@@ -356,10 +357,8 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
 
 def nothing_fits(session: Session, summary: Summary) -> NothingFits:
     results = [ProbeResult.from_dict(r) for r in summary.rows]
-    report = f" Report: {RunDir(session.run_dir).report}"
-    if not results:  # nothing ran: why is the stop reason (every config needed more GPUs, ...)
-        return NothingFits(f"Nothing was probed: {summary.stop_reason}.{report}")
-    return NothingFits(nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes) + report)
+    why = nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes, summary.stop_reason)
+    return NothingFits(f"{why} Report: {RunDir(session.run_dir).report}")
 
 
 def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.Study]:

@@ -47,12 +47,17 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
     return value
 
 
+def bare_seconds(text: str) -> bool:
+    """A duration written without a unit (`90`): read as seconds."""
+    return re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", str(text).strip()) is not None
+
+
 def parse_duration(text: str, flag: str = "--budget") -> float:
     """`30m` -> 1800.0, `1h30m` -> 5400.0, `90` -> 90.0 (seconds)."""
     s = str(text).strip().lower()
     if s.startswith("-"):
         raise UsageError(f"{flag}: {text!r} is not positive; give a duration such as 30m, 1h30m or 90s.")
-    if re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", s):
+    if bare_seconds(s):
         seconds = float(s)
     else:
         parts = _DURATION_RE.findall(s)

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,10 +155,9 @@ def test_resume_says_which_flags_it_cannot_change(tmp_path: Path) -> None:
 def test_two_searches_planned_in_the_same_second_get_two_folders(tmp_path: Path) -> None:
     first = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
     second = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--space", "cpu-demo")
-    second = second.__class__(second.mode, second.spec.replace(run_id=first.spec.run_id,
-                                                              study_name=first.spec.study_name,
-                                                              storage=first.spec.storage), first.run_dir,
-                              second.local_storage)  # the same second: the same id, folder and study
+    # the same second: the same id, folder and study
+    second = replace(second, run_dir=first.run_dir, spec=second.spec.replace(
+        run_id=first.spec.run_id, study_name=first.spec.study_name, storage=first.spec.storage))
     a, study_a = start(first)
     b, study_b = start(second)
     assert a.run_dir == first.run_dir and b.run_dir == first.run_dir.with_name(first.run_dir.name + "-2")

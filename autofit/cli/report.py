@@ -24,9 +24,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
     if not best:  # what export and regress sent the user here to learn
-        results = [ProbeResult.from_dict(r) for r in rows]
-        why = (nothing_fits_message(results, spec.targets[0].memory_limit_bytes) if results else
-               f"Nothing was probed: {stop_reason_of(study) or 'the search stopped before its first probe'}.")
+        why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows], spec.targets[0].memory_limit_bytes,
+                                   stop_reason_of(study))
         print(f"no best.json: {why}")
     return 0
 

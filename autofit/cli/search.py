@@ -24,7 +24,7 @@ from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
 from ..session import run as run_search
 from ..space import shipped_spaces
-from ..units import format_duration, format_size
+from ..units import bare_seconds, format_duration, format_size
 from .common import EXIT_CODES, add_data_flags, add_probe_flags, add_target_flags, probe_settings, warn
 
 WIDE = 110
@@ -137,7 +137,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 def _short_budget(budget: str | None) -> list[str]:
     """A bare number is seconds: under a minute, say so (`--budget 3` is rarely meant as 3 s)."""
     text = (budget or "").strip()
-    if text.replace(".", "", 1).isdigit() and float(text) < 60:
+    if bare_seconds(text) and float(text) < 60:
         return [f"--budget {text}: a bare number is seconds, and {text} s is shorter than one probe; "
                 f"for minutes write {text}m."]
     return []
