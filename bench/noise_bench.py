@@ -6,7 +6,10 @@ Modes, each 5 runs in fresh processes:
   its noise controls (`AUTOFIT_NOISE_CONTROLS=none`, autofit/probe/quiet.py);
 - "hold": standby imports stopped during every timed phase, no noise controls;
 - "after": both (what autofit does). Each probe takes a standby process and the runner starts
-the next one at once, so a fresh import runs beside every probe, as in a search.
+the next one at once, so a fresh import runs beside every probe, as in a search;
+- "cores": "after" with every probe on the same --cores CPU cores, one hardware thread per physical
+core (`AUTOFIT_PROBE_CORES`): is the spread between fresh processes where the scheduler places the
+threads that launch the kernels?
 
 GPU (S1: llama2-7b shape, LoRA, 40 GiB limit, length 2048, micro-batch 1, checkpointing on,
 global batch 16):   python bench/noise_bench.py
@@ -27,7 +30,7 @@ from common import GIB, save
 
 from autofit.envinfo import gpus
 from autofit.models import resolve_model
-from autofit.probe.quiet import CONTROLS_ENV
+from autofit.probe.quiet import CONTROLS_ENV, CORES_ENV, one_thread_per_core
 from autofit.protocol import HEADROOM, TIMED_STEPS
 from autofit.runner import HOLD, Runner
 from autofit.spec import TrialConfig
@@ -50,16 +53,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--timed-steps", type=int, default=TIMED_STEPS,
                    help=f"timed optimizer steps per probe (default {TIMED_STEPS}, the probe's): more say whether "
                         "the spread between processes is per-step noise that a longer window averages out")
+    p.add_argument("--cores", type=int, default=4, help="CPU cores of the `cores` mode (default 4)")
     p.add_argument("--name", default=None, help="result file name (default noise-<model>-<device>)")
     return p.parse_args()
 
 
-MODES = {"before": (False, "none"), "hold": (True, "none"), "after": (True, "all")}
+MODES = {"before": (False, "none"), "hold": (True, "none"), "after": (True, "all"), "cores": (True, "all")}
 
 
 def measure(target: Target, cfg: TrialConfig, model: Any, a: argparse.Namespace, mode: str) -> dict[str, Any]:
     hold, controls = MODES[mode]
     os.environ[CONTROLS_ENV] = controls  # read by the probe children this runner starts
+    os.environ.pop(CORES_ENV, None)
+    if mode == "cores":
+        os.environ[CORES_ENV] = str(a.cores)
     runs = []
     with Runner(target, Path(tempfile.mkdtemp()), standby=a.standby, hold_while_timing=hold,
                 timed_steps=a.timed_steps, max_probe_accumulation=a.max_probe_accumulation or None) as runner:
@@ -131,6 +138,8 @@ def main() -> int:
                         f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby, "
                         f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}, timed steps: {a.timed_steps}",
             "target": target.describe(long=True),
+            "host_cpus": {"allowed": len(os.sched_getaffinity(0)),
+                          "physical_cores": len(one_thread_per_core(os.sched_getaffinity(0)))},
             "config": cfg.to_dict(),
             "modes": modes,
         })

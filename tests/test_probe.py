@@ -92,6 +92,31 @@ def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None
     assert clock.window() == {"sm_clock_mhz": None, "power_w": None, "clock_events": []}
 
 
+def test_fixed_cores_take_one_thread_per_physical_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autofit.probe.quiet import CORES_ENV, fixed_cores, one_thread_per_core
+
+    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():  # two cores, two threads each
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    assert one_thread_per_core({0, 1, 2, 3, 5}, tmp_path) == [0, 1, 5]  # cpu5's topology unread: its own core
+    assert one_thread_per_core({2, 3}, tmp_path) == [2, 3]
+    # this machine's own topology
+    allowed = os.sched_getaffinity(0)
+    cores = one_thread_per_core(allowed)
+    lists = {Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text() for c in cores}
+    assert cores and set(cores) <= allowed and len(lists) == len(cores)
+    monkeypatch.delenv(CORES_ENV, raising=False)
+    assert fixed_cores(allowed, 0) == allowed  # unset: the GPU's local cores, unchanged
+    monkeypatch.setenv(CORES_ENV, "1")
+    assert fixed_cores(allowed, 0) == {cores[0]}
+    assert fixed_cores(allowed, 1) == {cores[1 % len(cores)]}  # the next GPU, the next core
+    monkeypatch.setenv(CORES_ENV, str(len(cores) + 4))
+    assert fixed_cores(allowed, 0) == set(cores)
+    monkeypatch.setenv(CORES_ENV, "0")
+    with pytest.raises(ValueError, match=CORES_ENV):
+        fixed_cores(allowed, 0)
+
+
 @pytest.mark.slow
 def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--memory-limit", "2MiB", cwd=tmp_path)
