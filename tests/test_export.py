@@ -160,6 +160,12 @@ def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
         text = export_run(run, fmt).text
         assert "Exported by autofit from run run." in text and "Measured on: CPU (no GPU), 2 GiB memory limit" in text
         assert "Probe: 1,000 tokens/s, peak 100 MiB (every sequence 128 tokens" in text, fmt
+        assert "Tokens/s: measured in one process, not repeated" in text, fmt
+    again = write_run(tmp_path / "again", extra={"measurements": [950.0, 1000.0, 1100.0]})
+    for fmt in FORMATS:
+        text = export_run(again, fmt).text
+        assert "Tokens/s: the median of 3 fresh processes (950, 1,000, 1,100)." in text, fmt
+        assert "not repeated" not in text, fmt
 
 
 def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_path: Path) -> None:
@@ -223,9 +229,11 @@ def test_importing_the_exporters_imports_no_ml_library() -> None:
 
 
 @pytest.mark.slow
-def test_export_to_stdout(tiny_run: Path) -> None:
+def test_export_to_stdout(tiny_run: Path, tmp_path: Path) -> None:
     proc = run_cli("export", str(tiny_run))
     assert proc.returncode == 0 and proc.stdout.startswith("#!/usr/bin/env python3")
+    dash = run_cli("export", str(tiny_run), "-o", "-", cwd=tmp_path)  # the usual spelling of stdout
+    assert (dash.returncode, dash.stdout) == (0, proc.stdout) and not (tmp_path / "-").exists()
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     rendered = export_run(args.run, args.format, args.dataset)
     for item in rendered.unexpressed:
         print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
-    if not args.output:
+    if not args.output or args.output == "-":
         sys.stdout.write(rendered.text)
         for line in stdout_notes(rendered):
             print(f"autofit: {line}", file=sys.stderr)
@@ -52,7 +52,7 @@ def add_parser(sub: Any, fmt: Any) -> None:
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
-    ex.add_argument("-o", "--output", help="output file (default: stdout); an existing one needs --force")
+    ex.add_argument("-o", "--output", help="output file (default, or -: stdout); an existing one needs --force")
     ex.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
     ex.add_argument("--dataset", metavar="PATH",
                     help="where the run's dataset is now, if it moved since the search (its content must be "

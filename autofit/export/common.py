@@ -164,6 +164,15 @@ class ExportRun:
         """The model to name in a config: the source, or a placeholder for a random-weight preset."""
         return self.model["ref"] if self.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL"
 
+    def repeats(self) -> str:
+        """How often the probe's tokens/s was measured: what to expect of the recipe's own figure."""
+        runs = (self.best.get("extra") or {}).get("measurements") or []
+        if len(runs) > 1:
+            return (f"Tokens/s: the median of {len(runs)} fresh processes "
+                    f"({', '.join(f'{x:,.0f}' for x in runs)}).")
+        return ("Tokens/s: measured in one process, not repeated: another process can run it some percent "
+                "faster or slower (autofit regress measures it again).")
+
     def provenance(self) -> list[str]:
         """Comment lines: run id, GPU, limit, versions, measured tokens/s and peak."""
         t = self.best.get("target", {})
@@ -182,6 +191,7 @@ class ExportRun:
              + (f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."
                 if self.dataset is None else f"(trained tokens/s on {self.dataset.get('path')}, batching "
                 f"{self.config.batching}, max_length {self.config.max_length}).")),
+            self.repeats(),
             f"Model: {self.model['ref']} ({self.model['kind']})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
                 if self.model["kind"] in ("preset", "config") else ""),
