@@ -18,9 +18,11 @@ from autofit.cli import build_parser, main
 from autofit.cli.search import Progress, request
 from autofit.errors import UsageError
 from autofit.protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from autofit.result import Outcome, ProbeResult
 from autofit.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
-from autofit.search import open_study
+from autofit.search import Event, EventKind, open_study
 from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions, start
+from autofit.spec import TrialConfig
 
 COMMANDS = ("search", "export", "regress", "report", "env", "probe")
 WITH_EXIT_CODES = ("search", "report", "env", "probe", "export", "regress")
@@ -253,3 +255,16 @@ def test_the_live_table_keeps_one_line_a_row_at_the_terminal_width(width: int) -
     assert len(rows) == 3, lines  # each row on one line: nothing wrapped onto a second
     assert all("123,456" in x and "139.2 GiB" in x for x in rows)
     assert ("140.1 GiB" in rows[0]) == (width >= 110)  # the predicted peak only where there is room
+
+
+def test_a_repeat_line_shows_its_own_figure_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tok/s column of a repeat is what that process measured; the median the config now ranks by is
+    named beside it (a user read the median as the repeat's figure)."""
+    cfg = TrialConfig.from_mapping({"micro_batch_size": 2})
+    merged = ProbeResult(Outcome.FIT, cfg.to_dict(), tokens_per_s=9876.0, peak_memory_bytes=150 * 2**20,
+                         extra={"measurements": [10196.9, 9555.2]})
+    progress = Progress(enabled=True, budget_s=60)
+    progress.tty = False
+    progress(Event(2, "cpu", cfg.to_dict(), EventKind.AGAIN, merged, None, merged, 7.0))
+    line = capsys.readouterr().out
+    assert "fit (again; median 9,876)" in line and "9,555 tok/s" in line and "10,197" not in line, line

@@ -80,6 +80,9 @@ class Progress:
         r = e.result
         outcome = (r.outcome.value + (" (again)" if e.kind == "again" else "")) if r else f"skip: {e.kind}"
         tps = f"{r.tokens_per_s:,.0f}" if r and r.tokens_per_s else "-"
+        if r and e.kind == "again" and len(r.measurements) > 1:
+            # the repeat's own figure in its column; the median of the runs, which the config now ranks by, beside
+            tps, outcome = f"{r.measurements[-1]:,.0f}", f"{r.outcome.value} (again; median {r.tokens_per_s:,.0f})"
         peak = format_size(r.peak_memory_bytes) if r else "-"
         row = (str(e.number), config_brief(e.config), outcome, tps, peak, format_size(e.predicted), e.worker)
         if e.best is not None:
