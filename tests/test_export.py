@@ -168,6 +168,23 @@ def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
         assert "not repeated" not in text, fmt
 
 
+def test_a_written_script_keeps_the_permissions_of_the_file_it_replaces(tmp_path: Path) -> None:
+    """-o --force over a private file made it world-readable (0755 on any path, /dev/null included)."""
+    from autofit.export.common import write_recipe
+
+    new = tmp_path / "new.py"
+    write_recipe("print(1)\n", new, force=False, executable=True)
+    assert new.stat().st_mode & 0o777 == 0o755
+    private = tmp_path / "private.py"
+    private.write_text("# mine\n")
+    private.chmod(0o600)
+    write_recipe("print(1)\n", private, force=True, executable=True)
+    assert private.stat().st_mode & 0o777 == 0o700 and private.read_text() == "print(1)\n"
+    config = tmp_path / "c.yaml"
+    write_recipe("a: 1\n", config, force=False, executable=False)
+    assert config.stat().st_mode & 0o111 == 0
+
+
 def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_path: Path) -> None:
     """The quantization keys are validated against the installed BitsAndBytesConfig: in transformers 5.25
     its base became a dataclass of one field, and reading only the dataclass fields refused load_in_4bit."""

@@ -229,9 +229,12 @@ def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
     if out.exists() and not force:
         raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
     try:
+        existed = out.exists()
         out.write_text(text)
-        if executable:
-            out.chmod(0o755)
+        if executable and out.is_file():  # never a device (-o /dev/null) or another special file
+            # a new script is executable for all; an overwritten one keeps its permissions, gaining x where r
+            mode = 0o755 if not existed else out.stat().st_mode | (out.stat().st_mode & 0o444) >> 2
+            out.chmod(mode & 0o7777)
     except OSError as e:
         raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
 
