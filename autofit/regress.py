@@ -31,7 +31,7 @@ from .export.common import Best, BestEntry, read_best, read_env
 from .models import ModelSource
 from .objective import combined_tokens_per_s
 from .result import ProbeResult
-from .rundir import model_of, read_spec, targets_of
+from .rundir import RunDir, model_of, read_spec, targets_of
 from .runner import Runner
 from .target import Target, resolve_targets
 from .units import format_size
@@ -351,6 +351,16 @@ NOT_FINISHED = ("autofit regress did not finish: it was stopped, killed, or fail
                 "results; see its output")
 
 
+def own_record(run_dir: Path, path: Path) -> bool:
+    """Is `path` one of the files a run folder keeps of its run (its spec, study, winner, history, logs)?"""
+    folder, target = RunDir(run_dir), path.resolve()
+    own = {p.resolve() for p in (folder.spec, folder.study_db, folder.study_journal, folder.trials, folder.best,
+                                 folder.report, folder.env, run_dir / HISTORY)}
+    kept = target.parent == run_dir.resolve() and target.name.startswith(("best.previous-", "env.previous-"))
+    inside = any(target.is_relative_to(d.resolve()) for d in (folder.logs, folder.data))
+    return target in own or kept or inside
+
+
 @dataclass(frozen=True)
 class Reports:
     """The --json and --junit files of one job."""
@@ -368,7 +378,9 @@ class Reports:
         """Write both files at once, each with the error "did not finish", before anything is measured.
         A path that cannot be written is a UsageError naming its flag; the other file still gets the error."""
         reports = cls(Path(json_path) if json_path else None, Path(junit_path) if junit_path else None, run)
-        problems = []
+        problems = reports.clashes()
+        if problems:
+            raise UsageError(problems)
         for flag, path in (("--json", reports.json_path), ("--junit", reports.junit_path)):
             if path is not None:
                 try:
@@ -379,6 +391,23 @@ class Reports:
             reports.error(UsageError(problems))
             raise UsageError(problems)
         return reports
+
+    def clashes(self) -> list[str]:
+        """Paths that would replace what the job reads or writes itself: the run folder's own files (its
+        study, best.json, history), one file for both reports, or '-' (stdout holds the report lines)."""
+        out = []
+        run = Path(self.run).resolve()
+        for flag, path in (("--json", self.json_path), ("--junit", self.junit_path)):
+            if path is None:
+                continue
+            if str(path) == "-":
+                out.append(f"{flag}: '-' would mix the file into the report printed on stdout; give a file path.")
+            elif path.exists() and own_record(Path(self.run), path):
+                out.append(f"{flag}: {path} is a file of the run folder {self.run} (the run's own record); "
+                           "give a path outside it, or a new file name.")
+        if self.json_path and self.junit_path and self.json_path.resolve() == self.junit_path.resolve():
+            out.append(f"--json and --junit both name {self.json_path}; give two paths.")
+        return out
 
     def error_text(self, path: Path, message: str, kind: str) -> str:
         if path == self.junit_path:
