@@ -208,10 +208,16 @@ def local_storage(run_dir: Path, storage: str) -> str:
     """A study file inside a run folder that was moved or copied: follow the folder. The folder's
     own study file wins whenever it exists (a copy must not write into the original's study)."""
     folder = RunDir(run_dir)
+    stored = Path(storage.removeprefix("sqlite:///"))
     for path, url in ((folder.study_db, f"sqlite:///{folder.study_db.resolve()}"),
                       (folder.study_journal, str(folder.study_journal.resolve()))):
-        stored = storage.removeprefix("sqlite:///")
-        if Path(stored).name == path.name and path.exists():
+        if stored.name != path.name:
+            continue
+        # A copy whose study file was left behind, or a folder moved from a machine where it ran: its own
+        # (missing) file, never the original run's study. Kept: a study file of that name outside any run
+        # folder, given as --storage.
+        elsewhere = stored.exists() and not (stored.parent / folder.spec.name).exists()
+        if path.exists() or (stored.parent.resolve() != Path(run_dir).resolve() and not elsewhere):
             return url
     return storage
 

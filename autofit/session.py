@@ -121,6 +121,15 @@ def _resumed(req: SearchRequest) -> Session:
     run_dir = Path(req.resume or "")
     spec = load_spec(run_dir, "--resume")
     check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
+    check_study_file(spec.storage, run_dir, "--resume", measured_only=True)
+    try:  # a damaged study file is said before anything in the folder is rewritten
+        open_study(spec.storage, spec.study_name, create=False, seed=spec.seed)
+    except STORAGE_ERRORS as e:
+        damaged = damaged_study(e, "--resume", spec.storage)
+        if damaged:
+            raise damaged from None
+    except KeyError:
+        pass  # not there yet: start() creates it
     if req.gpu is not None or req.device is not None:
         spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom,
                                                           req.gpus)))
@@ -215,6 +224,19 @@ def _missing(flag: str) -> Any:
                      f"{flag} tiny-llama.")
 
 
+def check_study_file(storage: str, run_dir: Path, flag: str, measured_only: bool = False) -> None:
+    """A run folder whose own study file is gone (removed, or left behind when the folder was copied).
+    `measured_only`: only where the folder lists probes (a search stopped before its study was made
+    resumes into a new one)."""
+    path = Path(storage.removeprefix("sqlite:///"))
+    trials = RunDir(run_dir).trials
+    if measured_only and not (trials.is_file() and trials.stat().st_size):
+        return
+    if storage.startswith("sqlite:///") and _in_folder(storage, run_dir) and not path.exists():
+        raise UsageError(f"{flag}: {path} is missing: the run's study (every probe it measured) is not there; "
+                         "restore it from a copy, or start a new search.")
+
+
 def _in_folder(storage: str, run_dir: Path) -> bool:
     stored = storage.removeprefix("sqlite:///")
     return Path(stored).resolve().parent == run_dir.resolve()
@@ -288,6 +310,9 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
         if "spec" not in study.user_attrs:
             study.set_user_attr("spec", spec.to_dict())
     except STORAGE_ERRORS as e:
+        damaged = damaged_study(e, "--resume" if session.mode is Mode.RESUME else "--storage", spec.storage)
+        if damaged:
+            raise damaged from None
         raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
     return session, study
 
@@ -365,11 +390,24 @@ def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.St
     """The spec and study of an existing run folder (for `report`)."""
     spec = load_spec(run_dir, flag)
     check_storage(spec.storage, f"{flag}: {RunDir(run_dir).spec}: storage")
+    check_study_file(spec.storage, run_dir, flag)
     try:
         return spec, open_study(spec.storage, spec.study_name, create=False, seed=spec.seed)
     except KeyError:
         raise UsageError(f"{flag}: the study {spec.study_name!r} is not in {spec.storage}; "
                          "the run folder's study file may have been removed.") from None
+    except STORAGE_ERRORS as e:
+        raise damaged_study(e, flag, spec.storage) or e from None
+
+
+def damaged_study(e: BaseException, flag: str, storage: str) -> UsageError | None:
+    """A study file that is not a database (cut short, overwritten): a usage error naming it, else None."""
+    text = f"{e} {e.__cause__ or ''}".lower()
+    if not any(s in text for s in ("file is not a database", "malformed")):
+        return None
+    return UsageError(f"{flag}: the study file {storage.removeprefix('sqlite:///')} is damaged "
+                      f"({_first_line(e.__cause__ or e)}); restore it from a copy, or start a new search "
+                      "(each probe measured so far is also listed in the run folder's trials.jsonl).")
 
 
 def _cannot_write(e: BaseException) -> bool:
