@@ -7,8 +7,10 @@ what a command decides lives in the library (`session.py` for `search`).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 
 from ..errors import AutofitError
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     func: Callable[[argparse.Namespace], int] = args.func
+    if threading.current_thread() is threading.main_thread():
+        # a plain kill, a job runner's timeout, a cancelled CI job: stopped as Ctrl-C stops it (the probe's
+        # process group stopped, the study kept, the resume command printed), not killed mid-write
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_shared_flags(args)
         return func(args)
