@@ -175,8 +175,10 @@ def test_a_copied_run_folder_uses_its_own_study(tmp_path: Path) -> None:
     shutil.copytree(session.run_dir, copy)
     assert load_spec(copy).storage == f"sqlite:///{RunDir(copy).study_db.resolve()}"
     assert load_spec(session.run_dir).storage == session.spec.storage
-    (copy / "study.db").unlink()  # without a study file of its own, the stored storage is the study
-    assert load_spec(copy).storage == session.spec.storage
+    (copy / "study.db").unlink()  # without a study file of its own: still its own, never the original's
+    assert load_spec(copy).storage == f"sqlite:///{RunDir(copy).study_db.resolve()}"
+    with pytest.raises(UsageError, match="study.db is missing"):
+        open_run_study(copy)
 
 
 def test_a_study_at_the_storage_is_joined_with_its_own_spec(tmp_path: Path) -> None:
@@ -218,8 +220,10 @@ def test_run_spec_round_trips_through_spec_yaml(tmp_path: Path) -> None:
     spec = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "90MiB").spec
     assert RunSpec.from_dict(spec.to_dict()) == spec
     write_spec(tmp_path / "run", spec)
-    assert load_spec(tmp_path / "run") == spec
-    assert read_spec(tmp_path / "run") == spec.to_dict()
+    # the planned study file was never made: the folder the spec is in holds the run's study
+    moved = spec.replace(storage=f"sqlite:///{(tmp_path / 'run' / 'study.db').resolve()}")
+    assert load_spec(tmp_path / "run") == moved
+    assert read_spec(tmp_path / "run") == moved.to_dict()
     assert spec.to_dict()["created"] == spec.run_id.split("-")[0]
 
 
@@ -233,7 +237,7 @@ def test_report_of_a_run_without_its_study_is_a_usage_error(tmp_path: Path) -> N
     spec = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu").spec
     run = tmp_path / "run"
     write_spec(run, spec.replace(storage=f"sqlite:///{run / 'study.db'}"))
-    with pytest.raises(UsageError, match="is not in"):
+    with pytest.raises(UsageError, match="study.db is missing"):
         open_run_study(run)
 
 

@@ -60,6 +60,9 @@ FAULTS = [
           "--out: cannot write the run folder"),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
           "Continue with: autofit search --resume", nothing_lost=True),
+    Fault("search-terminated", "SIGTERM during a search (a plain kill, a cancelled CI job: exit 143, no "
+          "resume hint, a trial left running)", "autofit search ... (SIGTERM)", 130,
+          "Continue with: autofit search --resume", nothing_lost=True),
 ]
 
 
@@ -174,8 +177,10 @@ def test_read_only_out_is_exit_4_with_one_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigint_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path) -> None:
-    fault = next(f for f in FAULTS if f.id == "search-interrupted")
+@pytest.mark.parametrize("fault_id, signum", [("search-interrupted", signal.SIGINT),
+                                               ("search-terminated", signal.SIGTERM)])
+def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fault_id: str, signum: int) -> None:
+    fault = next(f for f in FAULTS if f.id == fault_id)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
@@ -190,7 +195,7 @@ def test_sigint_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path) -> N
             study_db = runs[0]
     assert study_db is not None, "no probe finished"
     measured = _finished(study_db)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == fault.exit_code, err[-2000:]
     assert fault.message in err and "Traceback" not in err

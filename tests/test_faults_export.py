@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, run_cli
 from faults import Fault
 
@@ -37,6 +38,20 @@ FAULTS = [
           "train.py already exists; pass --force to overwrite it", nothing_lost=True),
     Fault("export-bitsandbytes-notice", "bitsandbytes' CPU kernel notice on every export",
           "autofit export RUN -o train.py", 0, "wrote "),
+    Fault("regress-json-into-run", "--json naming the run's own best.json (the placeholder replaced the baseline)",
+          "autofit regress RUN --json RUN/best.json", 2, "is a file of the run folder", nothing_lost=True),
+    Fault("regress-junit-into-study", "--junit naming the run's study.db (the XML replaced every measurement)",
+          "autofit regress RUN --junit RUN/study.db", 2, "is a file of the run folder", nothing_lost=True),
+    Fault("regress-json-dash", "--json - (wrote a file named '-')", "autofit regress RUN --json -", 2,
+          "--json: '-' would mix the file into the report printed on stdout", nothing_lost=True),
+    Fault("report-study-damaged", "study.db cut in half (a traceback)", "autofit report RUN", 2,
+          "is damaged (", nothing_lost=True),
+    Fault("resume-study-damaged", "study.db cut in half, then --resume (said 'cannot write', exit 4)",
+          "autofit search --resume RUN", 2, "is damaged (", nothing_lost=True),
+    Fault("report-copy-without-study", "a copied run folder without its study.db (read the original's)",
+          "autofit report RUN", 2, "study.db is missing", nothing_lost=True),
+    Fault("resume-copy-without-study", "a copied run folder without its study.db, resumed (wrote 235 trials "
+          "into the original's study)", "autofit search --resume RUN", 2, "study.db is missing", nothing_lost=True),
     Fault("script-dataset-not-json", "an exported script given a .jsonl with a line that is not JSON",
           "python train.py --dataset notjson.jsonl", 2, "notjson.jsonl line 2 is not JSON"),
     Fault("script-dataset-no-text", "an exported script given JSONL rows without a \"text\" field",
@@ -70,7 +85,30 @@ def _best_missing(run: Path, tmp: Path) -> list[str]:
     return ["export", str(run)]
 
 
+def _damaged_study(*command: str) -> Callable[[Path, Path], list[str]]:
+    def setup(run: Path, tmp: Path) -> list[str]:
+        data = (run / "study.db").read_bytes()
+        (run / "study.db").write_bytes(data[:len(data) // 2])
+        return [*command, str(run)]
+    return setup
+
+
+def _without_study(*command: str) -> Callable[[Path, Path], list[str]]:
+    """The copy in `run` (its spec names the original's study): its own study file removed."""
+    def setup(run: Path, tmp: Path) -> list[str]:
+        (run / "study.db").unlink()
+        return [*command, str(run)]
+    return setup
+
+
 ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "regress-json-into-run": lambda run, tmp: ["regress", str(run), "--json", str(run / "best.json")],
+    "regress-junit-into-study": lambda run, tmp: ["regress", str(run), "--junit", str(run / "study.db")],
+    "regress-json-dash": lambda run, tmp: ["regress", str(run), "--json", "-"],
+    "report-study-damaged": _damaged_study("report"),
+    "resume-study-damaged": _damaged_study("search", "--budget", "20s", "--resume"),
+    "report-copy-without-study": _without_study("report"),
+    "resume-copy-without-study": _without_study("search", "--budget", "20s", "--resume"),
     "regress-best-truncated": _corrupt_best('{"outcome":', "regress"),
     "regress-best-not-object": _corrupt_best("[1,2,3]", "regress"),
     "regress-junit-under-file": _junit_under_file,
@@ -117,6 +155,7 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
 def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> None:
     run = tmp_path / tiny_run.name
     shutil.copytree(tiny_run, run)
+    ORIGINAL_STUDY["bytes"] = (tiny_run / "study.db").read_bytes()
     command = prepare(fault, run, tmp_path, script)
     before = snapshot(run)
     proc = command()
@@ -169,7 +208,19 @@ def _script_error(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) 
     assert len(errors) == 1 and "stand-in tokenizer" not in proc.stderr
 
 
+def _original_untouched(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
+    """The copy's spec names the original run's study: the refusal left it as it was, and made no empty one."""
+    assert not (run / "study.db").exists() and ORIGINAL_STUDY["bytes"] is not None
+    stored = Path(yaml.safe_load((run / "spec.yaml").read_text())["storage"].removeprefix("sqlite:///"))
+    assert stored.parent != run and stored.read_bytes() == ORIGINAL_STUDY["bytes"]
+
+
+ORIGINAL_STUDY: dict[str, bytes | None] = {"bytes": None}
+
+
 EXTRA: dict[str, Callable[[Path, Path, subprocess.CompletedProcess[str]], None]] = {
+    "report-copy-without-study": _original_untouched,
+    "resume-copy-without-study": _original_untouched,
     "regress-best-truncated": _junit_error,
     "regress-best-not-object": _junit_error,
     "regress-junit-under-file": _nothing_measured,
