@@ -66,6 +66,17 @@ def test_bad_rows_are_counted_with_their_first_line_numbers(tmp_path: Path) -> N
     assert "6 rows skipped" in data.bad.summary() and "not JSON (line 2)" in data.bad.summary()
 
 
+def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -> None:
+    """A .json export that is one array of rows, and DATA.JSONL, were read as plain text: every line, the
+    JSON wrapper included, became a sample."""
+    rows = [{"text": "first sample"}, {"messages": [{"role": "user", "content": "hi"}]}, {"txt": "typo"}]
+    lines = load_samples(_write(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in rows)))
+    array = load_samples(_write(tmp_path, "d.json", json.dumps(rows, indent=2)))
+    upper = load_samples(_write(tmp_path, "D.JSONL", "\n".join(json.dumps(r) for r in rows)))
+    assert array.samples == lines.samples == upper.samples and len(lines.samples) == 2
+    assert array.bad.by_reason == {"missing 'text'": (3,)} and upper.kind is lines.kind
+
+
 @pytest.mark.parametrize(("name", "content", "match"), [
     ("empty.jsonl", "", r"empty\.jsonl is empty"),
     ("blank.txt", "\n\n  \n", r"blank\.txt is empty"),

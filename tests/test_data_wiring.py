@@ -500,9 +500,15 @@ def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_pa
         plan(SearchRequest(resume=session.run_dir))
 
 
-@pytest.mark.parametrize("path", [D1, CHAT])
-def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path) -> None:
+@pytest.mark.parametrize("path", [D1, CHAT, "array"])
+def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str, tmp_path: Path) -> None:
     import sys
+
+    if path == "array":  # one JSON array of the chat rows, with an upper-case extension
+        rows = [json.loads(x) for x in CHAT.read_text().splitlines() if x.strip()]
+        path = tmp_path / "CHAT.JSON"
+        path.write_text(json.dumps(rows, indent=1))
+    assert isinstance(path, Path)
 
     from autofit.data import load_samples, tokenizer_for
     from autofit.export.data_script import DATA_HELPERS

@@ -145,9 +145,9 @@ def _kind_of(p: Path) -> SourceKind:
     if p.is_dir():
         return SourceKind.PARQUET if not list(p.glob("*.arrow")) and list(p.rglob("*.parquet")) \
             else SourceKind.ARROW
-    if p.suffix == ".parquet":
+    if p.suffix.lower() == ".parquet":
         return SourceKind.PARQUET
-    if p.suffix in (".jsonl", ".json", ".ndjson"):
+    if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
         return SourceKind.JSONL
     return SourceKind.TEXT
 
@@ -199,6 +199,15 @@ def _rows(p: Path, kind: SourceKind, flag: str) -> tuple[str, Iterable[tuple[int
 
 
 def _jsonl_rows(raw: str) -> Iterator[tuple[int, Any]]:
+    """One row a line; a file that is one JSON array (a .json export) gives its items, numbered from 1."""
+    if raw.lstrip().startswith("["):
+        try:
+            items = json.loads(raw)
+        except ValueError:
+            items = None
+        if isinstance(items, list):
+            yield from enumerate(items, start=1)
+            return
     for n, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
             continue

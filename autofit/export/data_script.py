@@ -27,6 +27,26 @@ SEED = 0
 
 DATA_HELPERS = '''
 
+def json_rows(lines):
+    """The rows of a JSONL file (lines that do not parse skipped), or the items of a file that is one JSON
+    array, as the search read them."""
+    whole = "\\n".join(lines)
+    if whole.lstrip().startswith("["):
+        try:
+            items = json.loads(whole)
+        except json.JSONDecodeError:
+            items = None
+        if isinstance(items, list):
+            return items
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def read_samples(path):
     """Rendered texts of --dataset: JSONL rows with TEXT_FIELD or MESSAGES_FIELD (bad rows skipped, as in
     the search), or a text file with one sample per line."""
@@ -37,14 +57,10 @@ def read_samples(path):
         fail(f"--dataset: cannot read {path} ({e.strerror}); give the JSONL file the search measured")
     except UnicodeDecodeError as e:
         fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason})")
-    if not path.endswith((".jsonl", ".json")):
+    if not path.lower().endswith((".jsonl", ".json", ".ndjson")):
         return [{"text": x.strip()} for x in lines if x.strip()]
     out = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for row in json_rows(lines):
         if not isinstance(row, dict):
             continue
         if row.get(MESSAGES_FIELD) is not None:  # a chat row, as the search read it (messages before text)

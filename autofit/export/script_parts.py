@@ -98,7 +98,7 @@ def read_texts(path):
     """The texts of --dataset: the "text" field of each JSONL line, or a whole text file."""
     try:
         with open(path, encoding="utf-8") as f:
-            if path.endswith((".jsonl", ".json")):
+            if path.lower().endswith((".jsonl", ".json", ".ndjson")):
                 return [text_of(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
             return [f.read()]
     except OSError as e:
