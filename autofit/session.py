@@ -169,7 +169,7 @@ def _new(req: SearchRequest) -> Session:
         lambda: resolve_model(req.model) if req.model else _missing("--model"),
         lambda: load_space(req.space or DEFAULT_SPACE),
         lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus),
-        lambda: parse_duration(req.budget or DEFAULT_BUDGET),
+        lambda: parse_duration(DEFAULT_BUDGET if req.budget is None else req.budget),
         lambda: space_dimensions(req.max_length, req.global_batch))
     if req.gpus > 1 and "gpus" not in space.dimensions:
         dims = {**dims, "gpus": [req.gpus]}

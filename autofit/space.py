@@ -191,7 +191,11 @@ def load_space(ref: str | Path) -> Space:
         fixed = {"method": data["method"], **fixed}
     fixed = {k: _normal(k, v) for k, v in fixed.items()}
     dims = {k: [_normal(k, x) for x in v] if isinstance(v, list) else v for k, v in dims.items()}
-    space = Space(path.stem, dict(fixed), dims, str(path), bool(data.get("divisors_only", False)))
+    divisors_only = data.get("divisors_only", False)
+    if not isinstance(divisors_only, bool):
+        problems.append(f"{path}: divisors_only: {divisors_only!r} is not true or false.")
+        divisors_only = False
+    space = Space(path.stem, dict(fixed), dims, str(path), divisors_only)
     try:
         validate(space)
     except UsageError as e:

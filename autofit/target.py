@@ -60,7 +60,7 @@ def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | Non
 
     `per_probe` (--gpus N): each probe spans N GPUs; the --gpu list (default: the first N GPUs) is cut
     into groups of N, one search worker per group. On the CPU: N processes (gloo)."""
-    limit = parse_size(memory_limit) if memory_limit else None
+    limit = parse_size(memory_limit) if memory_limit is not None else None
     if per_probe < 1:
         raise UsageError(f"--gpus: {per_probe} is not a number of GPUs; expected 1 or more (for example 2).")
     if not 0 <= headroom < 0.5:
