@@ -281,8 +281,8 @@ def describe(c: Check, m: Measured, tol: Tolerance) -> tuple[str, ...]:
             f"tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs {format_size(c.baseline_peak_bytes)} "
             f"({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
     if c.status is Status.FASTER:
-        hint = (f"{c.name} is faster than its baseline beyond tolerance: re-baseline with "
-                "`autofit regress RUN --update-baseline`")
+        hint = (f"{c.name} is faster than its baseline beyond tolerance: re-baseline by running this "
+                "command again with --update-baseline")
         return (line, hint)
     return (line,)
 

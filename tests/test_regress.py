@@ -93,8 +93,8 @@ def test_the_messages_state_the_figures_and_the_policy() -> None:
     assert check_of([fit(2000), fit(1900), fit(2100)]).messages == (
         ("winner: 2,000 tokens/s vs baseline 1,000 (+100.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
         "(+0.0%, tolerance 5%); median of 3 runs"),
-        ("winner is faster than its baseline beyond tolerance: re-baseline with "
-        "`autofit regress RUN --update-baseline`"))
+        ("winner is faster than its baseline beyond tolerance: re-baseline by running this command again "
+        "with --update-baseline"))
 
 
 def test_status_marks_and_failures() -> None:
