@@ -183,6 +183,9 @@ def test_a_written_script_keeps_the_permissions_of_the_file_it_replaces(tmp_path
     config = tmp_path / "c.yaml"
     write_recipe("a: 1\n", config, force=False, executable=False)
     assert config.stat().st_mode & 0o111 == 0
+    for force in (False, True):  # a folder is named as one, not offered --force (which then failed)
+        with pytest.raises(UsageError, match=r"is a folder; give a file path such as .*train\.py"):
+            write_recipe("print(1)\n", tmp_path, force=force, executable=True)
 
 
 def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_path: Path) -> None:

@@ -226,6 +226,8 @@ def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
     """Write a recipe to -o; an existing file is kept unless `force` (a recipe may have been edited)."""
+    if out.is_dir():
+        raise UsageError(f"-o: {out} is a folder; give a file path such as {out / 'train.py'}.")
     if out.exists() and not force:
         raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
     try:
