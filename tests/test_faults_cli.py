@@ -66,6 +66,8 @@ FAULTS = [
           "--out: cannot write the run folder"),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
           "Continue with: autofit search --resume", nothing_lost=True),
+    Fault("search-piped-into-head", "a search's output piped into `head -1` (a BrokenPipeError traceback, "
+          "the search killed)", "autofit search ... | head -1", 0, "autofit: searching", nothing_lost=True),
     Fault("search-terminated", "SIGTERM during a search (a plain kill, a cancelled CI job: exit 143, no "
           "resume hint, a trial left running)", "autofit search ... (SIGTERM)", 130,
           "Continue with: autofit search --resume", nothing_lost=True),
@@ -211,6 +213,25 @@ def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fa
     assert fault.message in err and "Traceback" not in err
     assert json.loads(out)["stop_reason"].startswith("interrupted")
     assert set(measured) <= set(_finished(study_db))  # nothing measured is lost
+
+
+@pytest.mark.slow
+def test_a_search_piped_into_head_runs_to_its_end(tmp_path: Path) -> None:
+    """The reader of stdout goes away after the first line: the search goes on, silently, to a complete
+    run folder, and exits as it would have."""
+    fault = next(f for f in FAULTS if f.id == "search-piped-into-head")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
+         "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "40s", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("#")
+    proc.stdout.close()  # `head -1` exits
+    err = proc.stderr.read() if proc.stderr else ""
+    assert proc.wait(timeout=300) == fault.exit_code, err[-2000:]
+    assert fault.message in err and "Traceback" not in err and "BrokenPipe" not in err
+    run = next(tmp_path.glob("*/best.json")).parent
+    assert (run / "report.md").is_file() and len(_finished(run / "study.db")) >= 2
 
 
 def _finished(study_db: Path) -> list[tuple[int, str]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ..errors import AutofitError
 from . import data, env, export, probe, regress, report, search
-from .common import EXIT_CODES, attach_values, check_shared_flags, err
+from .common import EXIT_CODES, attach_values, check_shared_flags, drop_stdout, err
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nautofit: interrupted; child processes stopped.", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away after the work was done (`| head`)
+        drop_stdout()
+        return 0
     except AutofitError as e:
         for line in str(e).splitlines():
             err(line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -36,6 +37,14 @@ exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexp
 
 def console() -> Any:
     return Console(stderr=False, highlight=False, soft_wrap=True)
+
+
+def drop_stdout() -> None:
+    """The reader of stdout went away (`autofit search | head`): what is left to print goes nowhere, as
+    with any Unix tool, and the work goes on (a search still ends with its run folder complete)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def err(msg: str) -> None:

@@ -25,7 +25,15 @@ from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_
 from ..session import run as run_search
 from ..space import shipped_spaces
 from ..units import bare_seconds, format_duration, format_size
-from .common import EXIT_CODES, add_data_flags, add_probe_flags, add_target_flags, probe_settings, warn
+from .common import (
+    EXIT_CODES,
+    add_data_flags,
+    add_probe_flags,
+    add_target_flags,
+    drop_stdout,
+    probe_settings,
+    warn,
+)
 
 WIDE = 110
 """Terminal columns from which the table shows the predicted peak and the worker."""
@@ -95,8 +103,11 @@ class Progress:
         if self.live is not None:
             self.live.update(self._table())
         else:
-            print(f"#{row[0]:>3} {row[2]:<11} {tps:>9} tok/s  peak {peak:>9} (pred {row[5]})  {row[1]}  "
-                  f"[left {format_duration(e.seconds_left)}]", flush=True)
+            try:
+                print(f"#{row[0]:>3} {row[2]:<11} {tps:>9} tok/s  peak {peak:>9} (pred {row[5]})  {row[1]}  "
+                      f"[left {format_duration(e.seconds_left)}]", flush=True)
+            except BrokenPipeError:
+                drop_stdout()
 
 
 def request(args: argparse.Namespace) -> SearchRequest:
