@@ -272,3 +272,12 @@ def test_a_repeat_line_shows_its_own_figure_and_the_median(capsys: pytest.Captur
     progress(Event(2, "cpu", cfg.to_dict(), EventKind.AGAIN, merged, None, merged, 7.0))
     line = capsys.readouterr().out
     assert "fit (again; median 9,876)" in line and "9,555 tok/s" in line and "10,197" not in line, line
+
+
+def test_headroom_takes_a_percentage_as_tolerance_does() -> None:
+    parse = build_parser().parse_args
+    assert parse(["search", "--model", "tiny-llama", "--headroom", "5%"]).headroom == pytest.approx(0.05)
+    assert parse(["search", "--model", "tiny-llama", "--headroom", "0.1"]).headroom == pytest.approx(0.1)
+    proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--headroom", "5x"],
+                          capture_output=True, text=True, cwd=ROOT, check=False)
+    assert proc.returncode == 2 and "--headroom: '5x' is not a share; give for example 5% or 0.05" in proc.stderr

@@ -70,8 +70,9 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-limit", metavar="SIZE",
                    help="emulate a smaller card: 24GiB (RTX 3090/4090), 40GiB (A100-40G), 80GiB; "
                         "a unit is required (GiB = 2**30 bytes, GB = 1e9)")
-    g.add_argument("--headroom", type=float, default=HEADROOM,
-                   help=f"fraction of the limit kept free; a peak inside it does not fit (default {HEADROOM})")
+    g.add_argument("--headroom", type=share, default=HEADROOM,
+                   help=f"share of the limit kept free, as 5%% or 0.05; a peak inside it does not fit "
+                        f"(default {HEADROOM * 100:g}%%)")
 
 
 def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout") -> None:
@@ -144,6 +145,15 @@ def check_shared_flags(args: argparse.Namespace) -> None:
                         "again (0 for none, default 1).")
     if problems:
         raise UsageError(problems)
+
+
+def share(text: str) -> float:
+    """An argparse type: `5%` or `0.05` -> 0.05 (the range is the flag's own check)."""
+    t = str(text).strip()
+    try:
+        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share; give for example 5% or 0.05") from None
 
 
 def fraction(text: str, flag: str) -> float:
