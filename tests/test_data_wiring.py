@@ -358,6 +358,11 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
     assert yaml.safe_load(lf.text).items() >= llama_factory.items()
     trl = export_run(run, "trl")
     assert f"BATCHING = {strategy!r}" in trl.text and "TRL_BATCHING = " in trl.text
+    hf = export_run(run, "hf-trainer")
+    for text in (hf.text, trl.text):  # the docstring and --help name the run's fields, not placeholders
+        assert f"('text' text or 'messages' chat rows per line)" in text and f"as measured ({strategy})" in text
+        assert "DATASET_HELP = \"the JSONL the search measured on ('text' text or 'messages' chat rows)" in text
+        assert "(TEXT_FIELD or MESSAGES_FIELD per line)" not in text and "(BATCHING: " not in text
     for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
         assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
 

@@ -22,6 +22,7 @@ MICRO_BATCH_SIZE = {micro_batch_size}
 TEXT_FIELD = {text_field!r}
 MESSAGES_FIELD = {messages_field!r}
 MEASURED_DATASET = {dataset_path!r}
+DATASET_HELP = {dataset_help!r}
 SEED = 0
 '''
 
@@ -219,16 +220,22 @@ PACKED_DOC = """--dataset: JSONL with a "text" field per line, or a plain text f
 joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
 measured this configuration (its speed and memory hold for exactly that)."""
 
-DATA_DOC = """--dataset: the JSONL the search measured on (TEXT_FIELD or MESSAGES_FIELD per line), or a text
+DATA_DOC = """--dataset: the JSONL the search measured on ({fields} per line), or a text
 file with one sample per line. Each sample is tokenized and truncated to MAX_LENGTH, and batched
-as measured (BATCHING: {batching}); the throughput line counts trained (label-bearing, non-pad)
+as measured ({batching}); the throughput line counts trained (label-bearing, non-pad)
 tokens, as the probe did."""
 
 
-def data_header(header: str, batching: str) -> str:
+def dataset_fields(dataset: dict[str, object]) -> str:
+    """What a row of the measured JSONL holds, in the run's own field names."""
+    return (f"'{dataset.get('text_field', 'text')}' text or '{dataset.get('messages_field', 'messages')}' "
+            "chat rows")
+
+
+def data_header(header: str, batching: str, dataset: dict[str, object]) -> str:
     """The script's docstring says how this recipe batches (the packed-blocks paragraph replaced)."""
     assert PACKED_DOC in header  # script_parts.HEADER and this module move together
-    return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching))
+    return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching, fields=dataset_fields(dataset)))
 
 
 TRL_DATA_MAIN = '''
@@ -269,4 +276,6 @@ def data_settings(batching: str, micro_batch_size: int, dataset: dict[str, objec
     return DATA_SETTINGS.format(batching=batching, micro_batch_size=micro_batch_size,
                                 text_field=dataset.get("text_field", "text"),
                                 messages_field=dataset.get("messages_field", "messages"),
-                                dataset_path=dataset.get("path"))
+                                dataset_path=dataset.get("path"),
+                                dataset_help=f"the JSONL the search measured on ({dataset_fields(dataset)}), "
+                                             "or a text file with one sample per line")

@@ -34,7 +34,7 @@ def render(r: ExportRun) -> Rendered:
                  f"peft {v['peft']} prepare_model_for_kbit_training")
     cfg = r.config
     if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
-        return Rendered(data_header(header(r, "train.py"), cfg.batching) + settings(r)
+        return Rendered(data_header(header(r, "train.py"), cfg.batching, r.dataset) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS + DATA_HELPERS
                         + script_main(HF_DATA_MAIN, cfg) + TAIL, launch=script_launch(cfg))
     return Rendered(header(r, "train.py") + settings(r) + HELPERS + script_main(MAIN, cfg) + TAIL,

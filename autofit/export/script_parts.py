@@ -50,6 +50,7 @@ MODEL = {model!r}
 # trained ones) and a byte-level stand-in tokenizer are used unless --model is given.
 MODEL_CONFIG = {model_config}
 MAX_LENGTH = {max_length}
+DATASET_HELP = "JSONL with a 'text' field, or a text file"
 WEIGHTS_DTYPE = {dtype!r}
 ATTN_IMPLEMENTATION = {attn!r}
 # Exactly the arguments autofit measured ({effective} sequences per optimizer step).
@@ -287,7 +288,7 @@ def arguments():
     p.add_argument("--model", default=MODEL if MODEL_CONFIG is None else None,
                    help="folder or hub id (default: the measured model%s)" % (
                        "; the measured preset has random weights" if MODEL_CONFIG else ""))
-    p.add_argument("--dataset", required=True, help="JSONL with a 'text' field, or a text file")
+    p.add_argument("--dataset", required=True, help=DATASET_HELP)
     p.add_argument("--output-dir", default="autofit-out")
     p.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
     p.add_argument("--emulate-memory-gib", type=float,

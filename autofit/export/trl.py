@@ -59,7 +59,7 @@ def render(r: ExportRun) -> Rendered:
         trl_args, differs = trl_batching(cfg.batching, cfg.micro_batch_size, cfg.max_length)
         check_fields(have["SFTConfig"], set(trl_args), f"trl {version} SFTConfig")
         comment = comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs]) + "\n" if differs else ""
-        return Rendered(data_header(header(r, "train_trl.py"), cfg.batching) + settings(r)
+        return Rendered(data_header(header(r, "train_trl.py"), cfg.batching, r.dataset) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)
                         + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS
                         + script_main(TRL_DATA_MAIN, cfg) + TAIL, [*differs, *notes], launch=script_launch(cfg))
