@@ -351,6 +351,16 @@ def expected_status(check: dict[str, Any], tol: float = 0.8, mem_tol: float = 0.
 
 
 @pytest.mark.slow
+def test_the_memory_tolerance_on_the_cpu_allows_resident_memory_its_noise(run: Path) -> None:
+    """Without --memory-tolerance: 10% on the CPU (resident memory: +5.8% was once called heavier with
+    nothing changed), 3% on a GPU (the allocator's exact peak)."""
+    proc = regress_cli(run, "--tolerance", "80%", "--memory-limit", "2GiB")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert json.loads((run / "r.json").read_text())["memory_tolerance"] == 0.10
+    assert "tolerance 10%); 1 run" in proc.stdout or "tolerance 10%); median of 3 runs" in proc.stdout
+
+
+@pytest.mark.slow
 def test_an_unchanged_run_passes_history_is_appended_and_the_version_diff_is_shown(run: Path) -> None:
     env = json.loads((run / "env.json").read_text())
     measured_with = env["packages"]["torch"]
