@@ -396,7 +396,6 @@ class Reports:
         """Paths that would replace what the job reads or writes itself: the run folder's own files (its
         study, best.json, history), one file for both reports, or '-' (stdout holds the report lines)."""
         out = []
-        run = Path(self.run).resolve()
         for flag, path in (("--json", self.json_path), ("--junit", self.junit_path)):
             if path is None:
                 continue

@@ -122,14 +122,6 @@ def _resumed(req: SearchRequest) -> Session:
     spec = load_spec(run_dir, "--resume")
     check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
     check_study_file(spec.storage, run_dir, "--resume", measured_only=True)
-    try:  # a damaged study file is said before anything in the folder is rewritten
-        open_study(spec.storage, spec.study_name, create=False, seed=spec.seed)
-    except STORAGE_ERRORS as e:
-        damaged = damaged_study(e, "--resume", spec.storage)
-        if damaged:
-            raise damaged from None
-    except KeyError:
-        pass  # not there yet: start() creates it
     if req.gpu is not None or req.device is not None:
         spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom,
                                                           req.gpus)))
@@ -299,12 +291,20 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
     `<id>` and `<id>-2`, so the session returned may name another folder than the one planned."""
     if session.mode is Mode.NEW:
         session = _reserve(session)
+    # a resumed run's study first: a damaged one is said before anything in its folder is rewritten
+    study = _open_study(session) if session.mode is Mode.RESUME else None
     create(session.run_dir, session.spec, collect())
     spec = session.spec
     if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
         ref = spec.dataset
         summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field, ref.messages_field,
                        TextMode(ref.text_mode), spec.space.lengths)
+    return session, study or _open_study(session)
+
+
+def _open_study(session: Session) -> optuna.Study:
+    """Open or create the session's study (its spec stored on it once)."""
+    spec = session.spec
     try:
         study = open_study(spec.storage, spec.study_name, create=True, seed=spec.seed)
         if "spec" not in study.user_attrs:
@@ -314,7 +314,7 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
         if damaged:
             raise damaged from None
         raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
-    return session, study
+    return study
 
 
 def _reserve(session: Session) -> Session:
@@ -402,8 +402,7 @@ def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.St
 
 def damaged_study(e: BaseException, flag: str, storage: str) -> UsageError | None:
     """A study file that is not a database (cut short, overwritten): a usage error naming it, else None."""
-    text = f"{e} {e.__cause__ or ''}".lower()
-    if not any(s in text for s in ("file is not a database", "malformed")):
+    if not any(s in _error_text(e) for s in ("file is not a database", "malformed")):
         return None
     return UsageError(f"{flag}: the study file {storage.removeprefix('sqlite:///')} is damaged "
                       f"({_first_line(e.__cause__ or e)}); restore it from a copy, or start a new search "
@@ -414,8 +413,12 @@ def _cannot_write(e: BaseException) -> bool:
     """A full or read-only disk, or a storage that refuses writes (not any other failure)."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
-    text = f"{e} {e.__cause__ or ''}".lower()
-    return any(s in text for s in ("disk is full", "disk i/o error", "readonly database", "read-only"))
+    return any(s in _error_text(e) for s in ("disk is full", "disk i/o error", "readonly database", "read-only"))
+
+
+def _error_text(e: BaseException) -> str:
+    """A storage error and its cause, lower-cased, for telling its kinds apart by the driver's words."""
+    return f"{e} {e.__cause__ or ''}".lower()
 
 
 def _first_line(e: BaseException) -> str:

@@ -94,11 +94,18 @@ def _damaged_study(*command: str) -> Callable[[Path, Path], list[str]]:
 
 
 def _without_study(*command: str) -> Callable[[Path, Path], list[str]]:
-    """The copy in `run` (its spec names the original's study): its own study file removed."""
+    """The copy in `run` (its spec names the original's study): its own study file removed, the
+    original's kept as it is now beside it (`original-study.db`) for the check."""
     def setup(run: Path, tmp: Path) -> list[str]:
         (run / "study.db").unlink()
+        shutil.copyfile(_stored_study(run), tmp / "original-study.db")
         return [*command, str(run)]
     return setup
+
+
+def _stored_study(run: Path) -> Path:
+    """The study file the copy's spec names: the original run's."""
+    return Path(yaml.safe_load((run / "spec.yaml").read_text())["storage"].removeprefix("sqlite:///"))
 
 
 ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
@@ -155,7 +162,6 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
 def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> None:
     run = tmp_path / tiny_run.name
     shutil.copytree(tiny_run, run)
-    ORIGINAL_STUDY["bytes"] = (tiny_run / "study.db").read_bytes()
     command = prepare(fault, run, tmp_path, script)
     before = snapshot(run)
     proc = command()
@@ -210,12 +216,9 @@ def _script_error(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) 
 
 def _original_untouched(run: Path, tmp: Path, proc: subprocess.CompletedProcess[str]) -> None:
     """The copy's spec names the original run's study: the refusal left it as it was, and made no empty one."""
-    assert not (run / "study.db").exists() and ORIGINAL_STUDY["bytes"] is not None
-    stored = Path(yaml.safe_load((run / "spec.yaml").read_text())["storage"].removeprefix("sqlite:///"))
-    assert stored.parent != run and stored.read_bytes() == ORIGINAL_STUDY["bytes"]
-
-
-ORIGINAL_STUDY: dict[str, bytes | None] = {"bytes": None}
+    assert not (run / "study.db").exists()
+    stored = _stored_study(run)
+    assert stored.parent != run and stored.read_bytes() == (tmp / "original-study.db").read_bytes()
 
 
 EXTRA: dict[str, Callable[[Path, Path, subprocess.CompletedProcess[str]], None]] = {

@@ -147,22 +147,26 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         raise UsageError(problems)
 
 
-def share(text: str) -> float:
-    """An argparse type: `5%` or `0.05` -> 0.05 (the range is the flag's own check)."""
+def _percent(text: str) -> float | None:
+    """`5%` or `0.05` -> 0.05; None where it is neither."""
     t = str(text).strip()
     try:
         return float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share; give for example 5% or 0.05") from None
+        return None
+
+
+def share(text: str) -> float:
+    """An argparse type: `5%` or `0.05` -> 0.05 (the range is the flag's own check)."""
+    value = _percent(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share; give for example 5% or 0.05")
+    return value
 
 
 def fraction(text: str, flag: str) -> float:
-    t = str(text).strip()
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
+    value = _percent(text)
+    if value is None or not 0 <= value < 1:
         raise UsageError(f"{flag}: {text!r} is not a tolerance; expected a percentage such as 7% (or 0.07).")
     return value
 

@@ -12,7 +12,6 @@ from .. import regress
 from ..errors import AutofitError, RegressionFound
 from .common import add_target_flags, fraction, gather
 
-
 MEMORY_TOLERANCE_GPU = 0.03
 MEMORY_TOLERANCE_CPU = 0.10
 

@@ -235,8 +235,8 @@ def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
         out.write_text(text)
         if executable and out.is_file():  # never a device (-o /dev/null) or another special file
             # a new script is executable for all; an overwritten one keeps its permissions, gaining x where r
-            mode = 0o755 if not existed else out.stat().st_mode | (out.stat().st_mode & 0o444) >> 2
-            out.chmod(mode & 0o7777)
+            mode = out.stat().st_mode & 0o7777
+            out.chmod(mode | (mode & 0o444) >> 2 if existed else 0o755)
     except OSError as e:
         raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
 
