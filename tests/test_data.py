@@ -93,6 +93,16 @@ def test_unusable_files_are_usage_errors_naming_the_file(tmp_path: Path, name: s
     assert "--dataset" in str(info.value)
 
 
+def test_a_text_field_named_as_messages_says_to_read_it_as_text(tmp_path: Path) -> None:
+    """`--messages-field text` on rows of plain text said each row needs "a non-empty 'text' string",
+    which every row had."""
+    path = _write(tmp_path, "t.jsonl", '{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(UsageError, match=r"every row's 'text' is a string, not a chat.*--text-field text"):
+        load_samples(path, messages_field="text")
+    mixed = load_samples(_write(tmp_path, "m.jsonl", '{"c": "plain"}\n{"text": "ok"}\n'), messages_field="c")
+    assert mixed.bad.by_reason == {"'c' a string, not messages": (1,)} and len(mixed) == 1
+
+
 def test_missing_path_says_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"--dataset: no such file or folder: .*nope\.jsonl"):
         load_samples(tmp_path / "nope.jsonl")

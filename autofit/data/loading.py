@@ -156,9 +156,18 @@ def _no_usable_rows(p: Path, flag: str, kind: SourceKind, bad: BadRows, text_fie
                     messages_field: str) -> str:
     if kind is SourceKind.TEXT:
         return f"{flag}: {p} has no text (only blank lines). Give a file with one sample per line."
+    if set(bad.counts) == {_not_messages(messages_field)}:
+        return (f"{flag}: {p}: every row's '{messages_field}' is a string, not a chat (a list of "
+                f"{{role, content}}), and --messages-field reads it as a chat. Read it as plain text with "
+                f"--text-field {messages_field} and leave --messages-field at its default.")
     return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty "
             f"'{text_field}' string or a '{messages_field}' list of {{role, content}}; rename the fields "
             "with --text-field / --messages-field.")
+
+
+def _not_messages(messages_field: str) -> str:
+    """The bad-row reason for a messages field holding plain text."""
+    return f"'{messages_field}' a string, not messages"
 
 
 def _read_text(p: Path, flag: str) -> str:
@@ -231,7 +240,8 @@ def _from_row(row: Any, n: int, text_field: str, messages_field: str, bad: _BadC
     if messages_field in row and row[messages_field] is not None:
         messages = _messages(row[messages_field])
         if messages is None:
-            bad.add(f"malformed '{messages_field}'", n)
+            bad.add(_not_messages(messages_field) if isinstance(row[messages_field], str)
+                    else f"malformed '{messages_field}'", n)
             return None
         return Sample(messages=messages)
     text = row.get(text_field)
