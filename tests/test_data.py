@@ -6,6 +6,7 @@ stand-in BPE trained with `tokenizers`, real training steps of tiny-llama throug
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import statistics
@@ -19,6 +20,7 @@ import pytest
 
 from autofit.data import (
     Batching,
+    Message,
     SourceKind,
     TextMode,
     best_fit_decreasing,
@@ -97,8 +99,10 @@ def test_a_text_field_named_as_messages_says_to_read_it_as_text(tmp_path: Path) 
     """`--messages-field text` on rows of plain text said each row needs "a non-empty 'text' string",
     which every row had."""
     path = _write(tmp_path, "t.jsonl", '{"text": "one"}\n{"text": "two"}\n')
-    with pytest.raises(UsageError, match=r"every row's 'text' is a string, not a chat.*--text-field text"):
+    with pytest.raises(UsageError, match=r"every row's 'text' is a string, not a chat.*at its default \('messages'\)\.$"):
         load_samples(path, messages_field="text")
+    with pytest.raises(UsageError, match=r"a string, not a chat.*at its default \('messages'\) and give --text-field c\."):
+        load_samples(_write(tmp_path, "c.jsonl", '{"c": "one"}\n'), messages_field="c")
     mixed = load_samples(_write(tmp_path, "m.jsonl", '{"c": "plain"}\n{"text": "ok"}\n'), messages_field="c")
     assert mixed.bad.by_reason == {"'c' a string, not messages": (1,)} and len(mixed) == 1
 
@@ -129,6 +133,47 @@ def test_text_modes(tmp_path: Path) -> None:
     assert [s.text for s in load_samples(prose).samples] == ["a\nb", "c\nd", "e\nf"]
     whole = load_samples(prose, text_mode=TextMode.WHOLE)
     assert len(whole) == 1 and whole.samples[0].text == "a\nb\n\nc\nd\n\ne\nf\n"
+
+
+def test_what_real_files_hold_is_read_as_rows_and_samples(tmp_path: Path) -> None:
+    """Files as users have them: a byte-order mark, U+2028 inside a JSON string (json.dumps with
+    ensure_ascii=False writes it raw; splitlines() split the row there), a lone surrogate escape (a bad
+    row, where it crashed the tokenizer), JSONL without a .jsonl name, CSV, ShareGPT chats, paragraphs
+    with Windows line endings or a blank line holding spaces."""
+    bom = load_samples(_write(tmp_path, "b.jsonl", b"\xef\xbb\xbf" + b'{"text": "one"}\n{"text": "two"}\n'))
+    assert [s.text for s in bom.samples] == ["one", "two"] and not bom.bad.count
+    bom_array = load_samples(_write(tmp_path, "b.json", b"\xef\xbb\xbf" + json.dumps([{"text": "a"}], indent=1).encode()))
+    assert [s.text for s in bom_array.samples] == ["a"]
+    sep = load_samples(_write(tmp_path, "u.jsonl", '{"text": "first\u2028second"}\n{"text": "ok"}\nnot json\n'))
+    assert [s.text for s in sep.samples] == ["first\u2028second", "ok"] and sep.bad.by_reason == {"not JSON": (3,)}
+    lone = load_samples(_write(tmp_path, "s.jsonl", '{"text": "abc \\ud800 def"}\n{"text": "fine"}\n'))
+    assert [s.text for s in lone.samples] == ["fine"] and lone.bad.by_reason == {"'text' not valid Unicode": (1,)}
+    unnamed = load_samples(_write(tmp_path, "train", '{"text": "x y"}\n{"text": "z"}\n'))
+    assert unnamed.kind is SourceKind.JSONL and [s.text for s in unnamed.samples] == ["x y", "z"]
+    table = load_samples(_write(tmp_path, "d.csv", 'id,text\n1,"hello, world"\n2,\n3,bye\n'))
+    assert table.kind is SourceKind.CSV and [s.text for s in table.samples] == ["hello, world", "bye"]
+    assert table.bad.by_reason == {"empty 'text'": (3,)}
+    share = load_samples(_write(tmp_path, "g.jsonl", json.dumps({"conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) + "\n"), messages_field="conversations")
+    assert share.samples[0].messages == (Message("user", "hi"), Message("assistant", "yo"))
+    for text in ("a1\na2\n\nb1\nb2\n\nc1\nc2".replace("\n", "\r\n"), "a1\na2\n \t\nb1\nb2\n\nc1\nc2"):
+        paras = load_samples(_write(tmp_path, "p.txt", text))
+        assert paras.text_mode is TextMode.PARAGRAPHS and [s.text for s in paras.samples] == ["a1\na2", "b1\nb2",
+                                                                                              "c1\nc2"]
+
+
+@pytest.mark.parametrize(("name", "content", "match"), [
+    ("d.jsonl.gz", gzip.compress(b'{"text": "x"}\n'), r"d\.jsonl\.gz is gzip-compressed\. Decompress it"),
+    ("w.jsonl", '{"text": "x"}\n'.encode("utf-16"), r"w\.jsonl is UTF-16 text\. Convert it to UTF-8"),
+    ("comma.json", '[{"text": "a"},\n {"text": "b"},\n]', r"comma\.json is not a valid JSON array \(.* line 3"),
+    ("wrapped.json", json.dumps({"version": 1, "data": [{"text": "a"}]}, indent=1),
+     r"wrapped\.json is one JSON object spread over several lines.*the list under 'data'"),
+])
+def test_files_that_are_not_rows_say_what_they_are(tmp_path: Path, name: str, content: str | bytes,
+                                                   match: str) -> None:
+    """Compressed and UTF-16 files were "binary"; a broken or wrapped JSON file was every line "not JSON"."""
+    with pytest.raises(UsageError, match=match):
+        load_samples(_write(tmp_path, name, content))
 
 
 def test_save_to_disk_and_parquet_folders(tmp_path: Path) -> None:

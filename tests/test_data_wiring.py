@@ -360,8 +360,8 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
     assert f"BATCHING = {strategy!r}" in trl.text and "TRL_BATCHING = " in trl.text
     hf = export_run(run, "hf-trainer")
     for text in (hf.text, trl.text):  # the docstring and --help name the run's fields, not placeholders
-        assert f"('text' text or 'messages' chat rows per line)" in text and f"as measured ({strategy})" in text
-        assert "DATASET_HELP = \"the JSONL the search measured on ('text' text or 'messages' chat rows)" in text
+        assert "rows with 'text' text or 'messages' chats" in text and f"as measured ({strategy})" in text
+        assert "DATASET_HELP = \"rows with 'text' text or 'messages' chats" in text
         assert "(TEXT_FIELD or MESSAGES_FIELD per line)" not in text and "(BATCHING: " not in text
     for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
         assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
@@ -505,17 +505,25 @@ def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_pa
         plan(SearchRequest(resume=session.run_dir))
 
 
-@pytest.mark.parametrize("path", [D1, CHAT, "array"])
+@pytest.mark.parametrize("path", [D1, CHAT, "array", "paragraphs"])
 def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str, tmp_path: Path) -> None:
+    """The recipe carries the search's reader: the same samples from JSONL, chats, a JSON array, and a
+    text file of paragraphs with Windows line endings (the recipe used to split every file by lines)."""
     import sys
 
+    mode = "auto"
     if path == "array":  # one JSON array of the chat rows, with an upper-case extension
         rows = [json.loads(x) for x in CHAT.read_text().splitlines() if x.strip()]
         path = tmp_path / "CHAT.JSON"
         path.write_text(json.dumps(rows, indent=1))
+    elif path == "paragraphs":
+        texts = [" ".join(json.loads(x)["text"].split()) for x in D1.read_text().splitlines()[:40]]
+        path = tmp_path / "notes.txt"
+        path.write_bytes("\r\n \r\n".join(f"{a}\r\n{b}" for a, b in zip(texts[::2], texts[1::2])).encode())
+        mode = "paragraphs"
     assert isinstance(path, Path)
 
-    from autofit.data import load_samples, tokenizer_for
+    from autofit.data import TextMode, load_samples, tokenizer_for
     from autofit.export.data_script import DATA_HELPERS
     from autofit.models import resolve_model
 
@@ -523,10 +531,12 @@ def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str,
         raise AssertionError(message)
 
     space = {"json": json, "sys": sys, "fail": fail, "MODEL_CONFIG": resolve_model("tiny-llama").config,
-             "TEXT_FIELD": "text", "MESSAGES_FIELD": "messages"}
+             "TEXT_FIELD": "text", "MESSAGES_FIELD": "messages", "TEXT_MODE": mode}
     exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
     samples = space["read_samples"](str(path))
     encode, pad, _ = space["encoder"](None, samples)
     data = load_samples(path)
+    if mode == "paragraphs":
+        assert data.text_mode is TextMode.PARAGRAPHS and len(data) == len(samples) == 20
     tok = tokenizer_for(resolve_model("tiny-llama"), data)
     assert encode(samples) == tok.encode(data.samples) and pad == tok.pad_id

@@ -15,65 +15,51 @@ The throughput line counts trained tokens (label-bearing, non-pad) as the probe 
 
 from __future__ import annotations
 
+import inspect
+
+from ..data import reader
+
 DATA_SETTINGS = '''
 # The data the search measured on, and how it was batched.
 BATCHING = {batching!r}
 MICRO_BATCH_SIZE = {micro_batch_size}
 TEXT_FIELD = {text_field!r}
 MESSAGES_FIELD = {messages_field!r}
+TEXT_MODE = {text_mode!r}
 MEASURED_DATASET = {dataset_path!r}
 DATASET_HELP = {dataset_help!r}
 SEED = 0
 '''
 
-DATA_HELPERS = '''
 
-def json_rows(lines):
-    """The rows of a JSONL file (lines that do not parse skipped), or the items of a file that is one JSON
-    array, as the search read them."""
-    whole = "\\n".join(lines)
-    if whole.lstrip().startswith("["):
-        try:
-            items = json.loads(whole)
-        except json.JSONDecodeError:
-            items = None
-        if isinstance(items, list):
-            return items
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+
+def reader_source() -> str:
+    """autofit/data/reader.py without its module docstring, to be copied into a recipe."""
+    source = inspect.getsource(reader)
+    body = source[source.index('"""', 3) + 3:].strip("\n")
+    return ("\n\n# ---- autofit's dataset reader (autofit/data/reader.py), copied so that the recipe reads the data "
+            "as the search did\n\n" + body + "\n\n# ---- end of the reader")
+
+
+DATA_HELPERS = reader_source() + '''
 
 
 def read_samples(path):
-    """Rendered texts of --dataset: JSONL rows with TEXT_FIELD or MESSAGES_FIELD (bad rows skipped, as in
-    the search), or a text file with one sample per line."""
+    """The samples of --dataset as dicts ("text", or "messages" as {role, content} dicts), read exactly as
+    the search read them: `read_dataset` above is autofit's own reader, copied here."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        fail(f"--dataset: cannot read {path} ({e.strerror}); give the JSONL file the search measured")
-    except UnicodeDecodeError as e:
-        fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason})")
-    if not path.lower().endswith((".jsonl", ".json", ".ndjson")):
-        return [{"text": x.strip()} for x in lines if x.strip()]
-    out = []
-    for row in json_rows(lines):
-        if not isinstance(row, dict):
-            continue
-        if row.get(MESSAGES_FIELD) is not None:  # a chat row, as the search read it (messages before text)
-            chat = row[MESSAGES_FIELD]
-            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                       and isinstance(m.get("content"), str) for m in chat):
-                out.append({"messages": chat})
-        elif isinstance(row.get(TEXT_FIELD), str) and row[TEXT_FIELD].strip():
-            out.append({"text": row[TEXT_FIELD]})
-    if not out:
-        fail(f"--dataset: {path} has no row with a {TEXT_FIELD!r} or {MESSAGES_FIELD!r} field")
-    return out
+        source = read_dataset(path, TEXT_FIELD, MESSAGES_FIELD, TEXT_MODE)
+    except NoUsableRows as e:
+        reasons = sorted({reason for reason, _ in e.bad})
+        fail(f"--dataset: {e} ({len(e.bad)} rows skipped: {'; '.join(reasons)}); the search read "
+             f"{TEXT_FIELD!r} text or {MESSAGES_FIELD!r} chats")
+    except DatasetError as e:
+        fail(f"--dataset: {e}")
+    if source.bad:
+        reason, line = source.bad[0]
+        print(f"note: {len(source.bad)} rows of {path} skipped, as in the search (the first: line {line}, "
+              f"{reason})", file=sys.stderr)
+    return source.samples
 
 
 def plain_chat(messages):
@@ -196,6 +182,7 @@ def trained_tokens(model):
 def prepare_data():
     """Arguments, the dataset's token ids (truncated to MAX_LENGTH), and the adapted model."""
     a = arguments()
+    check_kernels()
     samples = read_samples(a.dataset)  # a bad file fails here, before anything is loaded
     emulate(a.emulate_memory_gib)
     encode, pad, tokenizer = encoder(a.model, samples)
@@ -220,16 +207,20 @@ PACKED_DOC = """--dataset: JSONL with a "text" field per line, or a plain text f
 joined and cut into blocks of MAX_LENGTH tokens: every sequence is full, as in the probe that
 measured this configuration (its speed and memory hold for exactly that)."""
 
-DATA_DOC = """--dataset: the JSONL the search measured on ({fields} per line), or a text
-file with one sample per line. Each sample is tokenized and truncated to MAX_LENGTH, and batched
-as measured ({batching}); the throughput line counts trained (label-bearing, non-pad)
-tokens, as the probe did."""
+DATA_DOC = """--dataset: the data the search measured on, or more in the same form: {fields}.
+Each sample is tokenized and truncated to MAX_LENGTH, and batched as measured ({batching}); the
+throughput line counts trained (label-bearing, non-pad) tokens, as the probe did."""
+
+TEXT_MODE_WORDS = {"lines": "one sample a line", "paragraphs": "one sample a blank-line separated block",
+                   "whole": "the whole file one sample",
+                   "auto": "one sample a line, or a block where most blocks span several lines"}
 
 
 def dataset_fields(dataset: dict[str, object]) -> str:
-    """What a row of the measured JSONL holds, in the run's own field names."""
-    return (f"'{dataset.get('text_field', 'text')}' text or '{dataset.get('messages_field', 'messages')}' "
-            "chat rows")
+    """What the recipe reads as samples, in the run's own field names and text mode."""
+    mode = TEXT_MODE_WORDS.get(str(dataset.get("text_mode", "auto")), TEXT_MODE_WORDS["auto"])
+    return (f"rows with '{dataset.get('text_field', 'text')}' text or '{dataset.get('messages_field', 'messages')}' "
+            f"chats (JSONL, CSV, parquet, a save_to_disk folder), or plain text ({mode})")
 
 
 def data_header(header: str, batching: str, dataset: dict[str, object]) -> str:
@@ -276,6 +267,6 @@ def data_settings(batching: str, micro_batch_size: int, dataset: dict[str, objec
     return DATA_SETTINGS.format(batching=batching, micro_batch_size=micro_batch_size,
                                 text_field=dataset.get("text_field", "text"),
                                 messages_field=dataset.get("messages_field", "messages"),
+                                text_mode=dataset.get("text_mode", "auto"),
                                 dataset_path=dataset.get("path"),
-                                dataset_help=f"the JSONL the search measured on ({dataset_fields(dataset)}), "
-                                             "or a text file with one sample per line")
+                                dataset_help=dataset_fields(dataset))

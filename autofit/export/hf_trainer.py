@@ -6,7 +6,7 @@ from .common import ExportRun, Rendered, check_fields
 from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
 from .fields import installed_fields, versions
 from .multi_gpu import script_launch, script_main
-from .script_parts import HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
+from .script_parts import BLOCK_HELPERS, HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
 
 MAIN = '''
 
@@ -37,5 +37,5 @@ def render(r: ExportRun) -> Rendered:
         return Rendered(data_header(header(r, "train.py"), cfg.batching, r.dataset) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS + DATA_HELPERS
                         + script_main(HF_DATA_MAIN, cfg) + TAIL, launch=script_launch(cfg))
-    return Rendered(header(r, "train.py") + settings(r) + HELPERS + script_main(MAIN, cfg) + TAIL,
+    return Rendered(header(r, "train.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, cfg) + TAIL,
                     launch=script_launch(cfg))

@@ -50,7 +50,6 @@ MODEL = {model!r}
 # trained ones) and a byte-level stand-in tokenizer are used unless --model is given.
 MODEL_CONFIG = {model_config}
 MAX_LENGTH = {max_length}
-DATASET_HELP = "JSONL with a 'text' field, or a text file"
 WEIGHTS_DTYPE = {dtype!r}
 ATTN_IMPLEMENTATION = {attn!r}
 # Exactly the arguments autofit measured ({effective} sequences per optimizer step).
@@ -93,45 +92,6 @@ def fail(message):
     """A problem with the input: one line naming the file, exit 2 (no traceback)."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def read_texts(path):
-    """The texts of --dataset: the "text" field of each JSONL line, or a whole text file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if path.lower().endswith((".jsonl", ".json", ".ndjson")):
-                return [text_of(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
-            return [f.read()]
-    except OSError as e:
-        fail(f'--dataset: cannot read {path} ({e.strerror}); give a JSONL file with a "text" field '
-             "per line, or a text file")
-    except UnicodeDecodeError as e:
-        fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8")
-
-
-def text_of(path, n, line):
-    """The "text" field of line `n` of a JSONL file."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        fail(f"--dataset: {path} line {n} is not JSON ({e.msg}, column {e.colno}); each line must be an "
-             'object such as {"text": "..."} (or give a file not ending in .jsonl to train on plain text)')
-    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-        fail(f'--dataset: {path} line {n} has no "text" field holding a string; each line must be an '
-             'object such as {"text": "..."}')
-    return row["text"]
-
-
-def packed_blocks(texts, tokenizer, length):
-    """Token ids of all texts, joined with <eos> and cut into full blocks of `length`."""
-    ids = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        ids.append(tokenizer.eos_token_id)
-    n = len(ids) // length
-    if n == 0:
-        fail(f"--dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def rank_device():
@@ -299,17 +259,6 @@ def arguments():
     return a
 
 
-def prepare():
-    """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
-    a = arguments()
-    check_kernels()
-    texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
-    emulate(a.emulate_memory_gib)
-    tokenizer = load_tokenizer(a.model)
-    blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
-    return a, tokenizer, blocks, adapt(build_model(a.model))
-
-
 def check_kernels():
     """Liger's kernels (use_liger_kernel) need liger-kernel, triton and a CUDA GPU: say so before loading."""
     if not TRAINING_ARGS.get("use_liger_kernel"):
@@ -333,6 +282,61 @@ def emulate(limit_gib):
         free, total = torch.cuda.mem_get_info()
         outside = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction((limit_gib * 2**30 - outside) / total)
+'''
+
+BLOCK_HELPERS = '''
+
+DATASET_HELP = "JSONL with a 'text' field, or a text file"
+
+
+def read_texts(path):
+    """The texts of --dataset: the "text" field of each JSONL line, or a whole text file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.lower().endswith((".jsonl", ".json", ".ndjson")):
+                return [text_of(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
+            return [f.read()]
+    except OSError as e:
+        fail(f'--dataset: cannot read {path} ({e.strerror}); give a JSONL file with a "text" field '
+             "per line, or a text file")
+    except UnicodeDecodeError as e:
+        fail(f"--dataset: {path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8")
+
+
+def text_of(path, n, line):
+    """The "text" field of line `n` of a JSONL file."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"--dataset: {path} line {n} is not JSON ({e.msg}, column {e.colno}); each line must be an "
+             'object such as {"text": "..."} (or give a file not ending in .jsonl to train on plain text)')
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        fail(f'--dataset: {path} line {n} has no "text" field holding a string; each line must be an '
+             'object such as {"text": "..."}')
+    return row["text"]
+
+
+def packed_blocks(texts, tokenizer, length):
+    """Token ids of all texts, joined with <eos> and cut into full blocks of `length`."""
+    ids = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // length
+    if n == 0:
+        fail(f"--dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def prepare():
+    """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
+    a = arguments()
+    check_kernels()
+    texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
+    emulate(a.emulate_memory_gib)
+    tokenizer = load_tokenizer(a.model)
+    blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
+    return a, tokenizer, blocks, adapt(build_model(a.model))
 '''
 
 

@@ -11,7 +11,7 @@ from .common import ExportRun, Rendered, check_fields, comment_block
 from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
 from .fields import installed_fields, trl_installed, versions
 from .multi_gpu import script_launch, script_main
-from .script_parts import HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
+from .script_parts import BLOCK_HELPERS, HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
 
@@ -63,5 +63,5 @@ def render(r: ExportRun) -> Rendered:
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)
                         + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS
                         + script_main(TRL_DATA_MAIN, cfg) + TAIL, [*differs, *notes], launch=script_launch(cfg))
-    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + script_main(MAIN, r.config) + TAIL, notes,
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, r.config) + TAIL, notes,
                     launch=script_launch(r.config))

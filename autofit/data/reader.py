@@ -1,0 +1,298 @@
+"""Reading a dataset file into samples: the one reader of the search and of every exported recipe.
+
+An exported recipe carries this module's source (`export/data_script.py`), so the samples it trains on
+are the ones the search measured. That is why it imports the standard library only (pyarrow lazily, for
+parquet and `datasets.save_to_disk` folders) and why its errors name the file but no flag: the caller
+adds its own.
+
+Sources: JSONL (one object a line; a file that is one JSON array gives its items), CSV/TSV with a header
+row, parquet, a save_to_disk folder (a DatasetDict: its train split), and plain text. A text file whose
+first lines are JSON objects is read as JSONL, whatever its name. Plain text makes one sample a line
+(`lines`), one a blank-line separated block (`paragraphs`) or one of the whole file (`whole`); `auto`
+picks paragraphs when more than half of the blocks span several lines.
+
+A row gives a text sample (its `text_field`, a non-empty string) or a chat sample (its `messages_field`,
+a list of {role, content} strings; ShareGPT's {from, value} is read as the same, human -> user and
+gpt -> assistant); the chat wins where a row has both. Every other row is skipped and counted by reason
+with its line number (row number for parquet and folders).
+"""
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+CSV_SUFFIXES = (".csv", ".tsv")
+TEXT_MODES = ("auto", "lines", "paragraphs", "whole")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
+                  "assistant": "assistant", "tool": "tool"}
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_SNIFF_BYTES = 8192
+_SNIFF_LINES = 5
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be read; the message names the file and says what to do."""
+
+
+class NoUsableRows(DatasetError):
+    """Rows were read but none gives a sample: `bad` says why, by reason."""
+
+    def __init__(self, message, bad):
+        super().__init__(message)
+        self.bad = bad
+
+
+class DatasetSource:
+    """What was read: the kind of source, the text mode used (plain text only), the samples (dicts with
+    "text" or "messages"), the skipped rows as (reason, line) pairs, and a digest of what was read."""
+
+    def __init__(self, kind, mode, samples, bad, digest):
+        self.kind, self.mode, self.samples, self.bad, self.digest = kind, mode, samples, bad, digest
+
+
+def read_dataset(path, text_field="text", messages_field="messages", text_mode="auto"):
+    """Read `path` into a DatasetSource, or raise DatasetError."""
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise DatasetError(f"no such file or folder: {path}. Give a .jsonl file, a text file, a CSV file, "
+                           "a folder saved with datasets.save_to_disk, or a parquet file.")
+    kind = source_kind(path)
+    if kind in ("arrow", "parquet"):
+        digest, rows = arrow_rows(path, kind)
+        mode = None
+    else:
+        raw = decode(path)
+        digest = hashlib.sha256(raw.encode()).hexdigest()
+        raw = raw.replace("\r\n", "\n")
+        if kind == "text" and looks_like_jsonl(raw):
+            kind = "jsonl"
+        if kind == "text":
+            mode = pick_mode(raw, text_mode)
+            samples = [{"text": t} for t in split_text(raw, mode)]
+            if not samples:
+                raise DatasetError(f"{path} has no text (only blank lines). Give a file with one sample per line.")
+            return DatasetSource(kind, mode, samples, [], digest)
+        rows = csv_rows(raw, path) if kind == "csv" else json_rows(raw, path)
+        mode = None
+    samples, bad = [], []
+    for n, row in rows:
+        sample, reason = row_sample(row, text_field, messages_field)
+        if sample is None:
+            bad.append((reason, n))
+        else:
+            samples.append(sample)
+    if not samples:
+        raise NoUsableRows(f"{path} has no usable row", bad)
+    return DatasetSource(kind, mode, samples, bad, digest)
+
+
+def source_kind(path):
+    """jsonl, csv, text, parquet or arrow, by the name (a text file may still turn out to be JSONL)."""
+    if os.path.isdir(path):
+        has_arrow = any(f.endswith(".arrow") for _, _, fs in os.walk(path) for f in fs)
+        has_parquet = any(f.endswith(".parquet") for _, _, fs in os.walk(path) for f in fs)
+        return "parquet" if has_parquet and not has_arrow else "arrow"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix in JSON_SUFFIXES:
+        return "jsonl"
+    if suffix in CSV_SUFFIXES:
+        return "csv"
+    return "text"
+
+
+def decode(path):
+    """The file's text (UTF-8, a byte-order mark dropped), or a DatasetError saying what the bytes are."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DatasetError(f"cannot read {path} ({e.strerror}).") from None
+    if data[:2] == b"\x1f\x8b":
+        raise DatasetError(f"{path} is gzip-compressed. Decompress it first (gunzip -k FILE) and give the "
+                           "decompressed file.")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise DatasetError(f"{path} is UTF-16 text. Convert it to UTF-8 first "
+                           "(iconv -f UTF-16 -t UTF-8 FILE > NEW).")
+    if not data.strip():
+        raise DatasetError(f"{path} is empty. Give a file with at least one sample.")
+    if b"\x00" in data[:_SNIFF_BYTES]:
+        raise DatasetError(f"{path} looks binary (it contains NUL bytes), not text or JSONL. Give a .jsonl, "
+                           "a text file, a CSV file, a parquet file or a save_to_disk folder.")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded). Convert it to "
+                           "UTF-8, or give a parquet file or a save_to_disk folder.") from None
+    return text
+
+
+def looks_like_jsonl(raw):
+    """The first non-blank lines (up to five) are all JSON objects."""
+    lines = [x for x in raw.split("\n", 50) if x.strip()][:_SNIFF_LINES]
+    try:
+        return bool(lines) and all(isinstance(json.loads(x), dict) for x in lines)
+    except ValueError:
+        return False
+
+
+def pick_mode(raw, mode):
+    if mode not in TEXT_MODES:
+        raise DatasetError(f"text mode {mode!r} is not one of {', '.join(TEXT_MODES)}")
+    if mode != "auto":
+        return mode
+    blocks = [b for b in _PARAGRAPH_BREAK.split(raw) if b.strip()]
+    multi_line = sum(1 for b in blocks if "\n" in b.strip())
+    return "paragraphs" if len(blocks) > 1 and multi_line * 2 > len(blocks) else "lines"
+
+
+def split_text(raw, mode):
+    if mode == "whole":
+        return [raw] if raw.strip() else []
+    if mode == "paragraphs":
+        return [b.strip("\n") for b in _PARAGRAPH_BREAK.split(raw) if b.strip()]
+    return [line for line in raw.split("\n") if line.strip()]
+
+
+class NotJson:
+    """Marks a line that did not parse."""
+
+
+def json_rows(raw, path):
+    """(line, row) pairs: one row a line (split on newlines only: U+2028 may sit inside a string), or the
+    items of a file that is one JSON array, numbered from 1."""
+    head = raw.lstrip()
+    if head.startswith(("[", "{")):
+        try:
+            whole = json.loads(raw)
+        except ValueError as e:
+            whole, error = None, e
+        else:
+            error = None
+        if isinstance(whole, list):
+            return list(enumerate(whole, start=1))
+        first = head.split("\n", 1)[0]
+        if head.startswith("[") and error is not None and not _parses(first):
+            raise DatasetError(f"{path} is not a valid JSON array ({error.msg} at line {error.lineno}, column "
+                               f"{error.colno}). Fix it, or write one JSON object a line (JSONL).")
+        if isinstance(whole, dict) and "\n" in raw.strip() and not _parses(first):
+            lists = [k for k, v in whole.items() if isinstance(v, list)]
+            where = f"; its rows may be the list under {', '.join(repr(k) for k in lists)}" if lists else ""
+            raise DatasetError(f"{path} is one JSON object spread over several lines, not rows{where}. Give "
+                               "a JSON array of rows or one JSON object a line (JSONL).")
+    rows = []
+    for n, line in enumerate(raw.split("\n"), start=1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except ValueError:
+                rows.append((n, NotJson))
+    return rows
+
+
+def _parses(line):
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def csv_rows(raw, path):
+    """(line, row) pairs of a CSV (a TSV for .tsv) whose first line names the columns."""
+    dialect = "excel-tab" if path.lower().endswith(".tsv") else "excel"
+    reader = csv.DictReader(io.StringIO(raw), dialect=dialect)
+    try:
+        return [(reader.line_num, row) for row in reader]
+    except csv.Error as e:
+        raise DatasetError(f"{path} is not valid CSV (line {reader.line_num}: {e}).") from None
+
+
+def arrow_rows(path, kind):
+    """(digest, (row number, row) pairs) of a parquet file, or of a folder of .arrow or .parquet files."""
+    try:  # deferred: pyarrow comes with `datasets`, which is not required
+        import pyarrow.parquet as pq
+        from pyarrow import ipc
+    except ImportError:
+        raise DatasetError(f"reading {path} needs pyarrow (`pip install pyarrow`); or give a .jsonl file.") from None
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(os.path.join(path, "train")):
+        path = os.path.join(path, "train")  # a DatasetDict saved with save_to_disk: its train split only
+    suffix = ".arrow" if kind == "arrow" else ".parquet"
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix)) \
+        if os.path.isdir(path) else [path]
+    if not files:
+        raise DatasetError(f"folder {path} has no .arrow or .parquet files; give a folder saved with "
+                           "datasets.save_to_disk, parquet files, or a .jsonl file.")
+    digest = hashlib.sha256()
+    tables = []
+    for f in files:
+        with open(f, "rb") as fh:
+            digest.update(fh.read())
+        try:
+            tables.append(ipc.open_stream(f).read_all() if kind == "arrow" else pq.read_table(f))
+        except (OSError, ValueError) as e:  # pyarrow: ArrowIOError is an OSError, ArrowInvalid a ValueError
+            raise DatasetError(f"cannot read {f} as {kind} ({e}).") from None
+    return digest.hexdigest(), enumerate((row for t in tables for row in t.to_pylist()), start=1)
+
+
+def row_sample(row, text_field, messages_field):
+    """({"text": ...} or {"messages": [...]}, None) for a usable row, else (None, why not)."""
+    if row is NotJson:
+        return None, "not JSON"
+    if not isinstance(row, dict):
+        return None, "not a JSON object"
+    value = row.get(messages_field)
+    if value is not None:
+        if isinstance(value, str):
+            return None, not_messages(messages_field)
+        messages = chat(value)
+        if messages is None:
+            return None, f"malformed '{messages_field}'"
+        if not all(unicode_ok(m["content"]) for m in messages):
+            return None, f"'{messages_field}' not valid Unicode"
+        return {"messages": messages}, None
+    text = row.get(text_field)
+    if text is None:
+        return None, f"missing '{text_field}'"
+    if not isinstance(text, str):
+        return None, f"'{text_field}' not a string"
+    if not text.strip():
+        return None, f"empty '{text_field}'"
+    if not unicode_ok(text):
+        return None, f"'{text_field}' not valid Unicode"
+    return {"text": text}, None
+
+
+def not_messages(messages_field):
+    """The reason for a row whose messages field holds plain text."""
+    return f"'{messages_field}' a string, not messages"
+
+
+def chat(value):
+    """A list of {role, content} strings (ShareGPT's {from, value} mapped), or None."""
+    if not isinstance(value, list) or not value:
+        return None
+    out = []
+    for m in value:
+        if not isinstance(m, dict):
+            return None
+        if "role" not in m and "from" in m:
+            m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return None
+        out.append({"role": m["role"], "content": m["content"]})
+    return out if any(m["content"].strip() for m in out) else None
+
+
+def unicode_ok(text):
+    """The text encodes as UTF-8 (a JSON escape such as \\ud800 decodes to a lone surrogate, which does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
