@@ -176,6 +176,30 @@ def test_files_that_are_not_rows_say_what_they_are(tmp_path: Path, name: str, co
         load_samples(_write(tmp_path, name, content))
 
 
+def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path: Path) -> None:
+    """A template that raises (roles must alternate) was a jinja2 traceback that ended the search."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from autofit.data.tokenizer import model_tokenizer
+
+    inner = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    tok.save_pretrained(tmp_path / "tok")
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    data = load_samples(_write(tmp_path, "c.jsonl", "\n".join(json.dumps(r) for r in (good, bad, good, bad))))
+    text = model_tokenizer(str(tmp_path / "tok"))
+    with pytest.raises(UsageError, match=r"chat template rejects 2 of 4 chats \(line 2, 4\): Conversation roles "
+                                         r"must alternate.*Fix or remove those rows"):
+        text.encode(data.samples)
+    assert len(text.encode(data.samples[::2])) == 2
+
+
 def test_save_to_disk_and_parquet_folders(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")  # installed with trl; writes the formats users have
     ds = datasets.Dataset.from_list([{"text": "alpha beta"}, {"text": ""}, {"text": "gamma"}])

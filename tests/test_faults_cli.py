@@ -3,6 +3,7 @@ met by real `autofit` processes. Each row says the exit code and the message req
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -60,6 +61,12 @@ FAULTS = [
           "spec.yaml is not UTF-8 text"),
     Fault("report-a-file", "a file of a run folder given as the run folder", "autofit report RUN/best.json", 2,
           "is a file; give the run folder that holds it"),
+    Fault("data-out-a-file", "`autofit data --out` naming an existing file (a FileExistsError traceback)",
+          "autofit data train.jsonl --model tiny-llama --out FILE", 2, "is a file; give a folder"),
+    Fault("dataset-gzip", "a gzip-compressed JSONL (called binary)", "autofit data train.jsonl.gz --model tiny-llama",
+          2, "is gzip-compressed. Decompress it first"),
+    Fault("dataset-utf16", "a UTF-16 dataset, as PowerShell's `>` writes (called binary)",
+          "autofit data train.jsonl --model tiny-llama", 2, "is UTF-16 text. Convert it to UTF-8"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -111,6 +118,12 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
     "max-length-beyond-positions": lambda tmp: [*SEARCH, "--max-length", "100000"],
     "report-spec-not-utf8": lambda tmp: ["report", str(_write(_stub_run(tmp) / "spec.yaml", b"run_id: caf\xe9\n").parent)],
     "report-a-file": lambda tmp: ["report", str(_write(_stub_run(tmp) / "best.json", b"{}"))],
+    "data-out-a-file": lambda tmp: ["data", str(_write(tmp / "train.jsonl", b'{"text": "a b"}\n')), "--model",
+                                    "tiny-llama", "--out", str(_write(tmp / "FILE", b""))],
+    "dataset-gzip": lambda tmp: ["data", str(_write(tmp / "train.jsonl.gz", gzip.compress(b'{"text": "a b"}\n'))),
+                                 "--model", "tiny-llama"],
+    "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
+                                  "--model", "tiny-llama"],
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data import TextMode, summarize
-from ..errors import UsageError, gather
+from ..errors import CannotWrite, UsageError, gather
 from ..models import resolve_model
 from .common import add_data_flags, warn
 
@@ -27,7 +27,8 @@ examples:
   autofit data chats.jsonl --model ./my-model --messages-field conversation --json
   autofit data corpus.txt --model llama2-7b --text-mode paragraphs --max-length 1024 2048
 
-exit codes: 0 summarized, 2 usage error (a missing, empty, binary file or no usable row)
+exit codes: 0 summarized, 2 usage error (a missing, empty, binary file or no usable row; --out a file),
+  4 --out cannot be written
 """
 
 
@@ -40,8 +41,15 @@ def default_out(path: str) -> Path:
 def cmd_data(args: argparse.Namespace) -> int:
     model, lengths = gather(lambda: resolve_model(args.model), lambda: _lengths(args.max_length))
     out = Path(args.out) if args.out else default_out(args.path)
-    summary = summarize(args.path, model, out, args.text_field, args.messages_field, TextMode(args.text_mode),
-                        lengths, flag="PATH")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {out} is a file; give a folder (created if missing) for lengths.png, "
+                         "data.json and the caches.")
+    try:
+        summary = summarize(args.path, model, out, args.text_field, args.messages_field, TextMode(args.text_mode),
+                            lengths, flag="PATH")
+    except OSError as e:
+        raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {out} "
+                          f"({e.strerror or e}); give a writable folder with --out.") from None
     if summary.data.bad.count:
         warn(f"{args.path}: {summary.data.bad.summary()}")
     print(json.dumps(summary.to_dict(), indent=1) if args.json else summary.text)

@@ -52,6 +52,8 @@ class Sample:
 
     text: str | None = None
     messages: tuple[Message, ...] | None = None
+    line: int | None = field(default=None, compare=False)
+    """Where it came from: the row's line (row number for parquet and folders); None for plain text."""
 
     @property
     def is_chat(self) -> bool:
@@ -117,8 +119,9 @@ def load_samples(path: str | Path, text_field: str = "text", messages_field: str
         raise UsageError(f"{flag}: {e}") from None
     kind = SourceKind(source.kind)
     options = f"{kind.value}|{text_field}|{messages_field}" + (f"|{source.mode}" if source.mode else "")
-    samples = tuple(Sample(messages=tuple(Message(m["role"], m["content"]) for m in s["messages"]))
-                    if "messages" in s else Sample(text=s["text"]) for s in source.samples)
+    samples = tuple(Sample(messages=tuple(Message(m["role"], m["content"]) for m in s["messages"]),
+                           line=s.get("line"))
+                    if "messages" in s else Sample(text=s["text"], line=s.get("line")) for s in source.samples)
     content = hashlib.sha256(f"{source.digest}|{options}".encode()).hexdigest()
     return SampleSet(str(Path(path).expanduser()), kind, samples, _collect(source.bad), content,
                      TextMode(source.mode) if source.mode else None)

@@ -48,7 +48,8 @@ class NoUsableRows(DatasetError):
 
 class DatasetSource:
     """What was read: the kind of source, the text mode used (plain text only), the samples (dicts with
-    "text" or "messages"), the skipped rows as (reason, line) pairs, and a digest of what was read."""
+    "text" or "messages", and the row's "line" where it came from a row), the skipped rows as
+    (reason, line) pairs, and a digest of what was read."""
 
     def __init__(self, kind, mode, samples, bad, digest):
         self.kind, self.mode, self.samples, self.bad, self.digest = kind, mode, samples, bad, digest
@@ -84,6 +85,7 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
         if sample is None:
             bad.append((reason, n))
         else:
+            sample["line"] = n
             samples.append(sample)
     if not samples:
         raise NoUsableRows(f"{path} has no usable row", bad)

@@ -45,7 +45,25 @@ class TextTokenizer:
         return render_plain_chat(sample)
 
     def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
-        return self.encode_batch([self.render(s) for s in samples])
+        """Token ids of each sample; a UsageError where the chat template rejects any (every one counted)."""
+        texts, rejected = [], []
+        for s in samples:
+            try:
+                texts.append(self.render(s))
+            except Exception as e:  # noqa: BLE001  a template's raise_exception (jinja2's TemplateError) or its own bug
+                rejected.append((s, e))
+        if rejected:
+            raise UsageError(rejected_chats(rejected, len(samples)))
+        return self.encode_batch(texts)
+
+
+def rejected_chats(rejected: list[tuple[Sample, Exception]], total: int) -> str:
+    lines = [str(s.line) for s, _ in rejected[:5] if s.line is not None]
+    where = f" (line {', '.join(lines)}{', ...' if len(rejected) > len(lines) else ''})" if lines else ""
+    error = rejected[0][1]
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"--dataset: the model's chat template rejects {len(rejected)} of {total} chats{where}: {first}. "
+            "Fix or remove those rows, or give --model a tokenizer whose chat template accepts them.")
 
 
 def render_plain_chat(sample: Sample) -> str:

@@ -95,7 +95,12 @@ def encoder(model_ref, samples):
     def render(s):
         if "text" in s:
             return s["text"]
-        return tok.apply_chat_template(s["messages"], tokenize=False) if tok.chat_template else plain_chat(s["messages"])
+        if not tok.chat_template:
+            return plain_chat(s["messages"])
+        try:
+            return tok.apply_chat_template(s["messages"], tokenize=False)
+        except Exception as e:  # the template's raise_exception (jinja2's TemplateError), as the search reported
+            fail(f"--dataset: the model's chat template rejects the chat at line {s.get('line')}: {e}")
     return (lambda ss: [list(x) for x in tok([render(s) for s in ss])["input_ids"]]), pad, tok
 
 
