@@ -189,6 +189,9 @@ def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, Dat
             "at max_length: batching is fixed at pad_max."),)
     data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field, TextMode(req.text_mode),
                           space.lengths if req.max_length else ())
+    if max(data.table.lengths) < 2:  # a causal LM predicts each token from those before it
+        raise UsageError(f"--dataset: {req.dataset}: no sample has a token to train on (all {len(data.table.lengths)} "
+                         "are one token long; each token is learnt from the ones before it). Give longer samples.")
     dims: dict[str, list[Any]] = {}
     if req.max_length is None:  # the data's lengths, within what the model takes
         limit = model.positions

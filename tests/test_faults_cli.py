@@ -67,6 +67,8 @@ FAULTS = [
           2, "is gzip-compressed. Decompress it first"),
     Fault("dataset-utf16", "a UTF-16 dataset, as PowerShell's `>` writes (called binary)",
           "autofit data train.jsonl --model tiny-llama", 2, "is UTF-16 text. Convert it to UTF-8"),
+    Fault("dataset-one-token-samples", "a dataset whose every sample is one token (every probe `unsupported`, "
+          "then exit 3 'nothing fits')", "autofit search --dataset one.jsonl", 2, "no sample has a token to train on"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -122,6 +124,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                     "tiny-llama", "--out", str(_write(tmp / "FILE", b""))],
     "dataset-gzip": lambda tmp: ["data", str(_write(tmp / "train.jsonl.gz", gzip.compress(b'{"text": "a b"}\n'))),
                                  "--model", "tiny-llama"],
+    "dataset-one-token-samples": lambda tmp: [*SEARCH, "--dataset", str(_write(tmp / "one.jsonl",
+                                                                               b'{"text": "a"}\n{"text": "b"}\n'))],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
