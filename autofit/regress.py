@@ -31,12 +31,11 @@ from .export.common import Best, BestEntry, read_best, read_env
 from .models import ModelSource
 from .objective import combined_tokens_per_s
 from .result import ProbeResult
-from .rundir import RunDir, model_of, read_spec, targets_of
+from .rundir import HISTORY, RunDir, model_of, read_spec, targets_of
 from .runner import Runner
 from .target import Target, resolve_targets
 from .units import format_size
 
-HISTORY = "regress-history.jsonl"
 TREND = "regress-trend.png"
 RUNS_OUTSIDE_TOLERANCE = 3
 """Runs of a config whose first figure is outside tolerance: the median of three outvotes one outlier."""
@@ -351,16 +350,6 @@ NOT_FINISHED = ("autofit regress did not finish: it was stopped, killed, or fail
                 "results; see its output")
 
 
-def own_record(run_dir: Path, path: Path) -> bool:
-    """Is `path` one of the files a run folder keeps of its run (its spec, study, winner, history, logs)?"""
-    folder, target = RunDir(run_dir), path.resolve()
-    own = {p.resolve() for p in (folder.spec, folder.study_db, folder.study_journal, folder.trials, folder.best,
-                                 folder.report, folder.env, run_dir / HISTORY)}
-    kept = target.parent == run_dir.resolve() and target.name.startswith(("best.previous-", "env.previous-"))
-    inside = any(target.is_relative_to(d.resolve()) for d in (folder.logs, folder.data))
-    return target in own or kept or inside
-
-
 @dataclass(frozen=True)
 class Reports:
     """The --json and --junit files of one job."""
@@ -401,7 +390,7 @@ class Reports:
                 continue
             if str(path) == "-":
                 out.append(f"{flag}: '-' would mix the file into the report printed on stdout; give a file path.")
-            elif path.exists() and own_record(Path(self.run), path):
+            elif path.exists() and RunDir(Path(self.run)).owns(path):
                 out.append(f"{flag}: {path} is a file of the run folder {self.run} (the run's own record); "
                            "give a path outside it, or a new file name.")
         if self.json_path and self.junit_path and self.json_path.resolve() == self.junit_path.resolve():

@@ -34,6 +34,10 @@ CONFIRM = 1
 """Fits near the best measured again before one is called the winner."""
 
 
+HISTORY = "regress-history.jsonl"
+"""regress's history file in a run folder."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Where each file of a run folder lives."""
@@ -76,6 +80,21 @@ class RunDir:
     def data(self) -> Path:
         """With --dataset: the tokenizer stand-in, the length table, lengths.png and data.json."""
         return self.path / "data"
+
+    @property
+    def history(self) -> Path:
+        """regress's record of every re-measurement."""
+        return self.path / HISTORY
+
+    def owns(self, path: Path) -> bool:
+        """Is `path` one of the files this folder keeps of its run (its spec, study, winner, history, logs)?
+        Outputs asked for elsewhere (an export's -o, regress's --json) must not overwrite them."""
+        target = path.resolve()
+        own = {p.resolve() for p in (self.spec, self.study_db, self.study_journal, self.trials, self.best,
+                                     self.report, self.env, self.history)}
+        kept = target.parent == self.path.resolve() and target.name.startswith(("best.previous-", "env.previous-"))
+        inside = any(target.is_relative_to(d.resolve()) for d in (self.logs, self.data))
+        return target in own or kept or inside
 
     def default_storage(self, workers: int) -> str:
         """The study inside the folder: a journal file for several workers (SQLite locks under

@@ -32,6 +32,7 @@ from typing import IO, Any
 import psutil
 
 from . import distributed, group, kernels
+from .errors import CannotWrite, UsageError
 from .kills import SAMPLE_EVERY_S, KillWatch
 from .models import ModelSource
 from .protocol import (
@@ -112,6 +113,26 @@ class _Hold:
 
 
 HOLD = _Hold()
+
+
+def writable_logs(log_dir: Path, flag: str = "") -> None:
+    """Make the probe-log folder (stale logs of killed runs removed), or say why it cannot be: a file in
+    the way is a usage error (exit 2), a read-only or full file system CannotWrite (exit 4). `flag`: the
+    option that named the folder, for the message."""
+    said = f"{flag}: " if flag else ""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_logs(log_dir)
+        fd, named = _open_log(log_dir, 0)  # what a probe needs: a log file it can write
+        os.close(fd)
+        if named is not None:
+            named.unlink()
+    except (FileExistsError, NotADirectoryError):
+        raise UsageError(f"{said}the probe logs' folder {log_dir} is a file (or lies under one); give a "
+                         "folder.") from None
+    except OSError as e:
+        raise CannotWrite(f"{said}cannot write the probe logs in {log_dir} ({e.strerror}); nothing was measured. "
+                          "Give a writable folder (a read-only copy of a run folder: copy it again).") from None
 
 
 def _open_log(log_dir: Path, seq: int) -> tuple[int, Path | None]:
@@ -285,8 +306,7 @@ class Runner:
                  dataset: dict[str, Any] | None = None, data_cache: Path | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_logs(self.log_dir)
+        writable_logs(self.log_dir)
         self.standby_count = max(0, standby)
         """Processes kept importing ahead, besides the one a probe needs now (0: start on demand)."""
         self.warmup_steps = warmup_steps

@@ -3,7 +3,13 @@ and parametrizes its tests over them; `scripts/fault_table.py` prints them as th
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -20,3 +26,44 @@ class Fault:
     """What the user is told (a fragment the test requires)."""
     nothing_lost: bool = False
     """The test compares the study (or run folder) before and after."""
+
+
+@contextmanager
+def read_only_folder(path: Path, fill: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """A folder where writing really fails, everywhere under it (`fill` puts its content in first). Root
+    ignores permission bits, so: a read-only bind mount, else the immutable attribute, else (not root) the
+    permission bits."""
+    path.mkdir()
+    if fill is not None:
+        fill(path)
+    undo: list[list[str]] = []
+    if os.geteuid() != 0:
+        for d in [path, *(p for p in path.rglob("*") if p.is_dir())]:
+            d.chmod(0o555)
+    elif _ok(["mount", "--bind", str(path), str(path)]):
+        undo.append(["umount", str(path)])
+        assert _ok(["mount", "-o", "remount,bind,ro", str(path)]), "cannot remount read-only"
+    else:
+        assert _ok(["chattr", "-R", "+i", str(path)]), "neither a read-only bind mount nor chattr +i works here"
+        undo.append(["chattr", "-R", "-i", str(path)])
+    try:
+        assert not os.access(path, os.W_OK) or _write_fails(path), f"{path} is still writable"
+        yield path
+    finally:
+        for cmd in undo:
+            subprocess.run(cmd, check=False)
+        for d in [path, *(p for p in path.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+
+
+def _ok(cmd: list[str]) -> bool:
+    return shutil.which(cmd[0]) is not None and subprocess.run(cmd, check=False, capture_output=True).returncode == 0
+
+
+def _write_fails(path: Path) -> bool:
+    try:
+        (path / "probe-write").write_text("x")
+    except OSError:
+        return True
+    (path / "probe-write").unlink()
+    return False

@@ -147,21 +147,22 @@ def test_fsdp2_in_the_yaml_formats(tmp_path: Path) -> None:
 
 
 def test_companions_are_written_beside_the_recipe_and_the_launch_is_said(tmp_path: Path) -> None:
-    r = export_run(distributed_run(tmp_path, engine="zero2"), "axolotl")
+    run = distributed_run(tmp_path, engine="zero2")
+    r = export_run(run, "axolotl")
     out = tmp_path / "recipes" / "a.yaml"
     out.parent.mkdir()
-    lines = write_rendered(r, out, force=False, executable=False)
+    lines = write_rendered(r, out, force=False, executable=False, run_dir=run)
     assert lines[:2] == [f"wrote {out}", f"wrote {out.parent / DEEPSPEED_JSON}"]
     assert lines[2] == (f"launch: cd {out.parent} && axolotl train a.yaml --launcher torchrun -- "
                         "--nproc_per_node=2 --nnodes=1")
     assert json.loads((out.parent / DEEPSPEED_JSON).read_text())["zero_optimization"]["stage"] == 2
     lf = export_run(tmp_path / "run", "llama-factory")  # the same JSON: kept, no --force needed
-    assert write_rendered(lf, out.parent / "l.yaml", force=False, executable=False)[1] == f"wrote {out.parent / DEEPSPEED_JSON}"
+    assert write_rendered(lf, out.parent / "l.yaml", force=False, executable=False, run_dir=run)[1] == f"wrote {out.parent / DEEPSPEED_JSON}"
     (out.parent / DEEPSPEED_JSON).write_text("{}  edited\n")
     with pytest.raises(UsageError, match=f"-o: {out.parent / DEEPSPEED_JSON} already exists with other content"):
-        write_rendered(r, tmp_path / "recipes" / "b.yaml", force=False, executable=False)
+        write_rendered(r, tmp_path / "recipes" / "b.yaml", force=False, executable=False, run_dir=run)
     assert not (tmp_path / "recipes" / "b.yaml").exists() and "edited" in (out.parent / DEEPSPEED_JSON).read_text()
-    write_rendered(r, tmp_path / "recipes" / "b.yaml", force=True, executable=False)
+    write_rendered(r, tmp_path / "recipes" / "b.yaml", force=True, executable=False, run_dir=run)
     assert "edited" not in (out.parent / DEEPSPEED_JSON).read_text()
     assert stdout_notes(r, "axolotl.yaml") == [
         f"the recipe names {DEEPSPEED_JSON}, written beside it only with -o: export again with -o FILE to get it",

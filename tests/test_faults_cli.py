@@ -6,19 +6,17 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, run_cli
-from faults import Fault
+from faults import Fault, read_only_folder
 
 from autofit.search import open_study
 
@@ -69,6 +67,8 @@ FAULTS = [
           "autofit data train.jsonl --model tiny-llama", 2, "is UTF-16 text. Convert it to UTF-8"),
     Fault("dataset-one-token-samples", "a dataset whose every sample is one token (every probe `unsupported`, "
           "then exit 3 'nothing fits')", "autofit search --dataset one.jsonl", 2, "no sample has a token to train on"),
+    Fault("probe-log-dir-a-file", "`probe --log-dir` naming a file (a FileExistsError traceback)",
+          "autofit probe --model tiny-llama --log-dir FILE", 2, "--log-dir: the probe logs' folder"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -126,6 +126,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                  "--model", "tiny-llama"],
     "dataset-one-token-samples": lambda tmp: [*SEARCH, "--dataset", str(_write(tmp / "one.jsonl",
                                                                                b'{"text": "a"}\n{"text": "b"}\n'))],
+    "probe-log-dir-a-file": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--log-dir",
+                                         str(_write(tmp / "FILE", b""))],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
@@ -158,42 +160,6 @@ def test_a_budget_no_probe_can_finish_in_says_so_not_that_nothing_fits(tmp_path:
     assert "--budget 3: a bare number is seconds" in proc.stderr
     assert fault.message in proc.stderr and "No configuration fits" not in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-@contextmanager
-def read_only_folder(path: Path) -> Iterator[Path]:
-    """A folder where writing really fails. Root ignores permission bits, so: a read-only bind mount,
-    else the immutable attribute, else (not root) the permission bits."""
-    path.mkdir()
-    undo: list[list[str]] = []
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-    elif _ok(["mount", "--bind", str(path), str(path)]):
-        undo.append(["umount", str(path)])
-        assert _ok(["mount", "-o", "remount,bind,ro", str(path)]), "cannot remount read-only"
-    else:
-        assert _ok(["chattr", "+i", str(path)]), "neither a read-only bind mount nor chattr +i works here"
-        undo.append(["chattr", "-i", str(path)])
-    try:
-        assert not os.access(path, os.W_OK) or _write_fails(path), f"{path} is still writable"
-        yield path
-    finally:
-        for cmd in undo:
-            subprocess.run(cmd, check=False)
-        path.chmod(0o755)
-
-
-def _ok(cmd: list[str]) -> bool:
-    return shutil.which(cmd[0]) is not None and subprocess.run(cmd, check=False, capture_output=True).returncode == 0
-
-
-def _write_fails(path: Path) -> bool:
-    try:
-        (path / "probe-write").write_text("x")
-    except OSError:
-        return True
-    (path / "probe-write").unlink()
-    return False
 
 
 def test_read_only_out_is_exit_4_with_one_message(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ message required; where a row says nothing is lost, the run folder is compared b
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,17 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, run_cli
-from faults import Fault
+from faults import Fault, read_only_folder
 
 BNB_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
 FAULTS = [
+    Fault("export-into-study", "`export -o RUN/study.db --force`: the recipe written over the study (every "
+          "measurement lost)", "autofit export RUN -o RUN/study.db --force", 2, "is one of the run's own records",
+          nothing_lost=True),
+    Fault("regress-run-read-only", "regress on a run folder copied read-only (a PermissionError traceback; the "
+          "--json file said only 'did not finish')", "autofit regress RUN --json r.json", 4,
+          "cannot write the probe logs in"),
     Fault("regress-best-truncated", "best.json cut short (`{\"outcome\":`), with --junit",
           "autofit regress RUN --junit x.xml", 2, "best.json is not valid JSON (line 1 column 12",
           nothing_lost=True),
@@ -123,6 +130,7 @@ ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
     "export-best-truncated": _corrupt_best('{"outcome":', "export"),
     "export-best-missing": _best_missing,
     "export-output-exists": _output_exists,
+    "export-into-study": lambda run, tmp: ["export", str(run), "-o", str(run / "study.db"), "--force"],
     "export-bitsandbytes-notice": lambda run, tmp: ["export", str(run), "-o", str(tmp / "train.py")],
 }
 
@@ -157,8 +165,13 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
                                   check=False, capture_output=True, text=True, cwd=tmp, timeout=300)
 
 
+OWN_TEST = {"regress-run-read-only"}
+"""Rows with a test of their own (below)."""
+SETUP = [f for f in FAULTS if f.id not in OWN_TEST]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
+@pytest.mark.parametrize("fault", SETUP, ids=[f.id for f in SETUP])
 def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> None:
     run = tmp_path / tiny_run.name
     shutil.copytree(tiny_run, run)
@@ -239,5 +252,14 @@ EXTRA: dict[str, Callable[[Path, Path, subprocess.CompletedProcess[str]], None]]
 
 def test_every_fault_has_a_setup_and_a_check() -> None:
     ids = [f.id for f in FAULTS]
-    assert len(set(ids)) == len(ids) and set(ids) == set(ARGS) | set(DATASETS)
+    assert len(set(ids)) == len(ids) and set(ids) == set(ARGS) | set(DATASETS) | OWN_TEST
     assert set(EXTRA) <= set(ids) and all(str(ROOT) not in f.command for f in FAULTS)
+
+
+def test_regress_on_a_read_only_run_is_exit_4_and_its_json_says_why(tiny_run: Path, tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "regress-run-read-only")
+    with read_only_folder(tmp_path / "ro", lambda p: shutil.copytree(tiny_run, p, dirs_exist_ok=True)) as run:
+        proc = run_cli("regress", str(run), "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == fault.exit_code, proc.stderr
+    assert fault.message in proc.stderr and "Traceback" not in proc.stderr
+    assert fault.message in json.loads((tmp_path / "r.json").read_text())["error"]

@@ -21,7 +21,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"autofit: {line}", file=sys.stderr)
         return 0
     # the recipe, the files it names beside it (a DeepSpeed JSON, an accelerate config) and how to launch it
-    for line in write_rendered(rendered, Path(args.output), args.force, executable=args.format in SCRIPTS):
+    for line in write_rendered(rendered, Path(args.output), args.force, executable=args.format in SCRIPTS,
+                               run_dir=Path(args.run)):
         print(line, file=sys.stderr)
     return 0
 

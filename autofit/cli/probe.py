@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import UsageError, gather
 from ..models import PRESET_HELP, PRESETS, resolve_model
 from ..report import probe_summary
-from ..runner import Runner
+from ..runner import Runner, writable_logs
 from ..spec import KEYS, TrialConfig, parse_sets
 from ..target import resolve_targets
 from .common import add_data_flags, add_probe_flags, add_target_flags, console, dataset_ref, probe_settings
@@ -31,6 +31,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     model.check_lengths([cfg.max_length], "--set max_length")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
+    writable_logs(log_dir.resolve(), "--log-dir" if args.log_dir else "")
     if not args.json:
         print(f"probing {model.ref} on {target.describe()} ...", file=sys.stderr)
     with Runner(target, log_dir, standby=0, warmup_steps=settings.warmup_steps, timed_steps=settings.timed_steps,

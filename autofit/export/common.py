@@ -15,7 +15,7 @@ import yaml
 
 from ..data import stored_dataset
 from ..errors import UsageError
-from ..rundir import read_spec
+from ..rundir import RunDir, read_spec
 from ..spec import TrialConfig
 from ..units import format_size
 
@@ -246,11 +246,17 @@ def with_engine(rendered: Rendered, companions: dict[str, str], launch: str) -> 
     return replace(rendered, companions={**rendered.companions, **companions}, launch=launch)
 
 
-def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool) -> list[str]:
+def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool, run_dir: Path) -> list[str]:
     """Write the recipe to -o and its companions beside it; the lines to print (what was written, how to
     launch it). Nothing is written when a file is in the way: an existing -o needs `force`, and so does an
-    existing companion with other content (one with the same content, from another format's export, is kept)."""
+    existing companion with other content (one with the same content, from another format's export, is kept).
+    The run's own records are never overwritten, --force or not."""
     beside = {out.parent / name: text for name, text in rendered.companions.items()}
+    records = [p for p in (out, *beside) if RunDir(run_dir).owns(p)]
+    if records:
+        raise UsageError(f"-o: {records[0]} is one of the run's own records (its study, spec, winner or logs); "
+                         f"writing the recipe there would destroy what was measured. Give a path outside "
+                         f"{run_dir}/, or a new file name in it such as {run_dir / 'train.py'}.")
     in_the_way = [p for p, text in beside.items() if p.exists() and not force and _content(p) != text]
     if in_the_way:
         raise UsageError([f"-o: {p} already exists with other content (the recipe {out} names it, so it is "
