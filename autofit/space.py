@@ -49,7 +49,11 @@ class Space:
         return TrialConfig.from_mapping({**self.fixed, **params}, source=self.source or self.name)
 
     def allowed(self, cfg: TrialConfig) -> bool:
-        return not self.divisors_only or cfg.global_batch % (cfg.micro_batch_size * cfg.gpus) == 0
+        """A micro-batch (over every rank) no larger than the global batch: a larger one trains more
+        sequences per step than asked (micro-batch 4 at global batch 2 would step on 4); with
+        `divisors_only`, only those that divide it."""
+        per_step = cfg.micro_batch_size * cfg.gpus
+        return per_step <= cfg.global_batch and (not self.divisors_only or cfg.global_batch % per_step == 0)
 
     def candidates(self) -> list[TrialConfig]:
         """Every configuration of the space (the exhaustive grid)."""
@@ -98,7 +102,16 @@ class Space:
                    d.get("source", ""), bool(d.get("divisors_only", False)))
 
     def replaced(self, **dims: list[Any]) -> Space:
-        """The space with some dimensions replaced (--max-length, --global-batch)."""
+        """The space with some dimensions replaced (--max-length, --global-batch); a bad value names
+        its flag, not the space file."""
+        problems = []
+        for k, vals in dims.items():
+            flag = OVERRIDE_FLAGS.get(k)
+            if flag is not None and len(set(map(str, vals))) != len(vals):
+                problems.append(f"{flag}: a value is listed twice in {','.join(map(str, vals))}; list each once.")
+            problems += [f"{flag}: {msg}" for v in vals if flag is not None and (msg := KEYS[k].problem(v))]
+        if problems:
+            raise UsageError(problems)
         fixed, dimensions = dict(self.fixed), dict(self.dimensions)
         for k, vals in dims.items():
             fixed.pop(k, None)
@@ -110,6 +123,10 @@ class Space:
         space = Space(self.name, fixed, dimensions, self.source, self.divisors_only, self.notes)
         validate(space)
         return space
+
+
+OVERRIDE_FLAGS = {"max_length": "--max-length", "global_batch": "--global-batch"}
+"""The search flags that replace a space's dimension."""
 
 
 def validate(space: Space) -> None:
@@ -140,8 +157,10 @@ def validate(space: Space) -> None:
     both = set(space.fixed) & set(space.dimensions)
     problems += [f"{where}: {k} is both fixed and a dimension; keep one" for k in sorted(both)]
     if not problems and not space.candidates():
-        problems.append(f"{where}: no valid configuration: every combination breaks a rule "
-                        "(for example quantization with method: full)")
+        problems.append(f"{where}: no valid configuration: every combination breaks a rule (a micro-batch "
+                        "larger than the global batch; with divisors_only, one that does not divide it; "
+                        "quantization with method: full). Allow smaller micro-batches or a larger global batch "
+                        "(--global-batch).")
     if problems:
         raise UsageError(problems)
 
