@@ -147,6 +147,10 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "/", "~")) or os.sep in text.rstrip(os.sep) and text.count("/") > 1
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+"""Files that hold a saved model's weights (shards and their index files included)."""
+
+
 def resolve_model(text: str, flag: str = "--model") -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a UsageError that says what to do."""
     if text in PRESETS:
@@ -159,6 +163,12 @@ def resolve_model(text: str, flag: str = "--model") -> ModelSource:
                 f"{flag}: folder {text} has no config.json; give a folder saved with "
                 "save_pretrained, a config.json, a hub id, or a preset "
                 f"({', '.join(PRESETS)})."
+            )
+        if not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
+            raise UsageError(
+                f"{flag}: folder {text} has a config.json but no weights (no .safetensors or .bin file); give "
+                f"{cfg} to measure the architecture with random weights (the same memory and speed), or the "
+                "folder the weights were saved to."
             )
         return ModelSource("local", str(path.resolve()), _read_json(cfg, flag))
     if path.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -537,6 +538,12 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_rea
                 "nothing is known yet about what fits. Give the search a longer --budget (a bare number is "
                 "seconds: 3 means 3 s, write 3m for minutes), or a longer --probe-timeout; `--resume` keeps "
                 "what was measured.")
+    if {r.outcome for r in results} <= {Outcome.UNSUPPORTED, Outcome.CRASH}:  # nothing says anything of memory
+        reasons = Counter(r.reason or f"{r.outcome.value}, no reason recorded" for r in results)
+        reason, n = reasons.most_common(1)[0]
+        return (f"No configuration ran: every probe was unsupported or crashed, so nothing is known about memory. "
+                f"{n} of {len(results)} said: {reason}. That is no memory problem: fix what it names (the model, a "
+                "key of the space, a kernel this machine lacks) and search again; the probe logs say more.")
     msg = "No configuration fits"
     msg += f" under the {format_size(limit)} limit." if limit else "."
     if memory:
@@ -550,9 +557,6 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_rea
         msg += (f" {len(unstable)} probe(s) ran within memory but training was unstable "
                 f"({unstable[0].reason}, {config_brief(unstable[0].config)}): check the model's weights, "
                 "and prefer bf16 to fp16; see the probe logs.")
-    outcomes = {r.outcome for r in results}
-    if outcomes and outcomes <= {Outcome.UNSUPPORTED, Outcome.CRASH}:
-        msg += " Every probe was unsupported or crashed: see the probe logs."
     if memory and all(r.failed_loading for r in memory):
         quantized = all(r.config.get("quantization", "none") != "none" for r in memory)
         msg += (" Every one ran out while the model was loading, before training: its weights alone do not fit, "

@@ -18,6 +18,7 @@ import yaml
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, run_cli
 from faults import Fault, read_only_folder
 
+from autofit.models import PRESETS
 from autofit.search import open_study
 
 SEARCH = ("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "1m")
@@ -69,6 +70,9 @@ FAULTS = [
           "then exit 3 'nothing fits')", "autofit search --dataset one.jsonl", 2, "no sample has a token to train on"),
     Fault("probe-log-dir-a-file", "`probe --log-dir` naming a file (a FileExistsError traceback)",
           "autofit probe --model tiny-llama --log-dir FILE", 2, "--log-dir: the probe logs' folder"),
+    Fault("model-folder-without-weights", "a model folder with a config.json and no weights (every probe "
+          "crashed, then 'nothing fits' advised quantization)", "autofit search --model FOLDER", 2,
+          "has a config.json but no weights"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -128,6 +132,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                                                                b'{"text": "a"}\n{"text": "b"}\n'))],
     "probe-log-dir-a-file": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--log-dir",
                                          str(_write(tmp / "FILE", b""))],
+    "model-folder-without-weights": lambda tmp: [*SEARCH, "--model", str(_write(
+        (tmp / "noweights").mkdir() or tmp / "noweights" / "config.json", json.dumps(PRESETS["tiny-llama"]).encode()).parent)],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }

@@ -357,3 +357,18 @@ def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> N
     assert "quantization" not in nothing_fits_message([nf4], LIMIT).split("Allow next")[1]
     failed.oom_phase = "forward"  # the same figures from a failure in training: the usual advice
     assert "gradient checkpointing (on, or on+offload)" in nothing_fits_message([failed], LIMIT)
+
+
+def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_advice() -> None:
+    """A misspelt lora target or a kernel the machine lacks crashed every probe; the message advised
+    quantization and a larger --memory-limit."""
+    from autofit.report import nothing_fits_message
+    from autofit.result import Outcome, ProbeResult
+
+    reason = "Target modules {'zzz_proj'} not found in the base model"
+    results = [ProbeResult(outcome=Outcome.CRASH, config=cfg(mb, "on").to_dict(), reason=reason) for mb in (1, 2)]
+    results.append(ProbeResult(outcome=Outcome.UNSUPPORTED, config=cfg(4, "on").to_dict(), reason="no triton"))
+    msg = nothing_fits_message(results, LIMIT)
+    assert msg.startswith("No configuration ran") and f"2 of 3 said: {reason}" in msg
+    assert "Allow next" not in msg and "memory-limit" not in msg
+    assert "Allow next" in nothing_fits_message([*results, oom(cfg(8, "off"), OOM_TEXT)], LIMIT)
