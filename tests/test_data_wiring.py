@@ -261,7 +261,7 @@ def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_pa
 # ----------------------------------------------------------------------------- export with the measured strategy
 
 
-def _data_run(tmp_path: Path, batching: str) -> Path:
+def _data_run(tmp_path: Path, batching: str, data: Path = D1, messages_field: str = "messages") -> Path:
     """A run folder as a search with --dataset leaves it (written, not measured)."""
     import yaml
     from test_regress import write_run
@@ -270,7 +270,8 @@ def _data_run(tmp_path: Path, batching: str) -> Path:
 
     run = write_run(tmp_path / f"run-{batching}", None)
     spec = yaml.safe_load((run / "spec.yaml").read_text())
-    spec["dataset"] = DatasetRef.of(load_samples(D1)).to_dict()
+    spec["dataset"] = DatasetRef.of(load_samples(data, messages_field=messages_field), "text",
+                                    messages_field).to_dict()
     (run / "spec.yaml").write_text(yaml.safe_dump(spec))
     best = json.loads((run / "best.json").read_text())
     best["config"] = {**best["config"], "batching": batching, "max_length": 96, "micro_batch_size": 2,
@@ -365,6 +366,35 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
         assert "(TEXT_FIELD or MESSAGES_FIELD per line)" not in text and "(BATCHING: " not in text
     for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
         assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
+
+
+def test_the_yaml_trainers_read_chats_as_chats_and_text_as_text(tmp_path: Path) -> None:
+    """A chat dataset was written as axolotl `type: completion` on a 'text' field (nothing to train on) and
+    LLaMA-Factory said only "Register my_dataset"."""
+    import yaml
+
+    from autofit.export import export_run
+
+    text = export_run(_data_run(tmp_path / "t", "pad_longest"), "axolotl")
+    assert yaml.safe_load(text.text)["datasets"] == [{"path": str(D1), "type": "completion", "field": "text"}]
+    chats = _data_run(tmp_path / "c", "pad_longest", CHAT)
+    ax = yaml.safe_load(export_run(chats, "axolotl").text)
+    assert ax["datasets"] == [{"path": str(CHAT), "type": "chat_template", "field_messages": "messages",
+                               "message_property_mappings": {"role": "role", "content": "content"}}]
+    assert ax["chat_template"] == "tokenizer_default"
+    lf = export_run(chats, "llama-factory")
+    entry = json.loads(lf.text.split('"my_dataset": ', 1)[1].splitlines()[0])
+    assert entry["formatting"] == "sharegpt" and entry["columns"] == {"messages": "messages"}
+    assert yaml.safe_load(lf.text)["stage"] == "sft" and any("template" in x for x in lf.unexpressed)
+    pt = export_run(_data_run(tmp_path / "p", "pad_longest"), "llama-factory")
+    assert yaml.safe_load(pt.text)["stage"] == "pt" and '"columns": {"prompt": "text"}' in pt.text
+    sharegpt = tmp_path / "g.jsonl"  # ShareGPT's keys are carried as the message keys
+    sharegpt.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                                      {"from": "gpt", "value": "yo"}]}) + "\n")
+    g = yaml.safe_load(export_run(_data_run(tmp_path / "g", "pad_longest", sharegpt, "conversations"),
+                                  "axolotl").text)
+    assert g["datasets"][0]["field_messages"] == "conversations"
+    assert g["datasets"][0]["message_property_mappings"] == {"role": "from", "content": "value"}
 
 
 @pytest.mark.slow

@@ -51,8 +51,15 @@ class DatasetSource:
     "text" or "messages", and the row's "line" where it came from a row), the skipped rows as
     (reason, line) pairs, and a digest of what was read."""
 
-    def __init__(self, kind, mode, samples, bad, digest):
+    def __init__(self, kind, mode, samples, bad, digest, chat_keys=None):
         self.kind, self.mode, self.samples, self.bad, self.digest = kind, mode, samples, bad, digest
+        self.chat_keys = chat_keys
+        """The keys of a message in the source's first chat, ("role", "content") or ShareGPT's
+        ("from", "value"); None where no row is a chat."""
+
+    @property
+    def chats(self):
+        return sum(1 for s in self.samples if "messages" in s)
 
 
 def read_dataset(path, text_field="text", messages_field="messages", text_mode="auto"):
@@ -79,17 +86,19 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
             return DatasetSource(kind, mode, samples, [], digest)
         rows = csv_rows(raw, path) if kind == "csv" else json_rows(raw, path)
         mode = None
-    samples, bad = [], []
+    samples, bad, chat_keys = [], [], None
     for n, row in rows:
         sample, reason = row_sample(row, text_field, messages_field)
         if sample is None:
             bad.append((reason, n))
-        else:
-            sample["line"] = n
-            samples.append(sample)
+            continue
+        sample["line"] = n
+        samples.append(sample)
+        if chat_keys is None and "messages" in sample:
+            chat_keys = ("role", "content") if "role" in row[messages_field][0] else ("from", "value")
     if not samples:
         raise NoUsableRows(f"{path} has no usable row", bad)
-    return DatasetSource(kind, mode, samples, bad, digest)
+    return DatasetSource(kind, mode, samples, bad, digest, chat_keys)
 
 
 def source_kind(path):

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..recipe import REGIONAL_COMPILATION, learning_rate
 from ..spec import TrialConfig
-from .common import ExportRun, Rendered, with_engine, yaml_recipe
+from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from .data_yaml import axolotl_batching
 from .multi_gpu import axolotl as engine_keys
 from .multi_gpu import yaml_intro
@@ -71,8 +71,16 @@ def render(r: ExportRun) -> Rendered:
         batching, missing = axolotl_batching(cfg)
         out.update(batching)
         lost += missing
-        out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
-                            "field": r.dataset.get("text_field", "text")}]
+        form = data_form(r.dataset)
+        if form.chat:  # rendered with the tokenizer's own chat template, as the probe measured
+            out["datasets"] = [{"path": r.dataset["path"], "type": "chat_template",
+                                "field_messages": r.dataset.get("messages_field", "messages"),
+                                "message_property_mappings": {"role": form.role, "content": form.content}}]
+            out["chat_template"] = "tokenizer_default"
+        else:
+            out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
+                                "field": r.dataset.get("text_field", "text")}]
+        lost += [form.note] if form.note else []
     out["output_dir"] = "./autofit-out"
     return with_gpus(r, out, lost)
 

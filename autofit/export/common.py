@@ -224,6 +224,37 @@ def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
                      ref.to_dict() if ref else spec.get("dataset"))
 
 
+@dataclass(frozen=True)
+class DataForm:
+    """What the measured dataset's rows are, for the YAML trainers' dataset entries: chats (and their
+    message keys) or text; `note` says what was assumed where the file cannot be read here."""
+
+    chat: bool
+    role: str = "role"
+    content: str = "content"
+    note: str = ""
+
+
+def data_form(dataset: dict[str, Any]) -> DataForm:
+    """Read the run's dataset again (where it is) to tell chats from text."""
+    from ..data import reader
+
+    try:
+        source = reader.read_dataset(dataset["path"], dataset.get("text_field", "text"),
+                                     dataset.get("messages_field", "messages"), dataset.get("text_mode", "auto"))
+    except reader.DatasetError:
+        return DataForm(False, note=(f"the dataset {dataset['path']} is not here to read: written as text rows "
+                                     f"('{dataset.get('text_field', 'text')}'); export with --dataset PATH to "
+                                     "have its chats written as chats"))
+    if not source.chats:
+        return DataForm(False)
+    note = "" if source.chats == len(source.samples) else (
+        f"the dataset mixes {source.chats} chats with {len(source.samples) - source.chats} text rows: written "
+        "as chats; its text rows are not read by this trainer")
+    role, content = source.chat_keys or ("role", "content")
+    return DataForm(True, role, content, note)
+
+
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
     """Write a recipe to -o; an existing file is kept unless `force` (a recipe may have been edited)."""
     if out.is_dir():

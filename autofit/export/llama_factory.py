@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..recipe import REGIONAL_COMPILATION, learning_rate
-from .common import ExportRun, Rendered, with_engine, yaml_recipe
+from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from .data_yaml import llama_factory_batching
 from .multi_gpu import ACCELERATE_FSDP, yaml_intro
 from .multi_gpu import llama_factory as engine_keys
@@ -46,10 +47,24 @@ def render(r: ExportRun) -> Rendered:
         "output_dir": "./autofit-out",
         "report_to": "none",
     })
-    if r.dataset is not None:  # searched with --dataset: the measured batching
+    register = "Register my_dataset in data/dataset_info.json first."
+    if r.dataset is not None:  # searched with --dataset: the measured batching, on the measured rows
         batching, missing = llama_factory_batching(cfg)
         out.update(batching)
         lost += missing
+        form = data_form(r.dataset)
+        lost += [form.note] if form.note else []
+        if form.chat:
+            entry = {"file_name": r.dataset["path"], "formatting": "sharegpt",
+                     "columns": {"messages": r.dataset.get("messages_field", "messages")},
+                     "tags": {"role_tag": form.role, "content_tag": form.content,
+                              **({"user_tag": "user", "assistant_tag": "assistant"} if form.role == "role" else {})}}
+            lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` to "
+                        "your model's LLaMA-Factory template name (empty adds no role markers)")
+        else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
+            out["stage"] = "pt"
+            entry = {"file_name": r.dataset["path"], "columns": {"prompt": r.dataset.get("text_field", "text")}}
+        register = f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
                     f"{LLAMA_FACTORY['version']} checkpoints every layer or none; written as every layer")
@@ -75,17 +90,17 @@ def render(r: ExportRun) -> Rendered:
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
-    return with_gpus(r, out, lost)
+    return with_gpus(r, out, lost, register)
 
 
-def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
+def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str], register: str) -> Rendered:
     """The recipe with its multi-GPU keys, the files they name, and how to launch it."""
     cfg = r.config
     engine, companions, launch = engine_keys(cfg)
     out.update(engine)
     run = launch.format(recipe="this.yaml") if launch else "llamafactory-cli train this.yaml"
     intro = [f"LLaMA-Factory config (keys of LLaMA-Factory {LLAMA_FACTORY['version']}). Run: {run}",
-             "Register my_dataset in data/dataset_info.json first.", *yaml_intro(cfg, companions)]
+             register, *yaml_intro(cfg, companions)]
     if ACCELERATE_FSDP in companions:
         intro += [f"FSDP2 through accelerate ({ACCELERATE_FSDP}, as LLaMA-Factory 0.9.4's "
                   "examples/accelerate/fsdp2_config.yaml; src/train.py of a checkout runs the same as "

@@ -20,7 +20,7 @@ AXOLOTL = {
         # integrations/liger/args.py (LigerArgs) with the plugin; schemas/config.py (torch_compile*, flex_attention)
         "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
         "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
-        "group_by_length", "batch_flattening",
+        "group_by_length", "batch_flattening", "chat_template",
         # docs/multi-gpu.qmd: DeepSpeed (a JSON path) and FSDP2 (schemas/fsdp.py FSDPConfig below)
         "deepspeed", "fsdp_version", "fsdp_config",
     },
