@@ -517,8 +517,8 @@ class Search:
             record_repeat(study, t.number, res)
             know = self._knowledge(study, target)
             merged = next(m for u, m in know.probes if u.number == t.number)
-            self._event(t.number, target, cfg, EventKind.AGAIN, merged, t.user_attrs.get("predicted_peak"),
-                        know.best())
+            self._event(t.number, target, cfg, EventKind.AGAIN, repeat_shown(merged, res),
+                        t.user_attrs.get("predicted_peak"), know.best())
         best = know.best()
         if best is not None and len(best.measurements) < 2:  # its repeat failed (a timeout at the budget's end)
             self._finish_note("the best fit was measured once: its repeat did not finish as a fit")
@@ -540,6 +540,13 @@ class Search:
         with self.lock:
             self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, best,
                                 max(0.0, self.deadline - self.clock())))
+
+
+def repeat_shown(merged: ProbeResult, repeat: ProbeResult) -> ProbeResult:
+    """What a repeat's progress line shows: the config's runs merged (its median) where the repeat ran
+    to a fit, else the repeat as it ended (a timeout at the budget's end was shown as "fit (again)" with
+    the first run's figure)."""
+    return merged if repeat.outcome is Outcome.FIT else repeat
 
 
 def unconfirmed_note(best: ProbeResult | None, pick: ProbeResult, number: int, est: float | None,

@@ -274,6 +274,21 @@ def test_a_repeat_line_shows_its_own_figure_and_the_median(capsys: pytest.Captur
     assert "fit (again; median 9,876)" in line and "9,555 tok/s" in line and "10,197" not in line, line
 
 
+def test_a_repeat_that_did_not_finish_is_shown_as_it_ended(capsys: pytest.CaptureFixture[str]) -> None:
+    from autofit.search import repeat_shown
+
+    cfg = TrialConfig.from_mapping({"micro_batch_size": 2})
+    first = ProbeResult(Outcome.FIT, cfg.to_dict(), tokens_per_s=16349.0, extra={"measurements": [16349.0]})
+    cut = ProbeResult(Outcome.TIMEOUT, cfg.to_dict(), reason="stopped at the budget's end")
+    shown = repeat_shown(first, cut)
+    progress = Progress(enabled=True, budget_s=60)
+    progress.tty = False
+    progress(Event(1, "cpu", cfg.to_dict(), EventKind.AGAIN, shown, None, first, 0.0))
+    line = capsys.readouterr().out
+    assert "timeout (again)" in line and "16,349" not in line.split("timeout")[1].split("peak")[0], line
+    assert repeat_shown(first, first) is first
+
+
 def test_headroom_takes_a_percentage_as_tolerance_does() -> None:
     parse = build_parser().parse_args
     assert parse(["search", "--model", "tiny-llama", "--headroom", "5%"]).headroom == pytest.approx(0.05)
