@@ -238,7 +238,8 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
                  f"{spec['model']['ref']} on {where}")
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     (run_dir / "report.md").write_text(
-        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried))
+        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried,
+                        run_dir))
     return best_doc
 
 
@@ -255,12 +256,14 @@ def _describe_target(t: dict[str, Any]) -> str:
 
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
-                    data: dict[str, Any] | None = None, untried: dict[str, int] | None = None) -> str:
+                    data: dict[str, Any] | None = None, untried: dict[str, int] | None = None,
+                    run_dir: Path | None = None) -> str:
+    """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>)."""
     lines = _header(spec, results, limit, stop_reason, untried)
     if best is None:
         lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
     else:
-        lines += _winner(spec, results, best, limit)
+        lines += _winner(spec, results, best, limit, run_dir or Path("runs") / spec["run_id"])
     if data is not None:
         lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
@@ -307,7 +310,8 @@ def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None,
             *([f"- {untried_line(untried)}"] if untried else []), ""]
 
 
-def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None) -> list[str]:
+def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None,
+            run_dir: Path) -> list[str]:
     cfg = best.config
     lines = ["## Winner", "",
              (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
@@ -319,7 +323,7 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
         lines.append(f"| {k} | `{cfg.get(k, KEYS[k].default)}`{mark} |")  # older runs lack later keys
     lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
               f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
-              "Export it: `autofit export runs/" + spec["run_id"] + " --format hf-trainer -o train.py`", ""]
+              f"Export it: `autofit export {run_dir} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)

@@ -89,6 +89,14 @@ def test_probe_flags_are_declared_once_with_the_protocol_defaults() -> None:
                                                 max_probe_accumulation=None, timeout_s=30.0, confirm=2)
 
 
+@pytest.mark.parametrize(("cmd", "flag"), [("probe", "--timeout"), ("search", "--probe-timeout")])
+def test_a_timeout_of_zero_names_the_flag_the_command_has(cmd: str, flag: str) -> None:
+    from autofit.cli.common import check_shared_flags
+
+    with pytest.raises(UsageError, match=f"^{flag}: give a positive number of seconds"):
+        check_shared_flags(build_parser().parse_args([cmd, "--model", "tiny-llama", flag, "0"]))
+
+
 def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["search", "--model", "tiny-llama", "--budget", "-5m", "--out", str(tmp_path)]) == 2
     assert "--budget: '-5m' is not positive" in capsys.readouterr().err

@@ -77,6 +77,7 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
 
 def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout") -> None:
     """How each probe measures: shared by `probe` and `search`."""
+    p.set_defaults(timeout_flag=timeout_flag)
     g = p.add_argument_group("measuring")
     g.add_argument(timeout_flag, dest="probe_timeout", type=float, metavar="SECONDS", default=PROBE_TIMEOUT_S,
                    help=f"seconds before one probe is stopped (default {PROBE_TIMEOUT_S:.0f})")
@@ -137,9 +138,8 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         problems.append("--train-tokens and --train-steps both give the planned training length; give one.")
     if getattr(args, "max_probe_accumulation", 0) < 0:
         problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
-    for flag in ("timeout", "probe_timeout"):
-        if getattr(args, flag, 1) <= 0:
-            problems.append(f"--{flag.replace('_', '-')}: give a positive number of seconds.")
+    if getattr(args, "probe_timeout", 1) <= 0:  # --timeout on probe, --probe-timeout on search and regress
+        problems.append(f"{getattr(args, 'timeout_flag', '--probe-timeout')}: give a positive number of seconds.")
     if getattr(args, "confirm", 0) < 0:
         problems.append(f"--confirm: {args.confirm} is negative; give how many of the best fits to measure "
                         "again (0 for none, default 1).")
