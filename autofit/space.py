@@ -182,6 +182,29 @@ def shipped_spaces() -> list[str]:
     return sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so
+    a dimension listed twice lost its first list)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}"
+        return f"{e.problem} ({where}{'; ' + e.context if e.context else ''})"
+    return " ".join(str(e).split())
+
+
 def load_space(ref: str | Path) -> Space:
     """A space by name (`lora`) or path (`my.yaml`)."""
     path = Path(ref)
@@ -192,9 +215,9 @@ def load_space(ref: str | Path) -> Space:
         what = f"{ref} is a folder, not a file" if path.is_dir() else f"no such file {ref}"
         raise UsageError(f"--space: {what}; give a YAML path or a shipped space ({have}).")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506  a SafeLoader
     except yaml.YAMLError as e:
-        raise UsageError(f"--space: {path} is not valid YAML: {e}") from None
+        raise UsageError(f"--space: {path} is not valid YAML: {_yaml_problem(e)}") from None
     except (UnicodeDecodeError, OSError) as e:
         raise UsageError(f"--space: cannot read {path} as UTF-8 text ({e}); give a YAML space file.") from None
     if not isinstance(data, dict):

@@ -73,6 +73,8 @@ FAULTS = [
     Fault("model-folder-without-weights", "a model folder with a config.json and no weights (every probe "
           "crashed, then 'nothing fits' advised quantization)", "autofit search --model FOLDER", 2,
           "has a config.json but no weights"),
+    Fault("space-duplicate-key", "a space file listing one dimension twice (the first list was dropped silently)",
+          "autofit search --space dup.yaml", 2, "'gradient_checkpointing' is given twice in one mapping"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -134,6 +136,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                          str(_write(tmp / "FILE", b""))],
     "model-folder-without-weights": lambda tmp: [*SEARCH, "--model", str(_write(
         (tmp / "noweights").mkdir() or tmp / "noweights" / "config.json", json.dumps(PRESETS["tiny-llama"]).encode()).parent)],
+    "space-duplicate-key": lambda tmp: [*SEARCH, "--space", str(_write(tmp / "dup.yaml", b"dimensions:\n  "
+                                        b"gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n"))],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
