@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -316,8 +317,24 @@ def _open_study(session: Session) -> optuna.Study:
         damaged = damaged_study(e, "--resume" if session.mode is Mode.RESUME else "--storage", spec.storage)
         if damaged:
             raise damaged from None
-        raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
+        if not session.local_storage:
+            raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
+        folder = session.run_dir
+        why = "the folder is read-only" if not _writable(folder) else _first_line(e)
+        if session.mode is Mode.RESUME:
+            raise CannotWrite(f"--resume: cannot write the study in {folder} ({why}); nothing was probed. Copy "
+                              "the run folder somewhere writable and resume the copy, or free space.") from None
+        raise CannotWrite(f"--out: cannot write the study in {folder} ({why}); give a writable --out.") from None
     return study
+
+
+def _writable(folder: Path) -> bool:
+    """A file can be created in `folder` (root ignores permission bits; a read-only mount does not)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def _reserve(session: Session) -> Session:

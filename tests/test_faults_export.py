@@ -26,6 +26,8 @@ FAULTS = [
     Fault("regress-run-read-only", "regress on a run folder copied read-only (a PermissionError traceback; the "
           "--json file said only 'did not finish')", "autofit regress RUN --json r.json", 4,
           "cannot write the probe logs in"),
+    Fault("resume-run-read-only", "--resume of a run folder copied read-only (said '--storage: cannot write', "
+          "blaming a flag not given)", "autofit search --resume RUN", 4, "--resume: cannot write the study in"),
     Fault("regress-best-truncated", "best.json cut short (`{\"outcome\":`), with --junit",
           "autofit regress RUN --junit x.xml", 2, "best.json is not valid JSON (line 1 column 12",
           nothing_lost=True),
@@ -165,7 +167,7 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
                                   check=False, capture_output=True, text=True, cwd=tmp, timeout=300)
 
 
-OWN_TEST = {"regress-run-read-only"}
+OWN_TEST = {"regress-run-read-only", "resume-run-read-only"}
 """Rows with a test of their own (below)."""
 SETUP = [f for f in FAULTS if f.id not in OWN_TEST]
 
@@ -256,10 +258,13 @@ def test_every_fault_has_a_setup_and_a_check() -> None:
     assert set(EXTRA) <= set(ids) and all(str(ROOT) not in f.command for f in FAULTS)
 
 
-def test_regress_on_a_read_only_run_is_exit_4_and_its_json_says_why(tiny_run: Path, tmp_path: Path) -> None:
-    fault = next(f for f in FAULTS if f.id == "regress-run-read-only")
+@pytest.mark.parametrize("fault_id", ["regress-run-read-only", "resume-run-read-only"])
+def test_a_read_only_run_folder_is_exit_4_naming_it(tiny_run: Path, tmp_path: Path, fault_id: str) -> None:
+    fault = next(f for f in FAULTS if f.id == fault_id)
     with read_only_folder(tmp_path / "ro", lambda p: shutil.copytree(tiny_run, p, dirs_exist_ok=True)) as run:
-        proc = run_cli("regress", str(run), "--json", str(tmp_path / "r.json"))
+        proc = run_cli("regress", str(run), "--json", str(tmp_path / "r.json")) if fault_id.startswith("regress") \
+            else run_cli("search", "--resume", str(run), "--budget", "20s")
     assert proc.returncode == fault.exit_code, proc.stderr
-    assert fault.message in proc.stderr and "Traceback" not in proc.stderr
-    assert fault.message in json.loads((tmp_path / "r.json").read_text())["error"]
+    assert fault.message in proc.stderr and "Traceback" not in proc.stderr and str(run) in proc.stderr
+    if fault_id.startswith("regress"):  # the job's --json file says why
+        assert fault.message in json.loads((tmp_path / "r.json").read_text())["error"]
