@@ -73,7 +73,7 @@ def test_data_command_in_a_process_reports_bad_rows_and_never_a_traceback(tmp_pa
     path.write_text('{"text": "one sample"}\n{broken\n{"text": "two samples here"}\n')
     ok = run_cli("data", str(path), "--model", "tiny-llama", "--out", str(tmp_path / "o"))
     assert ok.returncode == 0, ok.stderr
-    assert "1 rows skipped: 1 not JSON (line 2)" in ok.stderr and "2 samples" in ok.stdout
+    assert "1 row skipped: 1 not JSON (line 2)" in ok.stderr and "2 samples" in ok.stdout
     missing = run_cli("data", str(tmp_path / "none.jsonl"), "--model", "tiny-llama")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr and "no such file" in missing.stderr
 

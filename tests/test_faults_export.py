@@ -17,6 +17,8 @@ import yaml
 from conftest import ROOT, run_cli
 from faults import Fault, read_only_folder
 
+from autofit.models import PRESETS
+
 BNB_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
 FAULTS = [
@@ -61,6 +63,11 @@ FAULTS = [
           "autofit report RUN", 2, "study.db is missing", nothing_lost=True),
     Fault("resume-copy-without-study", "a copied run folder without its study.db, resumed (wrote 235 trials "
           "into the original's study)", "autofit search --resume RUN", 2, "study.db is missing", nothing_lost=True),
+    Fault("script-max-steps-zero", "an exported script given --max-steps 0 (ran a step) or -1 (trained 3 epochs)",
+          "python train.py --dataset data.jsonl --max-steps 0", 2, "--max-steps: 0 is not a number of optimizer steps"),
+    Fault("script-model-without-tokenizer", "an exported script given a model folder saved without its tokenizer "
+          "(a transformers traceback)", "python train.py --model FOLDER --dataset data.jsonl", 2,
+          "--model: cannot load a tokenizer from"),
     Fault("script-dataset-not-json", "an exported script given a .jsonl with a line that is not JSON",
           "python train.py --dataset notjson.jsonl", 2, "notjson.jsonl line 2 is not JSON"),
     Fault("script-dataset-no-text", "an exported script given JSONL rows without a \"text\" field",
@@ -137,6 +144,8 @@ ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
 }
 
 DATASETS = {
+    "script-max-steps-zero": ("data.jsonl", '{"text": "fine"}\n'),
+    "script-model-without-tokenizer": ("data.jsonl", '{"text": "fine"}\n'),
     "script-dataset-not-json": ("notjson.jsonl", '{"text": "fine"}\nnot json\n'),
     "script-dataset-no-text": ("notext.jsonl", '{"txt": "a typo in the field name"}\n'),
     "script-dataset-missing": ("missing.jsonl", None),
@@ -163,7 +172,13 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
     name, content = DATASETS[fault.id]
     if content is not None:
         (tmp / name).write_text(content)
-    return lambda: subprocess.run([sys.executable, str(script), "--dataset", name, "--max-steps", "1"],
+    steps = "0" if fault.id == "script-max-steps-zero" else "1"
+    model = []
+    if fault.id == "script-model-without-tokenizer":  # the weights' folder only: config.json, no tokenizer files
+        (tmp / "weights").mkdir()
+        (tmp / "weights" / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
+        model = ["--model", str(tmp / "weights")]
+    return lambda: subprocess.run([sys.executable, str(script), "--dataset", name, "--max-steps", steps, *model],
                                   check=False, capture_output=True, text=True, cwd=tmp, timeout=300)
 
 

@@ -73,7 +73,7 @@ class BadRows:
             return "no bad rows"
         parts = [f"{self.counts[r]} {r} (line {', '.join(map(str, lines))}"
                  f"{', ...' if self.counts[r] > len(lines) else ''})" for r, lines in self.by_reason.items()]
-        return f"{self.count} rows skipped: " + "; ".join(parts)
+        return f"{self.count} {'row' if self.count == 1 else 'rows'} skipped: " + "; ".join(parts)
 
 
 @dataclass(frozen=True)

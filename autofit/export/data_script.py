@@ -87,9 +87,7 @@ def encoder(model_ref, samples):
         wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
         return (lambda ss: [e.ids for e in tok.encode_batch([s.get("text") or plain_chat(s["messages"])
                                                              for s in ss])]), tok.token_to_id("<pad>"), wrapped
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_ref)
+    tok = tokenizer_of(model_ref)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
     def render(s):

@@ -78,14 +78,23 @@ def byte_tokenizer():
 
 
 def load_tokenizer(model_ref):
-    from transformers import AutoTokenizer
-
     if model_ref is None:
         return byte_tokenizer()
-    tok = AutoTokenizer.from_pretrained(model_ref)
+    tok = tokenizer_of(model_ref)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def tokenizer_of(model_ref):
+    """The model's own tokenizer, or one line saying why it cannot be loaded (a folder saved without one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_ref)
+    except (OSError, ValueError) as e:
+        fail(f"--model: cannot load a tokenizer from {model_ref} ({str(e).strip().splitlines()[0]}); give a "
+             "folder that holds the tokenizer's files too (tokenizer.json or tokenizer.model)")
 
 
 def fail(message):
@@ -256,6 +265,8 @@ def arguments():
     a = p.parse_args()
     if a.model is None and MODEL_CONFIG is None:
         p.error("--model is required")
+    if a.max_steps < 1:
+        p.error(f"--max-steps: {a.max_steps} is not a number of optimizer steps; give 1 or more")
     return a
 
 
