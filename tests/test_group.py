@@ -148,14 +148,15 @@ def test_an_interrupted_group_says_nothing_about_its_config(tmp_path: Path, monk
 
 
 def test_a_search_whose_configs_all_need_more_gpus_says_so_and_what_to_do(tmp_path: Path) -> None:
-    """Not "nothing fits" with advice about memory: nothing was probed, and --gpus is the answer."""
+    """Not "nothing fits" with advice about memory: nothing was probed, and --gpus is the answer (3 configs:
+    4 GPUs at micro-batch 2 would step on 8 sequences, more than the global batch of 4)."""
     space = tmp_path / "space.yaml"
     space.write_text("method: lora\nfixed: {max_length: 64, global_batch: 4, precision: fp32}\n"
                      "dimensions:\n  gpus: [2, 4]\n  micro_batch_size: [1, 2]\n")
     proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", str(space), "--budget", "30s",
                    "--out", str(tmp_path / "runs"))
     assert proc.returncode == 3, proc.stderr
-    assert ("Nothing was probed: nothing left to probe here: 4 untried configuration(s) need more GPUs than a "
+    assert ("Nothing was probed: nothing left to probe here: 3 untried configuration(s) need more GPUs than a "
             "worker has (1); run with --gpus 2") in proc.stderr
     assert "memory-limit" not in proc.stderr and "Traceback" not in proc.stderr
 
