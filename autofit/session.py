@@ -128,11 +128,15 @@ def _resumed(req: SearchRequest) -> Session:
                                                           req.gpus)))
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
-    if spec.dataset is not None:
+    if spec.dataset is not None and req.dataset:  # the measured file moved: the same content, found at its new place
+        spec = spec.replace(dataset=spec.dataset.found(req.dataset, "the run was measured on"))
+    elif spec.dataset is not None:
         check_dataset(spec.dataset, "--resume")
+    elif req.dataset:
+        raise UsageError("--dataset: this run was searched on random tokens; --resume continues it as it was. "
+                         "Start a new search with --dataset to measure on your data.")
     fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space), ("--max-length", req.max_length),
-                                      ("--global-batch", req.global_batch), ("--dataset", req.dataset))
-             if value is not None]
+                                      ("--global-batch", req.global_batch)) if value is not None]
     notes = (f"--resume continues the run as it was planned: {', '.join(fixed)} ignored (the study measured "
              f"that model and space); start a new search to change them.",) if fixed else ()
     return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir), notes=notes)
@@ -212,7 +216,8 @@ def check_dataset(ref: DatasetRef, flag: str) -> None:
     state, _ = ref.load()
     if not state.usable:
         raise UsageError(f"{flag}: the run's dataset {ref.path} is {state.value} since the search measured it "
-                         f"(content hash {ref.content_hash[:12]}); restore it, or start a new search.")
+                         f"(content hash {ref.content_hash[:12]}); restore it, give its new place with --dataset PATH, "
+                         "or start a new search.")
 
 
 def _missing(flag: str) -> Any:

@@ -467,7 +467,7 @@ def test_export_names_a_moved_dataset_and_refuses_a_changed_or_missing_one(tmp_p
     err = capsys.readouterr().err
     assert "dataset changed since the run" in err and "the winner was measured on" in err and "Traceback" not in err
     assert main(["export", str(run), "--dataset", str(tmp_path / "nowhere.jsonl")]) == 2
-    assert "nowhere.jsonl is missing" in capsys.readouterr().err
+    assert "no such file or folder" in (err := capsys.readouterr().err) and "nowhere.jsonl" in err
     plain = _data_run(tmp_path, "pad_max")
     doc = yaml.safe_load((plain / "spec.yaml").read_text())
     del doc["dataset"]  # a run searched without --dataset
@@ -530,9 +530,17 @@ def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_pa
     assert (data / "lengths.png").is_file() and list(data.glob("standin-bpe-*.json"))
     assert json.loads((data / "data.json").read_text())["cuts"][0]["max_length"] == 256
     assert plan(SearchRequest(resume=session.run_dir)).spec.dataset == session.spec.dataset
+    moved = tmp_path / "moved.jsonl"  # --resume follows a moved file of the same content (it ignored --dataset)
+    moved.write_bytes(copy.read_bytes())
     copy.write_text(copy.read_text() + '{"text": "one more sample"}\n')
-    with pytest.raises(UsageError, match=r"--resume: the run's dataset .* is changed since the search measured"):
+    with pytest.raises(UsageError, match=r"--resume: the run's dataset .* is changed since the search measured.*"
+                                         r"give its new place with --dataset PATH"):
         plan(SearchRequest(resume=session.run_dir))
+    assert plan(SearchRequest(resume=session.run_dir, dataset=str(moved))).spec.dataset.path == str(moved.resolve())
+    with pytest.raises(UsageError, match=r"dataset changed since the run: .*d\.jsonl no longer has the content"):
+        plan(SearchRequest(resume=session.run_dir, dataset=str(copy)))
+    with pytest.raises(UsageError, match=r"--dataset: no such file or folder: .*gone\.jsonl\. Give the file"):
+        plan(SearchRequest(resume=session.run_dir, dataset=str(tmp_path / "gone.jsonl")))
 
 
 @pytest.mark.parametrize("path", [D1, CHAT, "array", "paragraphs"])

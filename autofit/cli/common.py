@@ -89,13 +89,14 @@ def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout")
                         f"(default {MAX_PROBE_ACCUMULATION}; 0: all)")
 
 
-def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True) -> None:
+def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True, resumes: bool = False) -> None:
     """The dataset flags: shared by `data`, `probe` and `search`."""
     g = p.add_argument_group("data")
     if with_dataset:
         g.add_argument("--dataset", metavar="PATH",
-                       help="train on this data: JSONL (text or messages), text file, save_to_disk folder or "
-                            "parquet; lengths and a `batching` dimension come from it (default: random tokens)")
+                       help="train on this data: JSONL (text or messages), CSV, text file, save_to_disk folder or "
+                            "parquet; lengths and a `batching` dimension come from it (default: random tokens)"
+                            + ("; with --resume, where the run's dataset is now if it moved" if resumes else ""))
     g.add_argument("--text-field", default="text", metavar="NAME", help="the JSONL/table text field (default text)")
     g.add_argument("--messages-field", default="messages", metavar="NAME",
                    help="the chat field: a list of {role, content} (default messages)")

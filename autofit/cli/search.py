@@ -219,7 +219,7 @@ def add_parser(sub: Any, fmt: Any) -> None:
                     help="probe processes importing ahead of need, per worker (default: 2 on a GPU, "
                          "1 on the CPU); importing torch+transformers+peft takes 15-20 s on a GPU host")
     add_probe_flags(se, timeout_flag="--probe-timeout")
-    add_data_flags(se)
+    add_data_flags(se, resumes=True)
     se.add_argument("--confirm", type=int, default=CONFIRM,
                     help="fits within 5%% of the best to measure again, in a fresh process, before one is "
                          "called the winner (its tokens/s: the median of the runs); time for one is kept "

@@ -60,13 +60,17 @@ class DatasetRef:
         """This reference, read again (from `path` where the file moved): the same content, else a
         UsageError that says what changed and what to do (a changed file is not a regression)."""
         state, data = self.load(path)
+        if state is RefState.MISSING and path:
+            raise UsageError(f"--dataset: no such file or folder: {path}. Give the file the run was measured on "
+                             f"({self.path}) at its new place.")
         if state is RefState.MISSING:
-            raise UsageError(f"--dataset: the run's dataset {path or self.path} is missing; give its new place "
+            raise UsageError(f"--dataset: the run's dataset {self.path} is missing; give its new place "
                              "with --dataset PATH.")
         if state is RefState.CHANGED or data is None:
-            raise UsageError(f"dataset changed since the run: {path or self.path} no longer has the content "
-                             f"{measured} (hash {self.content_hash[:12]}); {note}restore the file, or search again "
-                             "on the new data.")
+            what = (f"{path} does not have the content" if path and Path(path).expanduser().resolve()
+                    != Path(self.path) else f"{path or self.path} no longer has the content")
+            raise UsageError(f"dataset changed since the run: {what} {measured} (hash {self.content_hash[:12]}, "
+                             f"from {self.path}); {note}give that file, or search again on the new data.")
         return DatasetRef.of(data, self.text_field, self.messages_field) if path else self
 
 
