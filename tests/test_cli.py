@@ -297,6 +297,19 @@ def test_a_repeat_that_did_not_finish_is_shown_as_it_ended(capsys: pytest.Captur
     assert repeat_shown(first, first) is first
 
 
+@pytest.mark.parametrize(("flags", "fields"), [
+    ([], ("text", "messages")),
+    (["--text-field", "body"], ("body", "")),  # alone: a row's default 'messages' chat no longer wins over it
+    (["--text-field", "body", "--messages-field", "conv"], ("body", "conv")),
+    (["--messages-field", "conv"], ("text", "conv")),
+])
+def test_text_field_given_alone_reads_text_only(flags: list[str], fields: tuple[str, str]) -> None:
+    from autofit.cli.common import data_fields
+
+    for cmd in (["data", "d.jsonl"], ["search"], ["probe"]):
+        assert data_fields(build_parser().parse_args([*cmd, "--model", "tiny-llama", *flags])) == fields
+
+
 def test_headroom_takes_a_percentage_as_tolerance_does() -> None:
     parse = build_parser().parse_args
     assert parse(["search", "--model", "tiny-llama", "--headroom", "5%"]).headroom == pytest.approx(0.05)

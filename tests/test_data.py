@@ -99,9 +99,10 @@ def test_a_text_field_named_as_messages_says_to_read_it_as_text(tmp_path: Path) 
     """`--messages-field text` on rows of plain text said each row needs "a non-empty 'text' string",
     which every row had."""
     path = _write(tmp_path, "t.jsonl", '{"text": "one"}\n{"text": "two"}\n')
-    with pytest.raises(UsageError, match=r"every row's 'text' is a string, not a chat.*at its default \('messages'\)\.$"):
+    with pytest.raises(UsageError, match=r"every row's 'text' is a string, not a chat.*give --text-field text "
+                                         r"without --messages-field\.$"):
         load_samples(path, messages_field="text")
-    with pytest.raises(UsageError, match=r"a string, not a chat.*at its default \('messages'\) and give --text-field c\."):
+    with pytest.raises(UsageError, match=r"a string, not a chat.*give --text-field c without --messages-field\."):
         load_samples(_write(tmp_path, "c.jsonl", '{"c": "one"}\n'), messages_field="c")
     mixed = load_samples(_write(tmp_path, "m.jsonl", '{"c": "plain"}\n{"text": "ok"}\n'), messages_field="c")
     assert mixed.bad.by_reason == {"'c' a string, not messages": (1,)} and len(mixed) == 1
@@ -122,6 +123,9 @@ def test_field_renames_and_chat_rendering(tmp_path: Path) -> None:
         PLAIN_CHAT.format(role="assistant", content="yo")
     only_text = load_samples(path, text_field="body")
     assert len(only_text) == 1 and only_text.bad.by_reason == {"missing 'body'": (2,)}
+    both = _write(tmp_path, "b.jsonl", json.dumps({"text": "plain", "messages": [{"role": "user", "content": "hi"}]}))
+    assert load_samples(both).samples[0].is_chat  # a row with both: its chat
+    assert load_samples(both, messages_field="").samples[0].text == "plain"  # --text-field alone: its text
     assert only_text.content_hash != data.content_hash  # the options are part of the identity
 
 

@@ -17,6 +17,7 @@ from ..rundir import PROBE_TIMEOUT_S, ProbeSettings
 __all__ = [
     "EXIT_CODES",
     "add_data_flags",
+    "data_fields",
     "add_probe_flags",
     "add_target_flags",
     "check_shared_flags",
@@ -97,11 +98,23 @@ def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True, resume
                        help="train on this data: JSONL (text or messages), CSV, text file, save_to_disk folder or "
                             "parquet; lengths and a `batching` dimension come from it (default: random tokens)"
                             + ("; with --resume, where the run's dataset is now if it moved" if resumes else ""))
-    g.add_argument("--text-field", default="text", metavar="NAME", help="the JSONL/table text field (default text)")
-    g.add_argument("--messages-field", default="messages", metavar="NAME",
-                   help="the chat field: a list of {role, content} (default messages)")
+    g.add_argument("--text-field", metavar="NAME",
+                   help="the text field of JSONL/CSV/parquet rows (default text); given without --messages-field, "
+                        "only text is read, not chats")
+    g.add_argument("--messages-field", metavar="NAME",
+                   help="the chat field: a list of {role, content} (default messages); a row with both fields "
+                        "is read as its chat")
     g.add_argument("--text-mode", default="auto", choices=("auto", "lines", "paragraphs", "whole"),
                    help="plain text files: one sample per line, per blank-line block, or the whole file")
+
+
+def data_fields(args: argparse.Namespace) -> tuple[str, str]:
+    """(text field, messages field) as given: --text-field alone names the only field read ('' for the
+    messages field: a row holding a default 'messages' chat too is read as its text, as asked)."""
+    text = args.text_field if args.text_field is not None else "text"
+    if args.messages_field is not None:
+        return text, args.messages_field
+    return text, "" if args.text_field is not None else "messages"
 
 
 def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
@@ -109,10 +122,11 @@ def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
     bad rows are reported on stderr with their first line numbers."""
     if not getattr(args, "dataset", None):
         return None
-    data = load_samples(args.dataset, args.text_field, args.messages_field, TextMode(args.text_mode))
+    text_field, messages_field = data_fields(args)
+    data = load_samples(args.dataset, text_field, messages_field, TextMode(args.text_mode))
     if data.bad.count:
         warn(f"--dataset {args.dataset}: {data.bad.summary()}")
-    return DatasetRef.of(data, args.text_field, args.messages_field)
+    return DatasetRef.of(data, text_field, messages_field)
 
 
 def probe_settings(args: argparse.Namespace) -> ProbeSettings:

@@ -11,7 +11,7 @@ from typing import Any
 from ..data import TextMode, summarize
 from ..errors import CannotWrite, UsageError, gather
 from ..models import resolve_model
-from .common import add_data_flags, warn
+from .common import add_data_flags, data_fields, warn
 
 DATA_EPILOG = """\
 Lengths are counted with the model's own tokenizer (a local folder or the hub cache); a shape preset
@@ -45,7 +45,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: {out} is a file; give a folder (created if missing) for lengths.png, "
                          "data.json and the caches.")
     try:
-        summary = summarize(args.path, model, out, args.text_field, args.messages_field, TextMode(args.text_mode),
+        summary = summarize(args.path, model, out, *data_fields(args), TextMode(args.text_mode),
                             lengths, flag="PATH")
     except OSError as e:
         raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {out} "

@@ -30,6 +30,7 @@ from .common import (
     add_data_flags,
     add_probe_flags,
     add_target_flags,
+    data_fields,
     drop_stdout,
     probe_settings,
     warn,
@@ -111,6 +112,7 @@ class Progress:
 
 
 def request(args: argparse.Namespace) -> SearchRequest:
+    text_field, messages_field = data_fields(args)
     return SearchRequest(
         model=args.model, space=args.space, gpu=args.gpu, device=args.device, memory_limit=args.memory_limit,
         gpus=args.gpus, headroom=args.headroom, budget=args.budget, max_length=args.max_length,
@@ -118,7 +120,7 @@ def request(args: argparse.Namespace) -> SearchRequest:
         out=Path(args.out), storage=args.storage, study_name=args.study_name,
         resume=Path(args.resume) if args.resume else None, seed=args.seed, policy=args.policy,
         probe=probe_settings(args),
-        dataset=args.dataset, text_field=args.text_field, messages_field=args.messages_field,
+        dataset=args.dataset, text_field=text_field, messages_field=messages_field,
         text_mode=args.text_mode)
 
 

@@ -136,10 +136,10 @@ def _collect(bad: list[tuple[str, int]]) -> BadRows:
 
 def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_field: str) -> str:
     if set(bad.counts) == {reader.not_messages(messages_field)}:
-        hint = ("To read it as plain text, leave --messages-field at its default ('messages')"
-                + (f" and give --text-field {messages_field}." if text_field != messages_field else "."))
+        hint = f"To read it as plain text, give --text-field {messages_field} without --messages-field."
         return (f"{flag}: {p}: every row's '{messages_field}' is a string, not a chat (a list of "
                 f"{{role, content}}), and --messages-field reads it as a chat. {hint}")
-    return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty "
-            f"'{text_field}' string or a '{messages_field}' list of {{role, content}} strings (ShareGPT's "
-            "{from, value} is read too); name the fields with --text-field / --messages-field.")
+    chats = (f" or a '{messages_field}' list of {{role, content}} strings (ShareGPT's {{from, value}} is read too)"
+             if messages_field else " (--text-field alone: chats are not read)")
+    return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty '{text_field}' string"
+            f"{chats}; name the fields with --text-field / --messages-field.")

@@ -51,8 +51,9 @@ def read_samples(path):
         source = read_dataset(path, TEXT_FIELD, MESSAGES_FIELD, TEXT_MODE)
     except NoUsableRows as e:
         reasons = sorted({reason for reason, _ in e.bad})
+        chats = f" or {MESSAGES_FIELD!r} chats" if MESSAGES_FIELD else ""
         fail(f"--dataset: {e} ({len(e.bad)} rows skipped: {'; '.join(reasons)}); the search read "
-             f"{TEXT_FIELD!r} text or {MESSAGES_FIELD!r} chats")
+             f"{TEXT_FIELD!r} text{chats}")
     except DatasetError as e:
         fail(f"--dataset: {e}")
     if source.bad:
@@ -222,8 +223,9 @@ TEXT_MODE_WORDS = {"lines": "one sample a line", "paragraphs": "one sample a bla
 def dataset_fields(dataset: dict[str, object]) -> str:
     """What the recipe reads as samples, in the run's own field names and text mode."""
     mode = TEXT_MODE_WORDS.get(str(dataset.get("text_mode", "auto")), TEXT_MODE_WORDS["auto"])
-    return (f"rows with '{dataset.get('text_field', 'text')}' text or '{dataset.get('messages_field', 'messages')}' "
-            f"chats (JSONL, CSV, parquet, a save_to_disk folder), or plain text ({mode})")
+    chats = dataset.get("messages_field", "messages")
+    rows = f"'{dataset.get('text_field', 'text')}' text" + (f" or '{chats}' chats" if chats else "")
+    return f"rows with {rows} (JSONL, CSV, parquet, a save_to_disk folder), or plain text ({mode})"
 
 
 def data_header(header: str, batching: str, dataset: dict[str, object]) -> str:
