@@ -329,7 +329,12 @@ def parse_sets(pairs: list[str]) -> dict[str, str]:
         raise UsageError(
             [f"--set: {p!r} is not KEY=VALUE; for example --set micro_batch_size=2" for p in bad]
         )
+    twice = []
     for p in pairs:
         k, v = p.split("=", 1)
+        if k.strip() in out and out[k.strip()] != v:
+            twice.append(f"--set: {k.strip()} is given twice ({out[k.strip()]} and {v}); give it once.")
         out[k.strip()] = v
+    if twice:
+        raise UsageError(twice)
     return out

@@ -75,6 +75,8 @@ FAULTS = [
           "has a config.json but no weights"),
     Fault("space-duplicate-key", "a space file listing one dimension twice (the first list was dropped silently)",
           "autofit search --space dup.yaml", 2, "'gradient_checkpointing' is given twice in one mapping"),
+    Fault("set-key-twice", "one --set key given twice with different values (the last one won silently)",
+          "autofit probe --set max_length=64 --set max_length=32", 2, "--set: max_length is given twice (64 and 32)"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -138,6 +140,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         (tmp / "noweights").mkdir() or tmp / "noweights" / "config.json", json.dumps(PRESETS["tiny-llama"]).encode()).parent)],
     "space-duplicate-key": lambda tmp: [*SEARCH, "--space", str(_write(tmp / "dup.yaml", b"dimensions:\n  "
                                         b"gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n"))],
+    "set-key-twice": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--set", "max_length=64",
+                                  "--set", "max_length=32"],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
