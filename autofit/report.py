@@ -47,7 +47,8 @@ def config_brief(cfg: dict[str, Any]) -> str:
 
 def probe_summary(res: ProbeResult) -> str:
     """A few lines for a person: outcome, speed, memory, where the log is."""
-    lines = [f"outcome      {res.outcome.value}" + (f"  ({res.reason})" if res.reason else ""),
+    reason = (res.reason or "").removeprefix("autofit: unsupported: ")  # the outcome says it already
+    lines = [f"outcome      {res.outcome.value}" + (f"  ({reason})" if reason else ""),
              f"config       {config_brief(res.config)}",
              f"device       {res.device}"]
     if res.tokens_per_s is not None:
@@ -77,7 +78,7 @@ def probe_summary(res: ProbeResult) -> str:
     if res.wall_seconds is not None:
         train = f" (training {res.train_seconds:.1f} s)" if res.train_seconds else ""
         lines.append(f"wall time    {res.wall_seconds:.1f} s{train}")
-    if res.error_tail and not res.outcome.is_fit():
+    if res.error_tail and not res.outcome.is_fit() and res.outcome is not Outcome.UNSUPPORTED:  # its reason is whole
         tail = res.error_tail.strip().splitlines()[-3:]
         lines.append("error tail   " + "\n             ".join(tail))
     lines.append(f"log          {res.log_path}")

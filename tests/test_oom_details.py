@@ -206,3 +206,15 @@ def test_a_capped_child_s_oom_fills_the_parent_s_result(tmp_path: Path) -> None:
     assert res.peak_lower_bound() == _size(22.70, GiB) + 2 * GiB
     assert oom_brief(res) == ("out of memory: asked 2 GiB with 22.7 GiB in use; 1.1 GiB reserved but "
                               "unallocated; short by >= 768 MiB")
+
+
+def test_an_unsupported_probe_reads_as_its_reason_alone() -> None:
+    """An expected outcome showed autofit's own traceback frames and the reason twice, prefixed twice."""
+    why = "fp16 mixed precision needs a GPU (Trainer refuses it on the CPU)"
+    tail = ('  File "autofit/probe/measure.py", line 104, in prepare_device\n'
+            f"autofit.probe.errors.Unsupported: autofit: unsupported: {why}\n")
+    text = probe_summary(ProbeResult(Outcome.UNSUPPORTED, {}, reason=f"autofit: unsupported: {why}",
+                                     error_tail=tail))
+    assert f"outcome      unsupported  ({why})" in text and "error tail" not in text and "measure.py" not in text
+    crash = probe_summary(ProbeResult(Outcome.CRASH, {}, reason="boom", error_tail="Traceback\nValueError: boom"))
+    assert "error tail" in crash  # a crash keeps its tail
