@@ -491,6 +491,27 @@ def curve_diff(mine: dict[str, Any], ref: dict[str, Any]) -> float | None:
     return max(rel) if rel else None
 
 
+def resumed_copy(run_dir: Path, budget: str) -> tuple[Path, dict[str, Any]]:
+    """A copy of the run (the committed one stays as it was) resumed for `budget` through the CLI, and what
+    the resume did: its stop reason, the best's measurements before and after."""
+    import shutil
+
+    before = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
+    copy = Path(tempfile.mkdtemp(prefix="kernels-resumed-")) / run_dir.name
+    shutil.copytree(run_dir, copy)
+    t0 = time.monotonic()
+    proc = autofit_cli("search", "--resume", str(copy), "--budget", budget, "--json", timeout=3600)
+    after = ProbeResult.from_dict(json.loads((copy / "best.json").read_text()))
+    print(f"resumed {run_dir.name} for {budget}: rc {proc.returncode}, best {after.tokens_per_s:,.0f} tokens/s "
+          f"from {len(after.measurements)} runs {after.measurements}", flush=True)
+    return copy, {"budget": budget, "rc": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1),
+                  "stderr_tail": proc.stderr[-2000:],
+                  "best_before": {"config": config_of(before), "tokens_per_s": before.tokens_per_s,
+                                  "measurements": before.measurements},
+                  "best_after": {"config": config_of(after), "tokens_per_s": after.tokens_per_s,
+                                 "measurements": after.measurements}}
+
+
 def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
                     gpus: tuple[int | None, int | None] = (None, None),
                     keep: Callable[[dict[str, Any]], None] = lambda part: None) -> dict[str, Any]:
@@ -671,6 +692,9 @@ def main() -> None:
                     help=f"with the export: more recipes for the loss curve, comma-separated of "
                          f"{', '.join(CURVE_VARIANTS)} (eager: the floor two correct stock kernels reach)")
     ap.add_argument("--export-run", help="a kernel search's run folder (from --keep): only its export fidelity")
+    ap.add_argument("--resume-first", metavar="DURATION",
+                    help="with --export-run: resume a copy of the run for this long first (`autofit search --resume`), "
+                         "so a best measured once is measured again and its figure is a median; then the export")
     ap.add_argument("--warm-steps", type=int, default=0,
                     help="with the export: start the loss curves from the preset trained this many steps by the "
                          "stock recipe (a settled loss, as fine-tuning a trained model), not from random weights")
@@ -693,8 +717,11 @@ def main() -> None:
     name = a.name or f"kernels-{a.mode}" + ("-small-cpu" if a.small else "")
     if a.export_run:
         run_dir = Path(a.export_run)
+        head: dict[str, Any] = {"export_of": run_dir.name}
+        if a.resume_first:
+            run_dir, head["resumed"] = resumed_copy(run_dir, a.resume_first)
         best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
-        head = {"export_of": run_dir.name, "winner": config_of(best)}
+        head["winner"] = config_of(best)
         export = export_fidelity(setup, run_dir, best,
                                  keep=lambda part: save(name, {**head, "export": part, "complete": False}))
         save(name, {**head, "export": export, "complete": True})
