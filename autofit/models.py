@@ -151,8 +151,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".g
 """Files that hold a saved model's weights (shards and their index files included)."""
 
 
-def resolve_model(text: str, flag: str = "--model") -> ModelSource:
-    """Turn what the user typed into a ModelSource, or raise a UsageError that says what to do."""
+def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> ModelSource:
+    """Turn what the user typed into a ModelSource, or raise a UsageError that says what to do.
+    `weights`: a local folder must hold them (training does; `autofit data` needs only the tokenizer)."""
     if text in PRESETS:
         return ModelSource("preset", text, dict(PRESETS[text]))
     path = Path(text).expanduser()
@@ -164,7 +165,7 @@ def resolve_model(text: str, flag: str = "--model") -> ModelSource:
                 "save_pretrained, a config.json, a hub id, or a preset "
                 f"({', '.join(PRESETS)})."
             )
-        if not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
+        if weights and not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
             raise UsageError(
                 f"{flag}: folder {text} has a config.json but no weights (no .safetensors or .bin file); give "
                 f"{cfg} to measure the architecture with random weights (the same memory and speed), or the "

@@ -190,6 +190,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, f"a key that is a list or a mapping "
+                                                        f"({key!r})", key_node.start_mark) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"{key!r} is given twice in one mapping; keep one", key_node.start_mark)

@@ -156,7 +156,7 @@ def test_what_real_files_hold_is_read_as_rows_and_samples(tmp_path: Path) -> Non
     assert unnamed.kind is SourceKind.JSONL and [s.text for s in unnamed.samples] == ["x y", "z"]
     table = load_samples(_write(tmp_path, "d.csv", 'id,text\n1,"hello, world"\n2,\n3,bye\n'))
     assert table.kind is SourceKind.CSV and [s.text for s in table.samples] == ["hello, world", "bye"]
-    assert table.bad.by_reason == {"empty 'text'": (3,)}
+    assert table.bad.by_reason == {"missing 'text'": (3,)}  # an empty cell is no value
     share = load_samples(_write(tmp_path, "g.jsonl", json.dumps({"conversations": [
         {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) + "\n"), messages_field="conversations")
     assert share.samples[0].messages == (Message("user", "hi"), Message("assistant", "yo"))
@@ -180,8 +180,8 @@ def test_files_that_are_not_rows_say_what_they_are(tmp_path: Path, name: str, co
         load_samples(_write(tmp_path, name, content))
 
 
-def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path: Path) -> None:
-    """A template that raises (roles must alternate) was a jinja2 traceback that ended the search."""
+def _rejecting_tokenizer(tmp_path: Path):
+    """A tokenizer folder whose chat template raises when roles do not alternate, loaded as autofit does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -194,14 +194,66 @@ def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path
                          "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
                          "{{ m['content'] }}{% endfor %}")
     tok.save_pretrained(tmp_path / "tok")
+    return model_tokenizer(str(tmp_path / "tok"))
+
+
+def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path: Path) -> None:
+    """A template that raises (roles must alternate) was a jinja2 traceback that ended the search."""
+    text = _rejecting_tokenizer(tmp_path)
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
     data = load_samples(_write(tmp_path, "c.jsonl", "\n".join(json.dumps(r) for r in (good, bad, good, bad))))
-    text = model_tokenizer(str(tmp_path / "tok"))
     with pytest.raises(UsageError, match=r"chat template rejects 2 of 4 chats \(line 2, 4\): Conversation roles "
                                          r"must alternate.*Fix or remove those rows"):
         text.encode(data.samples)
     assert len(text.encode(data.samples[::2])) == 2
+
+
+def test_the_content_hash_of_an_unchanged_file_is_the_one_stored_runs_hold(tmp_path: Path) -> None:
+    """Stored runs compare it: sha256 of the file's bytes (a byte-order mark and CRLF included), then of
+    that digest with the source kind and fields. A new reader must not change it for the same file."""
+    import hashlib
+
+    for name, content, options in (("a.jsonl", b'{"text": "one"}\n{"text": "two"}\n', "jsonl|text|messages"),
+                                   ("b.jsonl", b'\xef\xbb\xbf{"text": "one"}\r\n', "jsonl|text|messages"),
+                                   ("c.txt", b"line one\nline two\n", "text|text|messages|lines")):
+        digest = hashlib.sha256(content).hexdigest()
+        want = hashlib.sha256(f"{digest}|{options}".encode()).hexdigest()
+        assert load_samples(_write(tmp_path, name, content)).content_hash == want, name
+
+
+def test_what_the_reader_review_found(tmp_path: Path) -> None:
+    """pandas' unnamed index column with --text-field alone; an empty chat cell; a long CSV cell; a
+    ShareGPT 'from' that is not a string; classic-Mac line ends; a JSON array under a .txt name;
+    paragraphs split by several blank lines holding spaces."""
+    pandas_csv = _write(tmp_path, "pd.csv", ",text\n0,hello world\n1,more text\n")
+    assert [s.text for s in load_samples(pandas_csv, messages_field="").samples] == ["hello world", "more text"]
+    empty_chat = _write(tmp_path, "e.csv", "text,messages\nhello,\n")
+    assert [s.text for s in load_samples(empty_chat).samples] == ["hello"]
+    long = "x" * 200_000
+    assert load_samples(_write(tmp_path, "l.csv", f"text\n{long}\n")).samples[0].text == long
+    odd = _write(tmp_path, "o.jsonl", json.dumps({"c": [{"from": ["human"], "value": "hi"}]}) + "\n"
+                 + json.dumps({"c": [{"from": "human", "value": "hi"}]}) + "\n")
+    got = load_samples(odd, messages_field="c")
+    assert len(got) == 1 and got.bad.by_reason == {"malformed 'c'": (1,)}
+    mac = load_samples(_write(tmp_path, "m.jsonl", b'{"text": "a"}\r{"text": "b"}\r'))
+    assert [s.text for s in mac.samples] == ["a", "b"]
+    array = load_samples(_write(tmp_path, "a.txt", json.dumps([{"text": "p"}, {"text": "q"}], indent=1)))
+    assert array.kind is SourceKind.JSONL and [s.text for s in array.samples] == ["p", "q"]
+    paras = load_samples(_write(tmp_path, "p.txt", "a\nb\n \n\t\nc\nd\n\ne\nf"), text_mode=TextMode.PARAGRAPHS)
+    assert [s.text for s in paras.samples] == ["a\nb", "c\nd", "e\nf"]
+
+
+def test_template_rejections_are_counted_over_every_chunk(tmp_path: Path) -> None:
+    from autofit.data.lengths import length_table
+
+    tok = _rejecting_tokenizer(tmp_path)
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    rows = [bad if i % 500 == 7 else good for i in range(1100)]  # lines 8, 508 and 1008: chunks 1 and 2
+    data = load_samples(_write(tmp_path, "c.jsonl", "\n".join(json.dumps(r) for r in rows)))
+    with pytest.raises(UsageError, match=r"rejects 3 of 1100 chats \(line 8, 508, 1008\)"):
+        length_table(data, tok)
 
 
 def test_save_to_disk_and_parquet_folders(tmp_path: Path) -> None:

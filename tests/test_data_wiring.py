@@ -395,6 +395,10 @@ def test_the_yaml_trainers_read_chats_as_chats_and_text_as_text(tmp_path: Path) 
                                   "axolotl").text)
     assert g["datasets"][0]["field_messages"] == "conversations"
     assert g["datasets"][0]["message_property_mappings"] == {"role": "from", "content": "value"}
+    tags = json.loads(export_run(tmp_path / "g" / "run-pad_longest", "llama-factory").text.split(
+        '"my_dataset": ', 1)[1].splitlines()[0])["tags"]  # LLaMA-Factory's tags: the role names the data uses
+    assert (tags["role_tag"], tags["user_tag"], tags["assistant_tag"]) == ("from", "human", "gpt")
+    assert (entry["tags"]["user_tag"], entry["tags"]["assistant_tag"]) == ("user", "assistant")
 
 
 @pytest.mark.slow

@@ -239,3 +239,16 @@ def _finished(study_db: Path) -> list[tuple[int, str]]:
         return []
     return [(t.number, json.dumps(t.user_attrs.get("result"), sort_keys=True))
             for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.user_attrs.get("result")]
+
+
+def test_data_reads_a_tokenizer_folder_without_weights(tmp_path: Path) -> None:
+    """The weights check is for training: `autofit data` needs only the tokenizer (and the config)."""
+    from autofit.errors import UsageError
+    from autofit.models import resolve_model
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
+    assert resolve_model(str(folder), weights=False).kind == "local"
+    with pytest.raises(UsageError, match="has a config.json but no weights"):
+        resolve_model(str(folder))

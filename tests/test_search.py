@@ -408,6 +408,17 @@ def test_a_malformed_space_lists_every_problem_at_once(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "frobnicate" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_space_key_given_twice_or_unhashable_is_a_usage_error(tmp_path: Path) -> None:
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("dimensions:\n  gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n")
+    with pytest.raises(UsageError, match=r"'gradient_checkpointing' is given twice in one mapping.*line 3"):
+        load_space(twice)
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("dimensions:\n  ? [a, b]\n  : 1\n")  # a TypeError from the duplicate check, before
+    with pytest.raises(UsageError, match=r"a key that is a list or a mapping"):
+        load_space(odd)
+
+
 # ----------------------------------------------------------------------------- the memory model
 
 

@@ -39,7 +39,7 @@ def default_out(path: str) -> Path:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    model, lengths = gather(lambda: resolve_model(args.model), lambda: _lengths(args.max_length))
+    model, lengths = gather(lambda: resolve_model(args.model, weights=False), lambda: _lengths(args.max_length))
     out = Path(args.out) if args.out else default_out(args.path)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {out} is a file; give a folder (created if missing) for lengths.png, "

@@ -29,7 +29,7 @@ CSV_SUFFIXES = (".csv", ".tsv")
 TEXT_MODES = ("auto", "lines", "paragraphs", "whole")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "tool": "tool"}
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t]*\n)+")
 _SNIFF_BYTES = 8192
 _SNIFF_LINES = 5
 
@@ -51,11 +51,13 @@ class DatasetSource:
     "text" or "messages", and the row's "line" where it came from a row), the skipped rows as
     (reason, line) pairs, and a digest of what was read."""
 
-    def __init__(self, kind, mode, samples, bad, digest, chat_keys=None):
+    def __init__(self, kind, mode, samples, bad, digest, chat_keys=None, roles=()):
         self.kind, self.mode, self.samples, self.bad, self.digest = kind, mode, samples, bad, digest
         self.chat_keys = chat_keys
         """The keys of a message in the source's first chat, ("role", "content") or ShareGPT's
         ("from", "value"); None where no row is a chat."""
+        self.roles = roles
+        """The role names the chats use, as written (ShareGPT's human/gpt before they are mapped)."""
 
     @property
     def chats(self):
@@ -73,20 +75,20 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
         digest, rows = arrow_rows(path, kind)
         mode = None
     else:
-        raw = decode(path)
-        digest = hashlib.sha256(raw.encode()).hexdigest()
-        raw = raw.replace("\r\n", "\n")
-        if kind == "text" and looks_like_jsonl(raw):
+        data, raw = decode(path)
+        digest = hashlib.sha256(data).hexdigest()  # of the bytes: a byte-order mark or CRLF changes it
+        text = raw.replace("\r\n", "\n").replace("\r", "\n")  # JSON escapes a CR inside a string
+        if kind == "text" and looks_like_rows(text):
             kind = "jsonl"
         if kind == "text":
-            mode = pick_mode(raw, text_mode)
-            samples = [{"text": t} for t in split_text(raw, mode)]
+            mode = pick_mode(text, text_mode)
+            samples = [{"text": t} for t in split_text(raw if mode == "whole" else text, mode)]
             if not samples:
                 raise DatasetError(f"{path} has no text (only blank lines). Give a file with one sample per line.")
             return DatasetSource(kind, mode, samples, [], digest)
-        rows = csv_rows(raw, path) if kind == "csv" else json_rows(raw, path)
+        rows = csv_rows(text, path) if kind == "csv" else json_rows(text, path)
         mode = None
-    samples, bad, chat_keys = [], [], None
+    samples, bad, chat_keys, roles = [], [], None, set()
     for n, row in rows:
         sample, reason = row_sample(row, text_field, messages_field)
         if sample is None:
@@ -94,11 +96,13 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
             continue
         sample["line"] = n
         samples.append(sample)
-        if chat_keys is None and "messages" in sample:
-            chat_keys = ("role", "content") if "role" in row[messages_field][0] else ("from", "value")
+        if "messages" in sample:
+            first = row[messages_field][0]
+            chat_keys = chat_keys or (("role", "content") if "role" in first else ("from", "value"))
+            roles.update(m.get(chat_keys[0]) for m in row[messages_field])
     if not samples:
         raise NoUsableRows(f"{path} has no usable row", bad)
-    return DatasetSource(kind, mode, samples, bad, digest, chat_keys)
+    return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
 
 
 def source_kind(path):
@@ -118,7 +122,8 @@ def source_kind(path):
 
 
 def decode(path):
-    """The file's text (UTF-8, a byte-order mark dropped), or a DatasetError saying what the bytes are."""
+    """(the file's bytes, its text: UTF-8 with a byte-order mark dropped), or a DatasetError saying what the
+    bytes are."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -140,12 +145,19 @@ def decode(path):
     except UnicodeDecodeError as e:
         raise DatasetError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded). Convert it to "
                            "UTF-8, or give a parquet file or a save_to_disk folder.") from None
-    return text
+    return data, text
 
 
-def looks_like_jsonl(raw):
-    """The first non-blank lines (up to five) are all JSON objects."""
-    lines = [x for x in raw.split("\n", 50) if x.strip()][:_SNIFF_LINES]
+def looks_like_rows(text):
+    """JSON rows under a name that does not say so: the first non-blank lines (up to five) are all JSON
+    objects, or the whole file is one JSON array of objects."""
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return False
+        return isinstance(items, list) and bool(items) and isinstance(items[0], dict)
+    lines = [x for x in text.split("\n", 50) if x.strip()][:_SNIFF_LINES]
     try:
         return bool(lines) and all(isinstance(json.loads(x), dict) for x in lines)
     except ValueError:
@@ -167,7 +179,7 @@ def split_text(raw, mode):
         return [raw] if raw.strip() else []
     if mode == "paragraphs":
         return [b.strip("\n") for b in _PARAGRAPH_BREAK.split(raw) if b.strip()]
-    return [line for line in raw.split("\n") if line.strip()]
+    return [line for line in raw.splitlines() if line.strip()]  # as str.splitlines breaks lines (form feed too)
 
 
 class NotJson:
@@ -215,13 +227,20 @@ def _parses(line):
 
 
 def csv_rows(raw, path):
-    """(line, row) pairs of a CSV (a TSV for .tsv) whose first line names the columns."""
-    dialect = "excel-tab" if path.lower().endswith(".tsv") else "excel"
-    reader = csv.DictReader(io.StringIO(raw), dialect=dialect)
+    """(first line, row) pairs of a CSV (a TSV for .tsv: tabs, no quoting) whose first line names the
+    columns; an empty cell is no value."""
+    tsv = path.lower().endswith(".tsv")
+    csv.field_size_limit(2**31 - 1)  # a long document in one cell (the default stops at 128 KiB)
+    reader = csv.DictReader(io.StringIO(raw), dialect="excel-tab" if tsv else "excel",
+                            quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
+    rows, start = [], 2
     try:
-        return [(reader.line_num, row) for row in reader]
+        for row in reader:
+            rows.append((start, {k: v for k, v in row.items() if k is not None and v not in ("", None)}))
+            start = reader.line_num + 1
     except csv.Error as e:
         raise DatasetError(f"{path} is not valid CSV (line {reader.line_num}: {e}).") from None
+    return rows
 
 
 def arrow_rows(path, kind):
@@ -234,17 +253,17 @@ def arrow_rows(path, kind):
     if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(os.path.join(path, "train")):
         path = os.path.join(path, "train")  # a DatasetDict saved with save_to_disk: its train split only
     suffix = ".arrow" if kind == "arrow" else ".parquet"
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix)) \
-        if os.path.isdir(path) else [path]
+    files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix)),
+                   key=lambda f: f.split(os.sep)) if os.path.isdir(path) else [path]
     if not files:
         raise DatasetError(f"folder {path} has no .arrow or .parquet files; give a folder saved with "
                            "datasets.save_to_disk, parquet files, or a .jsonl file.")
     digest = hashlib.sha256()
     tables = []
     for f in files:
-        with open(f, "rb") as fh:
-            digest.update(fh.read())
         try:
+            with open(f, "rb") as fh:
+                digest.update(fh.read())
             tables.append(ipc.open_stream(f).read_all() if kind == "arrow" else pq.read_table(f))
         except (OSError, ValueError) as e:  # pyarrow: ArrowIOError is an OSError, ArrowInvalid a ValueError
             raise DatasetError(f"cannot read {f} as {kind} ({e}).") from None
@@ -257,7 +276,7 @@ def row_sample(row, text_field, messages_field):
         return None, "not JSON"
     if not isinstance(row, dict):
         return None, "not a JSON object"
-    value = row.get(messages_field)
+    value = row.get(messages_field) if messages_field else None  # '': text only (--text-field alone)
     if value is not None:
         if isinstance(value, str):
             return None, not_messages(messages_field)
@@ -292,7 +311,7 @@ def chat(value):
     for m in value:
         if not isinstance(m, dict):
             return None
-        if "role" not in m and "from" in m:
+        if "role" not in m and isinstance(m.get("from"), str):
             m = {"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return None

@@ -47,7 +47,7 @@ class DatasetRef:
 
     def load(self, path: str | None = None) -> tuple[RefState, SampleSet | None]:
         """Read the data again (from `path` if the file moved) and say whether it is the same."""
-        where = path or self.path
+        where = str(Path(path).expanduser()) if path else self.path
         if not Path(where).exists():
             return RefState.MISSING, None
         try:

@@ -45,7 +45,7 @@ class TextTokenizer:
         return render_plain_chat(sample)
 
     def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
-        """Token ids of each sample; a UsageError where the chat template rejects any (every one counted)."""
+        """Token ids of each sample; RejectedChats where the chat template rejects any (every one counted)."""
         texts, rejected = [], []
         for s in samples:
             try:
@@ -53,8 +53,19 @@ class TextTokenizer:
             except Exception as e:  # noqa: BLE001  a template's raise_exception (jinja2's TemplateError) or its own bug
                 rejected.append((s, e))
         if rejected:
-            raise UsageError(rejected_chats(rejected, len(samples)))
+            raise RejectedChats(rejected, len(samples))
         return self.encode_batch(texts)
+
+
+class RejectedChats(UsageError):
+    """Chats the model's template rejects: the samples, why, and of how many (exit 2)."""
+
+    def __init__(self, rejected: list[tuple[Sample, Exception]], total: int) -> None:
+        self.rejected, self.total = rejected, total
+        super().__init__(rejected_chats(rejected, total))
+
+    def joined(self, other: RejectedChats) -> RejectedChats:
+        return RejectedChats(self.rejected + other.rejected, self.total + other.total)
 
 
 def rejected_chats(rejected: list[tuple[Sample, Exception]], total: int) -> str:

@@ -233,6 +233,8 @@ class DataForm:
     role: str = "role"
     content: str = "content"
     note: str = ""
+    roles: tuple[str, ...] = ()
+    """The role names the chats use, as written (human/gpt in ShareGPT data)."""
 
 
 def data_form(dataset: dict[str, Any]) -> DataForm:
@@ -252,7 +254,7 @@ def data_form(dataset: dict[str, Any]) -> DataForm:
         f"the dataset mixes {source.chats} chats with {len(source.samples) - source.chats} text rows: written "
         "as chats; its text rows are not read by this trainer")
     role, content = source.chat_keys or ("role", "content")
-    return DataForm(True, role, content, note)
+    return DataForm(True, role, content, note, source.roles)
 
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:

@@ -52,13 +52,14 @@ def read_samples(path):
     except NoUsableRows as e:
         reasons = sorted({reason for reason, _ in e.bad})
         chats = f" or {MESSAGES_FIELD!r} chats" if MESSAGES_FIELD else ""
-        fail(f"--dataset: {e} ({len(e.bad)} rows skipped: {'; '.join(reasons)}); the search read "
+        fail(f"--dataset: {e} ({len(e.bad)} {'row' if len(e.bad) == 1 else 'rows'} skipped: {'; '.join(reasons)}); the search read "
              f"{TEXT_FIELD!r} text{chats}")
     except DatasetError as e:
         fail(f"--dataset: {e}")
     if source.bad:
         reason, line = source.bad[0]
-        print(f"note: {len(source.bad)} rows of {path} skipped, as in the search (the first: line {line}, "
+        rows = "row" if len(source.bad) == 1 else "rows"
+        print(f"note: {len(source.bad)} {rows} of {path} skipped, as in the search (the first: line {line}, "
               f"{reason})", file=sys.stderr)
     return source.samples
 

@@ -58,7 +58,9 @@ def render(r: ExportRun) -> Rendered:
             entry = {"file_name": r.dataset["path"], "formatting": "sharegpt",
                      "columns": {"messages": r.dataset.get("messages_field", "messages")},
                      "tags": {"role_tag": form.role, "content_tag": form.content,
-                              **({"user_tag": "user", "assistant_tag": "assistant"} if form.role == "role" else {})}}
+                              "user_tag": "human" if "human" in form.roles else "user",
+                              "assistant_tag": "gpt" if "gpt" in form.roles else "assistant",
+                              "system_tag": "system"}}
             lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` to "
                         "your model's LLaMA-Factory template name (empty adds no role markers)")
         else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
