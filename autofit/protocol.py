@@ -63,8 +63,8 @@ def usable_bytes(limit: int | None, headroom: float = HEADROOM) -> int | None:
 @dataclass(frozen=True)
 class Checks:
     """Which correctness checks a probe runs (where they apply). The search skips a check whose key
-    already passed in its study (knowledge.py); a probe without a study, and every `regress` run,
-    runs them all: a nightly run must catch a kernel or a strategy that broke."""
+    already passed in its study (knowledge.py); a probe without a study, and the first `regress` run of
+    each config, runs them all: a nightly run must catch a kernel or a strategy that broke."""
 
     gate: bool = True
     """The kernels' correctness gate (`kernels.needs_gate` configs)."""

@@ -534,3 +534,17 @@ def test_the_version_diff_says_none_where_a_machine_has_no_gpu_stack() -> None:
             regress.version_diff({"packages": {"torch": "2.13.0"}}, {"driver": "580.1", "packages": {"torch": "2.13.0"}})}
     assert rows["driver"] == ("none", "580.1", True) and rows["CUDA (driver)"] == ("none", "none", False)
     assert rows["GPU"] == ("none", "none", False) and rows["torch"] == ("2.13.0", "2.13.0", False)
+
+
+def test_a_run_that_ran_the_checks_does_not_set_the_peak_when_others_did_not() -> None:
+    """On the CPU the batching check's freed memory stays resident (measured 128 MiB against 103 for the same
+    config): regress, which runs the checks in its first run, called an unchanged dataset run heavier."""
+    from autofit.regress import combine
+    from autofit.result import Outcome, ProbeResult
+
+    cfg = BASE.config.to_dict()
+    checked = ProbeResult(Outcome.FIT, cfg, tokens_per_s=1000.0, peak_memory_bytes=128 * MIB,
+                          extra={"boundaries": {"ok": True}})
+    plain = [ProbeResult(Outcome.FIT, cfg, tokens_per_s=990.0, peak_memory_bytes=p * MIB) for p in (103, 104)]
+    assert combine([checked, *plain]).peak_bytes == 104 * MIB
+    assert combine([checked]).peak_bytes == 128 * MIB  # one run only: what there is

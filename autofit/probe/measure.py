@@ -23,7 +23,14 @@ from . import hostclock
 from .batches import RealBatches, boundary_verdict, check_boundaries, mismatch, real_batches
 from .build import RandomTokens, build_model, decoder_layers, expected_checkpointed, weights_path
 from .errors import Unsupported
-from .gate import check_architecture, check_support, kernel_figures, mismatch_result, run_gate
+from .gate import (
+    check_architecture,
+    check_support,
+    forget_check_peaks,
+    kernel_figures,
+    mismatch_result,
+    run_gate,
+)
 from .judge import judge_limit, noisy_reason
 from .quiet import CONTROLS, enabled, freeze_built_objects, pin_to_gpu
 from .sampler import Memory
@@ -68,6 +75,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
         check = check_boundaries(model, batches, req.config.precision)
         if not check.ok:
             return mismatch(req, check)
+        forget_check_peaks(req, state)
     state.stage = "setup"
     trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
