@@ -231,7 +231,8 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
         best_doc = {**best.to_dict(), "run_id": spec["run_id"], "model": spec["model"]["ref"],
                     "target": target, "learning_changes": learning_changes(best.config),
                     "runners_up": [r.to_dict() for r in ranked[1:6]]}
-        (run_dir / "best.json").write_text(json.dumps(best_doc, indent=1) + "\n")
+        if not rebaselined(run_dir / "best.json", best.config):
+            (run_dir / "best.json").write_text(json.dumps(best_doc, indent=1) + "\n")
     else:
         (run_dir / "best.json").unlink(missing_ok=True)
     where = _describe_target(target)
@@ -253,6 +254,16 @@ def _describe_target(t: dict[str, Any]) -> str:
         gpus = ",".join(map(str, t.get("gpu_indices") or [t.get("gpu_index")]))
         return f"{lim}{t['ranks']}x {t.get('gpu_name') or 'GPU'} per probe (GPUs {gpus}; memory per rank)"
     return f"{lim}{t.get('gpu_name') or 'GPU'} (GPU {t.get('gpu_index')})"
+
+
+def rebaselined(path: Path, config: dict[str, Any]) -> bool:
+    """best.json holds figures `regress --update-baseline` accepted for this same winner: rebuilding it from
+    the study would put the old baseline back (the accepted one is then only in the history)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and bool(doc.get("baseline_updated")) and doc.get("config") == config
 
 
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],

@@ -548,3 +548,16 @@ def test_a_run_that_ran_the_checks_does_not_set_the_peak_when_others_did_not() -
     plain = [ProbeResult(Outcome.FIT, cfg, tokens_per_s=990.0, peak_memory_bytes=p * MIB) for p in (103, 104)]
     assert combine([checked, *plain]).peak_bytes == 104 * MIB
     assert combine([checked]).peak_bytes == 128 * MIB  # one run only: what there is
+
+
+def test_report_keeps_a_baseline_regress_updated(tmp_path: Path) -> None:
+    """`autofit report` rebuilt best.json from the study and put the old baseline back silently."""
+    from autofit.report import rebaselined
+
+    p = regress.plan(write_run(tmp_path / "run"), top=1)
+    checks = [regress.settle(p.configs[0], [fit(2000, 90 * MIB)] * 3, TOL10)]
+    regress.update_baseline(p, checks, {"packages": {}})
+    cfg = p.configs[0].config.to_dict()
+    assert rebaselined(p.best.path, cfg)
+    assert not rebaselined(p.best.path, {**cfg, "micro_batch_size": 2})  # a new winner since: rebuilt
+    assert not rebaselined(write_run(tmp_path / "plain") / "best.json", cfg)  # never re-baselined: rebuilt
