@@ -282,6 +282,30 @@ def _check_file_storage(url: str, flag: str) -> None:
     folder = Path(path).expanduser().parent
     if not folder.is_dir():
         raise UsageError(f"{flag}: the folder {folder} of {url} does not exist; create it or give another path.")
+    if url.endswith(".journal") and not url.startswith("sqlite") and not _journal_or_new(Path(path).expanduser()):
+        raise UsageError(f"{flag}: {path} exists and is not an Optuna journal (its first line is not a journal "
+                         "record); give a new .journal path, or the journal file of a study.")
+
+
+def _journal_or_new(path: Path) -> bool:
+    """The file is missing, empty, or starts as an Optuna journal does (a JSON object with an op_code): a
+    journal storage appends to any file it is given, so a user's file would be written into."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16).strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # unreadable: the storage's own error says so
+    if not first:
+        return True
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "op_code" in record
 
 
 # --------------------------------------------------------------------------- doing

@@ -77,6 +77,9 @@ FAULTS = [
           "autofit search --space dup.yaml", 2, "'gradient_checkpointing' is given twice in one mapping"),
     Fault("set-key-twice", "one --set key given twice with different values (the last one won silently)",
           "autofit probe --set max_length=64 --set max_length=32", 2, "--set: max_length is given twice (64 and 32)"),
+    Fault("storage-not-a-journal", "--storage naming a file that is not an Optuna journal (a JSONDecodeError "
+          "traceback, and a record appended to the user's file)", "autofit search --storage notes.journal", 2,
+          "exists and is not an Optuna journal"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -142,6 +145,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                         b"gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n"))],
     "set-key-twice": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--set", "max_length=64",
                                   "--set", "max_length=32"],
+    "storage-not-a-journal": lambda tmp: [*SEARCH, "--storage", str(_write(tmp / "notes.journal", b"my notes\n")),
+                                          "--study-name", "s"],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
