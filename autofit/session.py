@@ -135,10 +135,8 @@ def _resumed(req: SearchRequest) -> Session:
     elif req.dataset:
         raise UsageError("--dataset: this run was searched on random tokens; --resume continues it as it was. "
                          "Start a new search with --dataset to measure on your data.")
-    fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space), ("--max-length", req.max_length),
-                                      ("--global-batch", req.global_batch)) if value is not None]
-    notes = (f"--resume continues the run as it was planned: {', '.join(fixed)} ignored (the study measured "
-             f"that model and space); start a new search to change them.",) if fixed else ()
+    notes = ignored_note(req, "--resume continues the run as it was planned (the study measured that model and "
+                              "space)", (("--storage", req.storage), ("--study-name", req.study_name)))
     return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir), notes=notes)
 
 
@@ -154,11 +152,24 @@ def _joined(req: SearchRequest) -> Session | None:
         raise UsageError(f"--storage: cannot open {req.storage} ({type(e).__name__}: {e}).") from None
     stored = study.user_attrs.get("spec")
     if stored is None:
-        return None
+        if study.get_trials(deepcopy=False) or study.user_attrs:
+            raise UsageError(f"--study-name: the study {req.study_name!r} in {req.storage} exists and was not "
+                             "made by autofit; give another --study-name.")
+        return None  # created empty (a search stopped before its first write): start it as new
     spec = RunSpec.from_dict(stored, f"--study-name {req.study_name}: the study's spec")
     targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus))
     spec = spec.replace(run_id=f"{spec.run_id}-worker-{req.worker}", targets=targets)
-    return Session(Mode.JOIN, spec, req.out / spec.run_id, local_storage=False)
+    if req.budget is not None:
+        spec = spec.replace(budget_s=parse_duration(req.budget))
+    return Session(Mode.JOIN, spec, req.out / spec.run_id, local_storage=False,
+                   notes=ignored_note(req, "joining the study searches its own model and space"))
+
+
+def ignored_note(req: SearchRequest, why: str, more: tuple[tuple[str, Any], ...] = ()) -> tuple[str, ...]:
+    """The note for flags a resumed or joined search does not use (it continues a planned study)."""
+    fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space), ("--max-length", req.max_length),
+                                      ("--global-batch", req.global_batch), *more) if value is not None]
+    return (f"{why}: {', '.join(fixed)} ignored; start a new search to change them.",) if fixed else ()
 
 
 def _new(req: SearchRequest) -> Session:
@@ -176,7 +187,7 @@ def _new(req: SearchRequest) -> Session:
     model.check_lengths(space.lengths, "--max-length" if req.max_length else f"--space {req.space or DEFAULT_SPACE}")
     run_id = new_run_id(model)
     run_dir = req.out / run_id
-    storage = req.storage or RunDir(run_dir).default_storage(len(targets))
+    storage = absolute_storage(req.storage) if req.storage else RunDir(run_dir).default_storage(len(targets))
     spec = RunSpec(run_id=run_id, model=model, space=space, targets=tuple(targets), budget_s=budget,
                    storage=storage, study_name=req.study_name or f"autofit-{run_id}", seed=req.seed,
                    probe=req.probe, versions=package_versions(), dataset=ref, policy=req.policy)
@@ -258,6 +269,16 @@ def space_dimensions(max_length: str | None, global_batch: str | None) -> dict[s
             raise UsageError(f"{flag}: {text!r} is not a positive integer (or a comma list such as {example}).")
         out[key] = values
     return out
+
+
+def absolute_storage(url: str) -> str:
+    """A file storage (SQLite, a journal) with its path made absolute: the spec keeps it, and `report`,
+    `--resume` or a joining worker started from another folder must open the same file."""
+    if url.startswith("sqlite:///") and url.removeprefix("sqlite:///") not in ("", ":memory:"):
+        return "sqlite:///" + str(Path(url.removeprefix("sqlite:///")).expanduser().resolve())
+    if url.endswith(".journal") and "://" not in url:
+        return str(Path(url).expanduser().resolve())
+    return url
 
 
 def check_storage(url: str, flag: str = "--storage") -> None:

@@ -156,10 +156,30 @@ def test_resume_says_which_flags_it_cannot_change(tmp_path: Path) -> None:
     session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
     write_spec(session.run_dir, session.spec)
     assert plan(SearchRequest(resume=session.run_dir)).notes == ()
-    resumed = plan(SearchRequest(resume=session.run_dir, model="llama2-7b", space="qlora", max_length="128"))
+    resumed = plan(SearchRequest(resume=session.run_dir, model="llama2-7b", space="qlora", max_length="128",
+                                 study_name="other"))
     assert resumed.spec == session.spec
-    assert resumed.notes == ("--resume continues the run as it was planned: --model, --space, --max-length "
-                             "ignored (the study measured that model and space); start a new search to change them.",)
+    assert resumed.notes == ("--resume continues the run as it was planned (the study measured that model and "
+                             "space): --model, --space, --max-length, --study-name ignored; start a new search to "
+                             "change them.",)
+
+
+def test_joining_a_study_says_which_flags_it_ignores_and_refuses_a_foreign_study(tmp_path: Path) -> None:
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    first = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--storage", storage,
+                        "--study-name", "s")
+    start(first)
+    joined = plan(SearchRequest(model="llama2-7b", space="qlora", device="cpu", storage=storage, study_name="s",
+                                out=tmp_path / "runs", budget="2m"))
+    assert joined.spec.model == first.spec.model and joined.spec.budget_s == 120.0
+    assert joined.notes == ("joining the study searches its own model and space: --model, --space ignored; start "
+                            "a new search to change them.",)
+    foreign = optuna.create_study(storage=storage, study_name="theirs")
+    foreign.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    with pytest.raises(UsageError, match=r"--study-name: the study 'theirs' .* was not made by autofit"):
+        plan(SearchRequest(model="tiny-llama", device="cpu", storage=storage, study_name="theirs", out=tmp_path))
 
 
 def test_two_searches_planned_in_the_same_second_get_two_folders(tmp_path: Path) -> None:
@@ -317,3 +337,13 @@ def test_headroom_takes_a_percentage_as_tolerance_does() -> None:
     proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--headroom", "5x"],
                           capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.returncode == 2 and "--headroom: '5x' is not a share; give for example 5% or 0.05" in proc.stderr
+
+
+def test_a_relative_storage_is_kept_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec kept `sqlite:///rel.db` as typed: `report` from another folder made an empty rel.db there and
+    said the study was gone."""
+    monkeypatch.chdir(tmp_path)
+    for given, want in (("sqlite:///rel.db", f"sqlite:///{tmp_path / 'rel.db'}"),
+                        ("rel.journal", str(tmp_path / "rel.journal"))):
+        assert search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--storage", given,
+                           "--study-name", "s").spec.storage == want
