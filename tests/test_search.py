@@ -362,9 +362,11 @@ def test_two_workers_on_a_postgresql_study_never_probe_the_same_config(tmp_path:
 @pytest.mark.slow
 def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
     proc = run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu", "--memory-limit",
-                   "3MiB", "--budget", "25s", "--out", str(tmp_path))
+                   "3MiB", "--budget", "25s", "--out", str(tmp_path), "--json")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "No configuration fits under the 3 MiB limit" in proc.stderr
+    doc = json.loads(proc.stdout)  # --json: stdout is the JSON alone, and it says why too
+    assert doc["best"] is None and doc["nothing_fits"].startswith("No configuration fits under the 3 MiB limit")
     assert "The smallest peak that ran out of memory was" in proc.stderr and "short" in proc.stderr
     assert "quantization" in proc.stderr and "shorter --max-length" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -131,14 +131,17 @@ def cmd_search(args: argparse.Namespace) -> int:
         warn(warning)
     if not args.json:
         print(_opening(session), file=sys.stderr)
-        for note in session.notes:
-            print(f"autofit: {note}", file=sys.stderr)
+    for note in session.notes:  # on stderr with --json too: stdout holds the JSON alone
+        print(f"autofit: {note}", file=sys.stderr)
     with Progress(not args.json, session.spec.budget_s) as progress:
         reason, interrupted = run_search(session, progress, args.standby)
     summary = summarize(session, study, reason, interrupted)
     if args.json:
         print(json.dumps({"run_dir": str(summary.run_dir), "stop_reason": reason, "probes": len(summary.rows),
-                          "skipped": summary.skipped, "untried": summary.untried, "best": summary.best}, indent=1))
+                          "skipped": summary.skipped, "untried": summary.untried, "best": summary.best,
+                          "notes": list(session.notes),
+                          "nothing_fits": None if summary.best is not None or interrupted
+                          else str(nothing_fits(session, summary))}, indent=1))
     if interrupted:
         print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
               f"{session.run_dir}", file=sys.stderr)
