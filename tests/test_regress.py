@@ -453,6 +453,10 @@ def test_update_baseline_keeps_the_previous_one(run: Path) -> None:
                     and check["peak_bytes"] <= 1.8 * check["baseline_peak_bytes"])
     assert check["attempts"] == (1 if first_inside else 3), check
     assert regress_cli(run, *TOL).returncode == 0
+    assert "takes in a regression" not in proc.stderr
+    edit_best(run, tokens_per_s=20)  # a baseline 20x as fast: the new figures are a regression, taken in
+    proc = regress_cli(run, *TOL, "--update-baseline")
+    assert proc.returncode == 0 and "the new baseline takes in a regression (winner slower)" in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
