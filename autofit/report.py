@@ -6,6 +6,7 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from .errors import UsageError
@@ -335,7 +336,7 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
         lines.append(f"| {k} | `{cfg.get(k, KEYS[k].default)}`{mark} |")  # older runs lack later keys
     lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
               f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
-              f"Export it: `autofit export {run_dir} --format hf-trainer -o train.py`", ""]
+              f"Export it: `autofit export {quote(str(run_dir))} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)

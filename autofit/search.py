@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 import optuna
@@ -208,7 +209,7 @@ class Search:
                 r.abort()
             for th in threads:
                 th.join(timeout=30)
-            record_stop_reason(study, "interrupted (Ctrl-C); continue with --resume")
+            record_stop_reason(study, "interrupted (Ctrl-C or SIGTERM); continue with --resume")
             raise
         finally:
             for r in self.runners:
@@ -220,7 +221,7 @@ class Search:
         if untried.get(Verdict.PROBE.value) and self.stop_reason.startswith(NO_WINNER):
             # reopened by the last repeat, with nothing new probed since, or no time to probe it
             self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried config(s) "
-                              f"could beat it: `autofit search --resume {self.s.run_dir} --budget 5m` probes them")
+                              f"could beat it: `autofit search --resume {quote(str(self.s.run_dir))} --budget 5m` probes them")
         if self.searched_on:
             self._finish_note(f"searched on after the best's repeat came in lower ({self.searched_on} untried "
                               f"config(s) could beat it then)")
@@ -261,7 +262,7 @@ class Search:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return CannotWrite(f"cannot write the study ({self.s.storage}) or the run folder {self.s.run_dir}: "
                            f"{detail}. Every probe told before this is kept in the study; free space (or "
-                           f"fix the permissions), then continue with `autofit search --resume {self.s.run_dir}`.")
+                           f"fix the permissions), then continue with `autofit search --resume {quote(str(self.s.run_dir))}`.")
 
     def prepare(self) -> optuna.Study:
         """Open the study, settle what a killed search left RUNNING, and seed the common recipe."""

@@ -114,6 +114,8 @@ def plan(req: SearchRequest) -> Session:
         check_storage(req.storage)
     if req.resume is not None:
         return _resumed(req)
+    if req.out.exists() and not req.out.is_dir():
+        raise UsageError(f"--out: {req.out} is a file; give the folder run folders go in (created if missing).")
     joined = _joined(req)
     return joined if joined is not None else _new(req)
 
@@ -428,7 +430,7 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
     try:
         return Search(search_settings(session, standby), on_event).run(), False
     except KeyboardInterrupt:
-        return "interrupted (Ctrl-C); continue with --resume", True
+        return "interrupted (Ctrl-C or SIGTERM); continue with --resume", True
     except STORAGE_ERRORS as e:
         if not _cannot_write(e):
             raise

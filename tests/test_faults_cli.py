@@ -80,6 +80,8 @@ FAULTS = [
     Fault("storage-not-a-journal", "--storage naming a file that is not an Optuna journal (a JSONDecodeError "
           "traceback, and a record appended to the user's file)", "autofit search --storage notes.journal", 2,
           "exists and is not an Optuna journal"),
+    Fault("out-a-file", "--out naming an existing file (exit 4, 'Not a directory')", "autofit search --out FILE", 2,
+          "is a file; give the folder run folders go in"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
@@ -147,6 +149,7 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
                                   "--set", "max_length=32"],
     "storage-not-a-journal": lambda tmp: [*SEARCH, "--storage", str(_write(tmp / "notes.journal", b"my notes\n")),
                                           "--study-name", "s"],
+    "out-a-file": lambda tmp: [*SEARCH, "--out", str(_write(tmp / "FILE", b""))],
     "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
                                   "--model", "tiny-llama"],
 }
@@ -163,7 +166,7 @@ def test_bad_input_is_one_clear_message_and_creates_nothing(tmp_path: Path, faul
     argv = ARGS[fault.id](tmp_path)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     proc = run_cli(*argv, "--out", str(tmp_path / "runs"), cwd=tmp_path) if argv[0] == "search" \
-        else run_cli(*argv, cwd=tmp_path)
+        and "--out" not in argv else run_cli(*argv, cwd=tmp_path)
     assert proc.returncode == fault.exit_code, proc.stderr
     assert fault.message in proc.stderr
     assert "Traceback" not in proc.stderr

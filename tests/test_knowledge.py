@@ -368,8 +368,8 @@ def test_the_report_gives_small_sizes_in_mib() -> None:
     assert "0.00" not in text and "stopped: budget spent" in text
     assert "`autofit export runs/r --format" in text  # where a run folder is unknown: the default place
     moved = report_markdown(spec, [{"trial": 0, **fit.to_dict()}], [fit], fit, None, None, "",
-                            run_dir=Path("elsewhere/r"))
-    assert "`autofit export elsewhere/r --format" in moved  # it said runs/<id> wherever the folder was
+                            run_dir=Path("else where/r"))
+    assert "`autofit export 'else where/r' --format" in moved  # it said runs/<id> wherever the folder was
 
 
 def test_memory_model_prediction_is_the_knowledge_s() -> None:

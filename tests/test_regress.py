@@ -461,6 +461,8 @@ def test_update_baseline_keeps_the_previous_one(run: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--tolerance", "lots"], "--tolerance: 'lots' is not a tolerance; expected a percentage such as 7% (or 0.07)."),
+    (["--memory-tolerance", "200%"], "--memory-tolerance: '200%' is 100% or more of the baseline; a tolerance is "
+                                     "below 100%, such as 7% (or 0.07)."),
     (["--top", "0"], "--top: at least 1 (the winner)."),
 ])
 def test_bad_regress_flags_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from rich import box
@@ -144,7 +145,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                           else str(nothing_fits(session, summary))}, indent=1))
     if interrupted:
         print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
-              f"{session.run_dir}", file=sys.stderr)
+              f"{quote(str(session.run_dir))}", file=sys.stderr)
         return 130
     if summary.best is None:
         raise nothing_fits(session, summary)
@@ -178,7 +179,7 @@ def _closing(s: Summary) -> str:
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
             + f"\nreport: {s.run_dir / 'report.md'}\n"
-            f"next:   autofit export {s.run_dir} --format hf-trainer -o train.py")
+            f"next:   autofit export {quote(str(s.run_dir))} --format hf-trainer -o train.py")
 
 
 SEARCH_EPILOG = """\
