@@ -57,6 +57,8 @@ __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "op
            "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
 
 INTERRUPTED = "interrupted"
+INTERRUPTED_REASON = "interrupted (Ctrl-C or SIGTERM); continue with --resume"
+"""The stop reason an interrupted search records and reports."""
 NO_WINNER = "no remaining configuration can win"
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
@@ -209,7 +211,7 @@ class Search:
                 r.abort()
             for th in threads:
                 th.join(timeout=30)
-            record_stop_reason(study, "interrupted (Ctrl-C or SIGTERM); continue with --resume")
+            record_stop_reason(study, INTERRUPTED_REASON)
             raise
         finally:
             for r in self.runners:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,16 @@ from .protocol import HEADROOM
 from .report import nothing_fits_message, write_outputs
 from .result import ProbeResult
 from .rundir import ProbeSettings, RunDir, RunSpec, create, load_spec, new_run_id
-from .search import Event, Search, SearchSettings, open_study, skipped_counts, study_rows, untried_of
+from .search import (
+    INTERRUPTED_REASON,
+    Event,
+    Search,
+    SearchSettings,
+    open_study,
+    skipped_counts,
+    study_rows,
+    untried_of,
+)
 from .space import Space, load_space
 from .spec import BATCHINGS
 from .target import Target, resolve_targets
@@ -313,8 +323,6 @@ def _check_file_storage(url: str, flag: str) -> None:
 def _journal_or_new(path: Path) -> bool:
     """The file is missing, empty, or starts as an Optuna journal does (a JSON object with an op_code): a
     journal storage appends to any file it is given, so a user's file would be written into."""
-    import json
-
     try:
         with open(path, "rb") as f:
             first = f.readline(1 << 16).strip()
@@ -430,7 +438,7 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
     try:
         return Search(search_settings(session, standby), on_event).run(), False
     except KeyboardInterrupt:
-        return "interrupted (Ctrl-C or SIGTERM); continue with --resume", True
+        return INTERRUPTED_REASON, True
     except STORAGE_ERRORS as e:
         if not _cannot_write(e):
             raise

@@ -52,7 +52,7 @@ class Space:
         """A micro-batch (over every rank) no larger than the global batch: a larger one trains more
         sequences per step than asked (micro-batch 4 at global batch 2 would step on 4); with
         `divisors_only`, only those that divide it."""
-        per_step = cfg.micro_batch_size * cfg.gpus
+        per_step = cfg.micro_step_sequences
         return per_step <= cfg.global_batch and (not self.divisors_only or cfg.global_batch % per_step == 0)
 
     def candidates(self) -> list[TrialConfig]:

@@ -210,6 +210,12 @@ class TrialConfig:
         return math.ceil(self.global_batch / (self.micro_batch_size * self.gpus))
 
     @property
+    def micro_step_sequences(self) -> int:
+        """Sequences one micro-step trains over every rank: more than `global_batch` trains more per
+        optimizer step than asked, so such a micro-batch is never a candidate (`Space.allowed`)."""
+        return self.micro_batch_size * self.gpus
+
+    @property
     def effective_batch(self) -> int:
         """Sequences per optimizer step actually trained, over every rank (>= global_batch)."""
         return self.gradient_accumulation_steps * self.micro_batch_size * self.gpus

@@ -28,11 +28,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
                          "to batch by; give a dataset or leave batching at pad_max.")
-    if cfg.micro_batch_size * cfg.gpus > cfg.global_batch:
+    if cfg.micro_step_sequences > cfg.global_batch:
         raise UsageError(f"--set micro_batch_size={cfg.micro_batch_size}"
                          f"{f' on {cfg.gpus} GPUs' if cfg.gpus > 1 else ''} is more than global_batch="
                          f"{cfg.global_batch} sequences per optimizer step, so it would train on more than asked; "
-                         f"set global_batch={cfg.micro_batch_size * cfg.gpus} or more, or a smaller micro-batch.")
+                         f"set global_batch={cfg.micro_step_sequences} or more, or a smaller micro-batch.")
     sets = parse_sets(args.set or [])
     model.check_lengths([cfg.max_length], "--set max_length" if "max_length" in sets
                         else f"max_length (default {cfg.max_length}; set it with --set max_length=N)")

@@ -137,18 +137,18 @@ def cmd_search(args: argparse.Namespace) -> int:
     with Progress(not args.json, session.spec.budget_s) as progress:
         reason, interrupted = run_search(session, progress, args.standby)
     summary = summarize(session, study, reason, interrupted)
+    failure = nothing_fits(session, summary) if summary.best is None and not interrupted else None
     if args.json:
         print(json.dumps({"run_dir": str(summary.run_dir), "stop_reason": reason, "probes": len(summary.rows),
                           "skipped": summary.skipped, "untried": summary.untried, "best": summary.best,
                           "notes": list(session.notes),
-                          "nothing_fits": None if summary.best is not None or interrupted
-                          else str(nothing_fits(session, summary))}, indent=1))
+                          "nothing_fits": str(failure) if failure else None}, indent=1))
     if interrupted:
         print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
               f"{quote(str(session.run_dir))}", file=sys.stderr)
         return 130
-    if summary.best is None:
-        raise nothing_fits(session, summary)
+    if failure is not None:
+        raise failure
     if not args.json:
         print(_closing(summary))
     return 0

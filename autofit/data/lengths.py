@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .loading import SampleSet
+from .loading import Sample, SampleSet
 from .tokenizer import RejectedChats, TextTokenizer
 
 _CHUNK = 1024
@@ -62,14 +62,14 @@ def length_table(data: SampleSet, tok: TextTokenizer, cache_dir: str | Path | No
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is recomputed
     lengths: list[int] = []
-    rejected: RejectedChats | None = None
+    rejected: list[tuple[Sample, Exception]] = []
     for start in range(0, len(data.samples), _CHUNK):
         try:
             lengths.extend(len(ids) for ids in tok.encode(data.samples[start:start + _CHUNK]))
         except RejectedChats as e:  # every chunk read, so the message counts every rejected chat
-            rejected = e if rejected is None else rejected.joined(e)
-    if rejected is not None:
-        raise RejectedChats(rejected.rejected, len(data.samples))
+            rejected += e.rejected
+    if rejected:
+        raise RejectedChats(rejected, len(data.samples))
     table = LengthTable(tuple(lengths), data.content_hash, tok.identity, tok.approximate, tok.note)
     if path is not None:
         _write_atomic(path, json.dumps(table.to_dict()))

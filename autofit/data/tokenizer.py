@@ -61,11 +61,8 @@ class RejectedChats(UsageError):
     """Chats the model's template rejects: the samples, why, and of how many (exit 2)."""
 
     def __init__(self, rejected: list[tuple[Sample, Exception]], total: int) -> None:
-        self.rejected, self.total = rejected, total
+        self.rejected = rejected
         super().__init__(rejected_chats(rejected, total))
-
-    def joined(self, other: RejectedChats) -> RejectedChats:
-        return RejectedChats(self.rejected + other.rejected, self.total + other.total)
 
 
 def rejected_chats(rejected: list[tuple[Sample, Exception]], total: int) -> str:

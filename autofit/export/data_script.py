@@ -32,7 +32,6 @@ SEED = 0
 '''
 
 
-
 def reader_source() -> str:
     """autofit/data/reader.py without its module docstring, to be copied into a recipe."""
     source = inspect.getsource(reader)
