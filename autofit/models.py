@@ -119,7 +119,26 @@ def _read_json(path: Path, flag: str) -> dict[str, Any]:
             f"{flag}: {path} is not a transformers config.json (it has no 'model_type')."
         )
     _check_model_type(str(data["model_type"]), path, flag, remote_code="auto_map" in data)
+    if "auto_map" not in data:
+        _check_fields(data, path, flag)
     return data
+
+
+def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
+    """Build the config the way the probe will, so a mistyped field is a usage error now
+    rather than a crash in every probe."""
+    # Deferred: the config classes import torch (about two seconds), needed only for a config from a file.
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(**data)
+    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as e:
+        # transformers' configs are strict dataclasses: the validation error's text names the field
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise UsageError(f"{flag}: transformers cannot build a config from {path}: {reason}. "
+                         "Fix that field in the config.json, or use a preset "
+                         f"({', '.join(PRESETS)}).") from None
 
 
 def known_model_types() -> frozenset[str] | None:

@@ -32,6 +32,9 @@ FAULTS = [
           "--budget: '-5m' is not positive"),
     Fault("model-type-unknown", "a config.json whose model_type transformers does not know",
           "autofit search --model ./config.json", 2, "model_type 'nonsense'"),
+    Fault("model-config-mistyped-field", "a config.json with a field of the wrong type (every probe crashed, then "
+          "'nothing fits')", "autofit search --model ./config.json", 2,
+          "Field 'hidden_size' expected int, got str"),
     Fault("storage-unknown-scheme", "a storage URL no database driver reads",
           "autofit search --model tiny-llama --storage foo://bar", 2, "--storage: 'foo://bar' is not a storage"),
     Fault("storage-missing-folder", "an SQLite storage in a folder that does not exist",
@@ -118,6 +121,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
     "global-batch-zero": lambda tmp: [*SEARCH, "--global-batch", "0"],
     "budget-negative": lambda tmp: ["search", "--model", "tiny-llama", "--budget", "-5m"],
     "model-type-unknown": _config,
+    "model-config-mistyped-field": lambda tmp: [*SEARCH, "--model", str(_write(
+        tmp / "config.json", json.dumps({**PRESETS["tiny-llama"], "hidden_size": "128"}).encode()))],
     "storage-unknown-scheme": lambda tmp: [*SEARCH, "--storage", "foo://bar"],
     "storage-missing-folder": lambda tmp: [*SEARCH, "--storage", "sqlite:////nonexistent/dir/x.db"],
     "report-stub-run": lambda tmp: ["report", str(_stub_run(tmp))],
