@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .result import ProbeResult
-from .spec import TrialConfig
+from .spec import ALL_LINEAR, TrialConfig
 
 GIB = 2**30
 CUDA_CONTEXT = int(0.75 * GIB)  # measured on an H200 (CUDA 13): context + cuBLAS handles
@@ -198,7 +198,8 @@ def rank_state(cfg: TrialConfig, shape: Shape) -> RankState:
 def adapter_params(cfg: TrialConfig, shape: Shape) -> int:
     """LoRA's trainable parameters: r x (in + out) per targeted linear layer."""
     dims = shape.module_dims()
-    return shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1]) for t in cfg.lora_targets.split(",") if t in dims)
+    targets = dims if cfg.lora_modules == ALL_LINEAR else cfg.lora_modules
+    return shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
 
 
 def _base_bytes(cfg: TrialConfig, lin: int, emb: int, weight_b: int) -> int:

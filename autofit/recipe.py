@@ -73,7 +73,7 @@ def lora_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
         "r": cfg.lora_r,
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": float(cfg.lora_dropout),
-        "target_modules": cfg.lora_targets.split(","),
+        "target_modules": cfg.lora_modules,
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }

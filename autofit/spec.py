@@ -119,6 +119,10 @@ def _positive(v: int) -> bool:
     return v >= 1
 
 
+ALL_LINEAR = "all-linear"
+"""lora_targets for every linear layer but the output head (peft's own spelling)."""
+
+
 @dataclass(frozen=True)
 class TrialConfig:
     """One fine-tuning configuration. Build it with `TrialConfig.from_mapping`."""
@@ -216,6 +220,11 @@ class TrialConfig:
         return self.micro_batch_size * self.gpus
 
     @property
+    def lora_modules(self) -> list[str] | str:
+        """peft's `target_modules`: the names listed, or its "all-linear" (every linear layer but the head)."""
+        return ALL_LINEAR if self.lora_targets == ALL_LINEAR else self.lora_targets.split(",")
+
+    @property
     def effective_batch(self) -> int:
         """Sequences per optimizer step actually trained, over every rank (>= global_batch)."""
         return self.gradient_accumulation_steps * self.micro_batch_size * self.gpus
@@ -301,9 +310,10 @@ KEYS: dict[str, Key] = {
             expected="an integer >= 1"),
         Key("lora_alpha", int, "LoRA scaling numerator", check=_positive,
             expected="an integer >= 1"),
-        Key("lora_targets", str, "comma-separated module names for adapters",
-            check=lambda v: bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
-            expected="comma-separated module names such as q_proj,v_proj"),
+        Key("lora_targets", str, "comma-separated module names for adapters, or all-linear (peft's: every "
+            "linear layer but the output head)",
+            check=lambda v: v == ALL_LINEAR or bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
+            expected="comma-separated module names such as q_proj,v_proj, or all-linear"),
         Key("lora_dropout", str, "dropout on the adapter input",
             check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
             expected="a number in [0, 1) such as 0.05"),

@@ -197,6 +197,16 @@ def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_
         assert "nf4" in text, fmt
 
 
+def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", config=BASE.config.replace(lora_targets="all-linear").to_dict())
+    texts = {fmt: export_run(run, fmt).text for fmt in FORMATS}
+    for fmt in ("hf-trainer", "trl"):
+        assert "'target_modules': 'all-linear'" in texts[fmt] or '"target_modules": "all-linear"' in texts[fmt], fmt
+    axolotl = yaml.safe_load(texts["axolotl"])
+    assert axolotl["lora_target_linear"] is True and "lora_target_modules" not in axolotl
+    assert yaml.safe_load(texts["llama-factory"])["lora_target"] == "all"
+
+
 @pytest.mark.parametrize("content, problem", [
     ('{"outcome":', "is not valid JSON (line 1 column 12: Expecting value)"),
     ("[1,2,3]", "holds a JSON list, not an object with the winner"),

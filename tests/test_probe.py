@@ -191,6 +191,21 @@ def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
     assert "Traceback" in r["error_tail"] and "no_such_module" in r["error_tail"]
 
 
+@pytest.mark.slow
+def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path) -> None:
+    """lora_targets=all-linear is peft's own form: every linear layer of a block (not the head), and the
+    memory model's adapter count is the probe's trainable parameters, for the names and for all-linear."""
+    from autofit.memory import Shape, adapter_params
+    from autofit.models import PRESETS
+    from autofit.spec import TrialConfig
+
+    shape = Shape.from_config(PRESETS["tiny-llama"])
+    for targets in ("all-linear", "q_proj,v_proj"):
+        r = probe_json(*SHORT, "--set", f"lora_targets={targets}", cwd=tmp_path)
+        assert r["outcome"] == "fit" and r["config"]["lora_targets"] == targets
+        assert r["trainable_params"] == adapter_params(TrialConfig(lora_targets=targets), shape), targets
+
+
 def test_real_cuda_oom_text_is_an_oom_with_shortfall(tmp_path: Path) -> None:
     r = probe_json(*SHORT, env=fake_env("cuda_oom"), cwd=tmp_path)
     assert r["outcome"] == "oom"

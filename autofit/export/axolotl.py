@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..recipe import REGIONAL_COMPILATION, learning_rate
-from ..spec import TrialConfig
+from ..spec import ALL_LINEAR, TrialConfig
 from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from .data_yaml import axolotl_batching
 from .multi_gpu import axolotl as engine_keys
@@ -25,7 +25,8 @@ def render(r: ExportRun) -> Rendered:
     if cfg.method == "lora":
         out.update({"adapter": "qlora" if cfg.quantization == "nf4" else "lora", "lora_r": cfg.lora_r,
                     "lora_alpha": cfg.lora_alpha, "lora_dropout": float(cfg.lora_dropout),
-                    "lora_target_modules": cfg.lora_targets.split(",")})
+                    **({"lora_target_linear": True} if cfg.lora_modules == ALL_LINEAR
+                       else {"lora_target_modules": cfg.lora_modules})})
     if cfg.quantization == "nf4":
         out["bnb_config_kwargs"] = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     out.update({

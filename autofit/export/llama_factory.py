@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ..recipe import REGIONAL_COMPILATION, learning_rate
+from ..spec import ALL_LINEAR
 from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from .data_yaml import llama_factory_batching
 from .multi_gpu import ACCELERATE_FSDP, yaml_intro
@@ -24,7 +25,7 @@ def render(r: ExportRun) -> Rendered:
     }
     if cfg.method == "lora":
         out.update({"lora_rank": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": float(cfg.lora_dropout),
-                    "lora_target": cfg.lora_targets})
+                    "lora_target": "all" if cfg.lora_targets == ALL_LINEAR else cfg.lora_targets})
     if cfg.quantization != "none":
         out.update({"quantization_bit": 4 if cfg.quantization == "nf4" else 8,
                     "quantization_method": "bitsandbytes"})

@@ -12,7 +12,7 @@ AXOLOTL = {
     "version": "0.12",
     "keys": {
         "base_model", "model_type", "tokenizer_type", "load_in_8bit", "load_in_4bit", "adapter",
-        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "sample_packing",
+        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "sequence_len", "sample_packing",
         "pad_to_sequence_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps",
         "num_epochs", "optimizer", "learning_rate", "lr_scheduler", "bf16", "fp16", "tf32",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "sdp_attention", "flash_attention",

@@ -175,7 +175,7 @@ def check_lora_targets(model: Any, targets: list[str] | str) -> None:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear)})
         raise ValueError(f"lora_targets: {', '.join(missing)} names no module of {type(model).__name__}; "
-                         f"its linear layers are {', '.join(linear)}")
+                         f"its linear layers are {', '.join(linear)} (all-linear adapts each but lm_head)")
 
 
 def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
