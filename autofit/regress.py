@@ -15,10 +15,13 @@ job. A CI job therefore never reads a stale pass, and exit 1 means a regression,
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
+import os
 import shutil
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,7 +35,7 @@ from .models import ModelSource
 from .objective import combined_tokens_per_s
 from .protocol import Checks
 from .result import ProbeResult
-from .rundir import HISTORY, RunDir, model_of, read_spec, targets_of
+from .rundir import HISTORY, REGRESS_LOCK, RunDir, model_of, read_spec, targets_of
 from .runner import Runner
 from .target import Target, resolve_targets
 from .units import format_size
@@ -435,6 +438,35 @@ def write_text(path: Path, text: str, flag: str, error: type[Exception] = UsageE
         path.write_text(text)
     except OSError as e:
         raise error(f"{flag}: cannot write {path} ({e.strerror}); give a path in a writable folder.") from None
+
+
+@contextmanager
+def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold the run's regress lock while measuring and recording. Two regress jobs of one run (a nightly
+    job that overran into the next) would each measure under the other's load and append to one history:
+    the second waits for the first. A folder where the lock cannot be made (read-only) is not locked; its
+    first write says what is wrong."""
+    try:
+        f = open(run_dir / REGRESS_LOCK, "a+")
+    except OSError:
+        f = None
+    if f is None:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process"
+            say(f"another autofit regress of this run is measuring ({holder}); waiting for it to finish, so that "
+                "neither measures under the other's load (Ctrl-C to stop)")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+        f.flush()
+        yield  # the lock goes with the file's close (or the process's end)
 
 
 def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any],

@@ -3,10 +3,13 @@ against an edited or unchanged baseline end to end (marked slow; CPU tolerances)
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import statistics
 import subprocess
+import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -385,6 +388,31 @@ def test_an_unchanged_run_passes_history_is_appended_and_the_version_diff_is_sho
             assert versions[0].split() == ["*", "torch", "2.0.0", regress.now_env()["packages"]["torch"]]
     assert measured_with == regress.now_env()["packages"]["torch"]
     assert (run / "regress-trend.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_second_regress_of_one_run_waits_for_the_first(run: Path) -> None:
+    """A nightly job that overran into the next: the second measured under the first's load and both
+    appended to one history. It now waits for the run's lock, saying who holds it, then measures."""
+    with open(run / "regress.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate(0)  # as a holder does: the copied run kept the fixture's regress in it
+        held.write("pid 4242, since last night\n")
+        held.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "autofit", "regress", str(run), "--json", str(run / "r.json"),
+                                 *TOL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = ""
+        while "waiting for it to finish" not in said:
+            line = proc.stderr.readline()
+            assert line, f"regress ended without waiting: {said}"
+            said += line
+        assert "another autofit regress of this run is measuring (pid 4242, since last night)" in said
+        time.sleep(1.0)
+        assert proc.poll() is None and not (run / "regress-history.jsonl").exists()  # nothing measured meanwhile
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert len(regress.read_history(run)) == 1
+    assert (run / "regress.lock").read_text().startswith(f"pid {proc.pid}, since ")
 
 
 @pytest.mark.slow

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from .. import regress
 from ..errors import AutofitError, RegressionFound
-from .common import add_target_flags, fraction, gather
+from ..session import busy_gpus
+from .common import add_target_flags, fraction, gather, warn
 
 MEMORY_TOLERANCE_GPU = 0.03
 MEMORY_TOLERANCE_CPU = 0.10
@@ -18,29 +20,33 @@ MEMORY_TOLERANCE_CPU = 0.10
 
 def cmd_regress(args: argparse.Namespace) -> int:
     reports = regress.Reports.claim(args.json, args.junit, args.run)
-    try:
-        speed, memory = gather(lambda: fraction(args.tolerance, "--tolerance"),
-                               lambda: None if args.memory_tolerance is None
-                               else fraction(args.memory_tolerance, "--memory-tolerance"))
-        p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit, args.allow_gpu_change,
-                         args.dataset)
-        if memory is None:  # the allocator's peak on a GPU is exact; a CPU's is resident memory, which moves
-            memory = MEMORY_TOLERANCE_GPU if p.target.device == "cuda" else MEMORY_TOLERANCE_CPU
-        tol = regress.Tolerance(speed, memory)
-        env_now = regress.now_env()
-        print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
-        print("what changed since the baseline (* changed):")
-        print(f"    {'':<17} {'baseline':<28} now")
-        for what, before, now, changed in regress.version_diff(p.env_before, env_now):
-            print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
-        checks = regress.run_checks(p, tol, show)
-    except AutofitError as e:  # nothing could be checked: an <error>, not a <failure>
-        reports.error(e)
-        raise
-    trend = regress.record(p, checks, tol, env_now, reports)
+    with ExitStack() as held:  # the run's regress lock, from the first probe to the last record
+        try:
+            speed, memory = gather(lambda: fraction(args.tolerance, "--tolerance"),
+                                   lambda: None if args.memory_tolerance is None
+                                   else fraction(args.memory_tolerance, "--memory-tolerance"))
+            p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit,
+                             args.allow_gpu_change, args.dataset)
+            if memory is None:  # the allocator's peak on a GPU is exact; a CPU's is resident memory, which moves
+                memory = MEMORY_TOLERANCE_GPU if p.target.device == "cuda" else MEMORY_TOLERANCE_CPU
+            tol = regress.Tolerance(speed, memory)
+            env_now = regress.now_env()
+            print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
+            for warning in busy_gpus((p.target,)):
+                warn(warning)
+            print("what changed since the baseline (* changed):")
+            print(f"    {'':<17} {'baseline':<28} now")
+            for what, before, now, changed in regress.version_diff(p.env_before, env_now):
+                print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
+            held.enter_context(regress.one_at_a_time(p.run_dir, warn))
+            checks = regress.run_checks(p, tol, show)
+        except AutofitError as e:  # nothing could be checked: an <error>, not a <failure>
+            reports.error(e)
+            raise
+        trend = regress.record(p, checks, tol, env_now, reports)
+        kept = regress.update_baseline(p, checks, env_now) if args.update_baseline else None
     print(f"history: {p.run_dir / regress.HISTORY}; trend: {trend}")
-    if args.update_baseline:
-        kept = regress.update_baseline(p, checks, env_now)
+    if kept is not None:
         print(f"baseline updated; the previous one is kept as {kept}")
         worse = [f"{c.name} {c.status.value}" for c in checks if c.failed]
         if worse:  # asked for, so exit 0; but a job that always passes the flag would accept any slowdown
