@@ -15,18 +15,17 @@ job. A CI job therefore never reads a stale pass, and exit 1 means a regression,
 from __future__ import annotations
 
 import enum
-import fcntl
 import json
-import os
 import shutil
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from . import locks
 from .data import DatasetRef, stored_dataset
 from .envinfo import collect, gpus
 from .errors import CannotWrite, RegressionFound, UsageError
@@ -440,33 +439,13 @@ def write_text(path: Path, text: str, flag: str, error: type[Exception] = UsageE
         raise error(f"{flag}: cannot write {path} ({e.strerror}); give a path in a writable folder.") from None
 
 
-@contextmanager
-def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> Iterator[None]:
+def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> AbstractContextManager[None]:
     """Hold the run's regress lock while measuring and recording. Two regress jobs of one run (a nightly
     job that overran into the next) would each measure under the other's load and append to one history:
-    the second waits for the first. A folder where the lock cannot be made (read-only) is not locked; its
-    first write says what is wrong."""
-    try:
-        f = open(run_dir / REGRESS_LOCK, "a+")
-    except OSError:
-        f = None
-    if f is None:
-        yield
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "a process"
-            say(f"another autofit regress of this run is measuring ({holder}); waiting for it to finish, so that "
-                "neither measures under the other's load (Ctrl-C to stop)")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
-        f.flush()
-        yield  # the lock goes with the file's close (or the process's end)
+    the second waits for the first."""
+    return locks.held(run_dir / REGRESS_LOCK, lambda who: say(
+        f"another autofit regress of this run is measuring ({who}); waiting for it to finish, so that neither "
+        "measures under the other's load (Ctrl-C to stop)"))
 
 
 def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any],

@@ -216,9 +216,10 @@ def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) 
 
 def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
                   timeline: list[tuple[float, float]], stop_reason: str = "",
-                  untried: dict[str, int] | None = None) -> dict[str, Any] | None:
+                  untried: dict[str, int] | None = None, searching: str | None = None) -> dict[str, Any] | None:
     """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result);
-    `untried`: the configs the search left unprobed, by verdict (study.untried_of)."""
+    `untried`: the configs the search left unprobed, by verdict (study.untried_of); `searching`: the
+    search still running in the folder ("pid N, since T"), whose best so far this is."""
     results = [ProbeResult.from_dict(r) for r in rows]
     with open(run_dir / "trials.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -242,7 +243,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     (run_dir / "report.md").write_text(
         report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried,
-                        run_dir))
+                        run_dir, searching))
     return best_doc
 
 
@@ -270,13 +271,20 @@ def rebaselined(path: Path, config: dict[str, Any]) -> bool:
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
                     data: dict[str, Any] | None = None, untried: dict[str, int] | None = None,
-                    run_dir: Path | None = None) -> str:
-    """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>)."""
+                    run_dir: Path | None = None, searching: str | None = None) -> str:
+    """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>);
+    `searching`: the search still running there, so that nothing below is called its result."""
+    if searching:  # a resumed search's study still holds the last session's stop reason
+        stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried)
+    if searching:
+        lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows is "
+                        "the best so far, and the search rewrites this report when it ends"]
     if best is None:
-        lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
+        lines += (["## No fit yet", "", "No probe has fit so far; the search goes on.", ""] if searching else
+                  ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""])
     else:
-        lines += _winner(spec, results, best, limit, run_dir or Path("runs") / spec["run_id"])
+        lines += _winner(spec, results, best, limit, run_dir or Path("runs") / spec["run_id"], bool(searching))
     if data is not None:
         lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
@@ -324,9 +332,9 @@ def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None,
 
 
 def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None,
-            run_dir: Path) -> list[str]:
+            run_dir: Path, so_far: bool = False) -> list[str]:
     cfg = best.config
-    lines = ["## Winner", "",
+    lines = ["## Best so far" if so_far else "## Winner", "",
              (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
               f"**{_size(best.peak_memory_bytes)}**" + (f" of {_size(limit)}" if limit else "")
               + _measured_again(best)), "",
@@ -336,7 +344,8 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
         lines.append(f"| {k} | `{cfg.get(k, KEYS[k].default)}`{mark} |")  # older runs lack later keys
     lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
               f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
-              f"Export it: `autofit export {quote(str(run_dir))} --format hf-trainer -o train.py`", ""]
+              ("Export it when the search has ended" if so_far else "Export it")
+              + f": `autofit export {quote(str(run_dir))} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)

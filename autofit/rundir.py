@@ -38,6 +38,8 @@ HISTORY = "regress-history.jsonl"
 """regress's history file in a run folder."""
 REGRESS_LOCK = "regress.lock"
 """Held by the regress job measuring the run (its pid and start inside)."""
+SEARCH_LOCK = "search.lock"
+"""Held by the search running in the folder (its pid and start inside)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ class RunDir:
         Outputs asked for elsewhere (an export's -o, regress's --json) must not overwrite them."""
         target = path.resolve()
         own = {p.resolve() for p in (self.spec, self.study_db, self.study_journal, self.trials, self.best,
-                                     self.report, self.env, self.history, self.path / REGRESS_LOCK)}
+                                     self.report, self.env, self.history, self.path / REGRESS_LOCK,
+                                     self.path / SEARCH_LOCK)}
         kept = target.parent == self.path.resolve() and target.name.startswith(("best.previous-", "env.previous-"))
         inside = any(target.is_relative_to(d.resolve()) for d in (self.logs, self.data))
         return target in own or kept or inside

@@ -8,11 +8,17 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from .. import locks
 from ..export import SCRIPTS, export_run, stdout_notes, write_rendered
+from ..rundir import SEARCH_LOCK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     rendered = export_run(args.run, args.format, args.dataset)
+    searching = locks.holder(Path(args.run) / SEARCH_LOCK)
+    if searching:
+        print(f"autofit: warning: a search is running in {args.run} ({searching}); this exports the best found so "
+              "far (best.json as `autofit report` last wrote it), which the search may still beat", file=sys.stderr)
     for item in rendered.unexpressed:
         print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
     if not args.output or args.output == "-":

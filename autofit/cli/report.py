@@ -6,9 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from .. import locks
 from ..errors import CannotWrite
 from ..report import nothing_fits_message, write_outputs
 from ..result import ProbeResult
+from ..rundir import SEARCH_LOCK
 from ..session import open_run_study
 from ..study import stop_reason_of, study_rows, untried_of
 
@@ -17,13 +19,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     spec, study = open_run_study(run_dir)
     rows, timeline = study_rows(study)
+    searching = locks.holder(run_dir / SEARCH_LOCK)
     try:
-        best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study))
+        best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study),
+                             searching)
     except OSError as e:
         raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
-    if not best:  # what export and regress sent the user here to learn
+    if searching:  # the interim figures are not the search's result, and an export now would take them
+        print(f"in progress: a search is running in this folder ({searching}); these are its best so far, and "
+              "it rewrites them when it ends")
+    elif not best:  # what export and regress sent the user here to learn
         why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows], spec.targets[0].memory_limit_bytes,
                                    stop_reason_of(study))
         print(f"no best.json: {why}")

@@ -8,19 +8,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from shlex import quote
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from .. import locks
+from ..errors import UsageError
 from ..policy import Policy
 from ..protocol import TRAIN_TOKENS
 from ..report import config_brief, untried_line
-from ..rundir import CONFIRM
+from ..rundir import CONFIRM, SEARCH_LOCK
 from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
 from ..session import run as run_search
@@ -36,6 +40,9 @@ from .common import (
     probe_settings,
     warn,
 )
+
+if TYPE_CHECKING:
+    import optuna
 
 WIDE = 110
 """Terminal columns from which the table shows the predicted peak and the worker."""
@@ -127,7 +134,21 @@ def request(args: argparse.Namespace) -> SearchRequest:
 
 def cmd_search(args: argparse.Namespace) -> int:
     session = plan(request(args))
-    session, study = start(session)
+    with ExitStack() as held:  # the run folder's search lock, for the search's life (a joining worker takes none)
+        if session.mode is Mode.RESUME:  # before start() rewrites anything in the folder
+            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session.run_dir)))
+        session, study = start(session)
+        if session.mode is Mode.NEW:
+            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session.run_dir)))
+        return _search(args, session, study)
+
+
+def _searching(run_dir: Path, who: str) -> None:
+    raise UsageError(f"--resume: a search is running in {run_dir} ({who}); wait for it to end, or stop it "
+                     f"(Ctrl-C) and resume then.")
+
+
+def _search(args: argparse.Namespace, session: Session, study: optuna.Study) -> int:
     for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets), *_short_budget(args.budget)]:
         warn(warning)
     if not args.json:

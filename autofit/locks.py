@@ -1,0 +1,61 @@
+"""Advisory locks on a run folder: which autofit process is measuring it now.
+
+A lock is a small file in the run folder holding its holder ("pid N, since T"), locked with
+flock(2) for as long as the holder lives: the kernel drops it when the process ends, however it
+ends (kill -9 included), so a stale file never blocks. A folder where the file cannot be made
+(read-only) is not locked; what the holder writes next says what is wrong with the folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO
+
+
+def holder(path: Path) -> str | None:
+    """Who holds the lock at `path` ("pid N, since T"), or None where nobody does."""
+    try:
+        f = open(path)
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "a process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
+@contextmanager
+def held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
+    """Hold the lock at `path` for the block. Where another process holds it, `busy(who)` is called
+    first: it raises to refuse, or returns to wait for the holder to finish."""
+    f = _open(path)
+    if f is None:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            busy(f.read().strip() or "a process")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+        f.flush()
+        yield  # released with the file's close, or the process's end
+
+
+def _open(path: Path) -> IO[str] | None:
+    try:
+        return open(path, "a+")
+    except OSError:
+        return None
