@@ -590,6 +590,20 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_rea
                 + ("" if quantized else "quantization (--space qlora: a 4-bit base), ")
                 + "a smaller model, more GPUs (--gpus with engine fsdp2), or a larger --memory-limit.")
     elif memory or not unstable:
-        msg += (" Allow next: quantization (--space qlora: a 4-bit base), a shorter --max-length, "
-                "gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
+        msg += f" Allow next: {', '.join(_untried_savings([r.config for r in results]))}, or a larger --memory-limit."
     return msg
+
+
+def _untried_savings(configs: list[dict[str, Any]]) -> list[str]:
+    """The memory savings the probes did not reach yet: advice to allow what was already tried helps nobody."""
+    out = []
+    if not any(c.get("quantization") == "nf4" for c in configs):
+        out.append("quantization (--space qlora: a 4-bit base)")
+    out.append(f"a --max-length shorter than {min(c['max_length'] for c in configs)}")
+    if min(c["micro_batch_size"] for c in configs) > 1:
+        out.append("micro_batch_size 1")
+    checkpointing = {str(c.get("gradient_checkpointing", "off")) for c in configs}
+    if not any("offload" in v for v in checkpointing):
+        out.append("gradient checkpointing with offload (on+offload)" if checkpointing - {"off"}
+                   else "gradient checkpointing (on, or on+offload)")
+    return out

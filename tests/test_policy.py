@@ -356,7 +356,22 @@ def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> N
     nf4.oom_phase, nf4.peak_memory_bytes = "load", nf4.peak_lower_bound()
     assert "quantization" not in nothing_fits_message([nf4], LIMIT).split("Allow next")[1]
     failed.oom_phase = "forward"  # the same figures from a failure in training: the usual advice
-    assert "gradient checkpointing (on, or on+offload)" in nothing_fits_message([failed], LIMIT)
+    assert "gradient checkpointing with offload (on+offload)" in nothing_fits_message([failed], LIMIT)
+
+
+def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
+    """It advised quantization, a shorter length and checkpointing after probes that had all three."""
+    from autofit.report import nothing_fits_message
+
+    def advice(*configs: TrialConfig) -> str:
+        return nothing_fits_message([oom(c, OOM_TEXT) for c in configs], LIMIT).split("Allow next: ")[1]
+
+    plain = advice(cfg(4, "off", max_length=1024))
+    assert plain == ("quantization (--space qlora: a 4-bit base), a --max-length shorter than 1024, "
+                     "micro_batch_size 1, gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
+    tried = advice(cfg(1, "on+offload", quantization="nf4", max_length=512), cfg(2, "on", max_length=1024))
+    assert tried == "a --max-length shorter than 512, or a larger --memory-limit."
+    assert "with offload (on+offload)" in advice(cfg(1, "every_2", max_length=256))
 
 
 def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_advice() -> None:

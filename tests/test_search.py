@@ -368,7 +368,7 @@ def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
     doc = json.loads(proc.stdout)  # --json: stdout is the JSON alone, and it says why too
     assert doc["best"] is None and doc["nothing_fits"].startswith("No configuration fits under the 3 MiB limit")
     assert "The smallest peak that ran out of memory was" in proc.stderr and "short" in proc.stderr
-    assert "quantization" in proc.stderr and "shorter --max-length" in proc.stderr
+    assert "quantization" in proc.stderr and "--max-length shorter than" in proc.stderr
     assert "Traceback" not in proc.stderr
     # export sends the user to `autofit report`, which then says why there is no best.json
     run = next(tmp_path.iterdir())
