@@ -5,7 +5,7 @@ Layers, bottom to top (a module imports its own layer or lower ones, never a cyc
   1 domain       space, memory, recipe, target, kills (evidence of the OOM killer), data (datasets,
                  lengths, batching), kernels (what kernels can run, the correctness gate), distributed
                  (the engines of a probe spanning several GPUs), group (its ranks judged as one)
-  2 run & probes rundir (the run folder), runner (the parent side of the process boundary), report,
+  2 run & probes rundir (the run folder), locks (who measures a run folder now), runner (the parent side of the process boundary), report,
                  study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
   3 workflows    search (and its parts), regress, export
   4 session      session (what `search` starts, resumes or joins)
@@ -29,7 +29,7 @@ PACKAGE = ROOT / "autofit"
 LAYERS = {
     0: ("errors", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
     1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels", "distributed", "group"),
-    2: ("rundir", "runner", "report", "study", "knowledge", "policy"),
+    2: ("rundir", "locks", "runner", "report", "study", "knowledge", "policy"),
     3: ("search", "regress", "export", "replay"),
     4: ("session",),
     5: ("cli", "__main__"),
