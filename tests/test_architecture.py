@@ -9,7 +9,7 @@ Layers, bottom to top (a module imports its own layer or lower ones, never a cyc
                  study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
   3 workflows    search (and its parts), regress, export
   4 session      session (what `search` starts, resumes or joins)
-  5 interface    cli, __main__
+  5 interface    cli, __main__, _entry (the command's entry point)
 The probe side (autofit.probe*) runs in the child process: it imports layers 0-1 only, and no
 module imports it (the runner starts it as a command).
 """
@@ -32,7 +32,7 @@ LAYERS = {
     2: ("rundir", "locks", "runner", "report", "study", "knowledge", "policy"),
     3: ("search", "regress", "export", "replay"),
     4: ("session",),
-    5: ("cli", "__main__"),
+    5: ("cli", "__main__", "_entry"),
 }
 PROBE_SIDE = "probe"
 PROBE_MAY_IMPORT = 1

@@ -233,6 +233,20 @@ def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fa
     assert report.returncode == 0 and "in progress" not in report.stdout + (run / "report.md").read_text()
 
 
+@pytest.mark.parametrize("delay", [0.1, 0.25, 0.4, 0.6])
+def test_ctrl_c_while_the_command_starts_is_no_traceback(tmp_path: Path, delay: float) -> None:
+    """Ctrl-C in the first half second, while the command line imports its modules, printed a
+    KeyboardInterrupt traceback. Each delay lands somewhere in the start; every one is a clean stop."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "autofit", *SEARCH, "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert proc.returncode in (130, -signal.SIGINT), err[-2000:]  # -2: stopped before Python took the signal
+
+
 def _while_searching(run: Path, pid: int) -> None:
     """report, export and --resume meeting the search running in `run` (process `pid`)."""
     fault = next(f for f in FAULTS if f.id == "resume-while-searching")
