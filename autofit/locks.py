@@ -3,13 +3,15 @@
 A lock is a small file in the run folder holding its holder ("pid N, since T"), locked with
 flock(2) for as long as the holder lives: the kernel drops it when the process ends, however it
 ends (kill -9 included), so a stale file never blocks. A folder where the file cannot be made
-(read-only) is not locked; what the holder writes next says what is wrong with the folder.
+(read-only), or a file system without flock, is not locked; what the holder writes next says what
+is wrong with the folder.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -28,8 +30,14 @@ def holder(path: Path) -> str | None:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return f.read().strip() or "a process"
+        except OSError:  # no flock on this file system (NFS without locking): nobody can be known to hold it
+            return None
         fcntl.flock(f, fcntl.LOCK_UN)
         return None
+
+
+ATTEMPTS = 5
+"""Tries, 20 ms apart, before a lock counts as held: `holder` takes it for an instant to look."""
 
 
 @contextmanager
@@ -42,8 +50,13 @@ def held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
         return
     with f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            taken = _try(f)
+        except OSError:  # no flock on this file system: unlocked, as a read-only folder
+            taken = None
+        if taken is None:
+            yield
+            return
+        if not taken:
             f.seek(0)
             busy(f.read().strip() or "a process")
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -52,6 +65,17 @@ def held(path: Path, busy: Callable[[str], None]) -> Iterator[None]:
         f.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
         f.flush()
         yield  # released with the file's close, or the process's end
+
+
+def _try(f: IO[str]) -> bool:
+    for attempt in range(ATTEMPTS):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < ATTEMPTS:
+                time.sleep(0.02)
+    return False
 
 
 def _open(path: Path) -> IO[str] | None:

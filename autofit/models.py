@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,15 +131,22 @@ def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
     # Deferred: the config classes import torch (about two seconds), needed only for a config from a file.
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on a config (a token id it would drop) are the probe's to log
     try:
-        AutoConfig.for_model(**data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            AutoConfig.for_model(**data)
     except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as e:
         # transformers' configs are strict dataclasses: the validation error's text names the field
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UsageError(f"{flag}: transformers cannot build a config from {path}: {reason}. "
                          "Fix that field in the config.json, or use a preset "
                          f"({', '.join(PRESETS)}).") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def known_model_types() -> frozenset[str] | None:

@@ -279,7 +279,8 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     lines = _header(spec, results, limit, stop_reason, untried)
     if searching:
         lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows is "
-                        "the best so far, and the search rewrites this report when it ends"]
+                        "the best so far, and the search rewrites this report when it ends (if it is killed "
+                        "instead, `autofit report` rebuilds it)"]
     if best is None:
         lines += (["## No fit yet", "", "No probe has fit so far; the search goes on.", ""] if searching else
                   ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""])
@@ -590,18 +591,20 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_rea
                 + ("" if quantized else "quantization (--space qlora: a 4-bit base), ")
                 + "a smaller model, more GPUs (--gpus with engine fsdp2), or a larger --memory-limit.")
     elif memory or not unstable:
-        msg += f" Allow next: {', '.join(_untried_savings([r.config for r in results]))}, or a larger --memory-limit."
+        msg += f" Allow next: {', '.join(_untried_savings([r.config for r in results if r.outcome.is_memory()]))}, or a larger --memory-limit."
     return msg
 
 
 def _untried_savings(configs: list[dict[str, Any]]) -> list[str]:
-    """The memory savings the probes did not reach yet: advice to allow what was already tried helps nobody."""
+    """The memory savings the out-of-memory probes did not reach yet (`configs`: theirs; a probe that timed
+    out or crashed says nothing of memory): advice to allow what already ran out helps nobody."""
     out = []
     if not any(c.get("quantization") == "nf4" for c in configs):
         out.append("quantization (--space qlora: a 4-bit base)")
-    out.append(f"a --max-length shorter than {min(c['max_length'] for c in configs)}")
-    if min(c["micro_batch_size"] for c in configs) > 1:
-        out.append("micro_batch_size 1")
+    out.append(f"a --max-length shorter than {min(c['max_length'] for c in configs)}" if configs
+               else "a shorter --max-length")
+    if configs and min(c["micro_batch_size"] for c in configs) > 1:
+        out.append("micro_batch_size 1 (in a --space file)")
     checkpointing = {str(c.get("gradient_checkpointing", "off")) for c in configs}
     if not any("offload" in v for v in checkpointing):
         out.append("gradient checkpointing with offload (on+offload)" if checkpointing - {"off"}

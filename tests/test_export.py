@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -195,6 +196,20 @@ def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_
     for fmt in FORMATS:
         text = export_run(run, fmt).text
         assert "nf4" in text, fmt
+
+
+def test_an_export_of_a_running_search_says_it_takes_the_best_so_far(tmp_path: Path) -> None:
+    from autofit import locks
+    from autofit.rundir import SEARCH_LOCK
+
+    run = write_run(tmp_path / "run")
+    with locks.held(run / SEARCH_LOCK, lambda who: None):  # as the search holds its folder
+        proc = run_cli("export", str(run), "-o", str(tmp_path / "train.py"))
+    assert proc.returncode == 0 and (tmp_path / "train.py").is_file(), proc.stderr
+    assert f"a search is running in {run} (pid {os.getpid()}, since " in proc.stderr
+    assert "exports the best found so far" in proc.stderr
+    again = run_cli("export", str(run), "-o", str(tmp_path / "after.py"))  # the search ended: no word of it
+    assert again.returncode == 0 and "search is running" not in again.stderr
 
 
 def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Path) -> None:

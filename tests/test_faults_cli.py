@@ -89,9 +89,6 @@ FAULTS = [
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
           "--out: cannot write the run folder"),
-    Fault("resume-while-searching", "`search --resume` of a run whose search is still running (a second "
-          "search on the same study and GPU, each measuring under the other's load)", "autofit search --resume RUN",
-          2, "--resume: a search is running in", nothing_lost=True),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
           "Continue with: autofit search --resume", nothing_lost=True),
     Fault("search-piped-into-head", "a search's output piped into `head -1` (a BrokenPipeError traceback, "
@@ -221,8 +218,6 @@ def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fa
     assert study_db is not None, "no probe finished"
     measured = _finished(study_db)
     run = study_db.parent
-    if signum == signal.SIGINT:  # while it runs: its figures are the best so far, and it cannot be resumed twice
-        _while_searching(run, proc.pid)
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == fault.exit_code, err[-2000:]
@@ -245,25 +240,6 @@ def test_ctrl_c_while_the_command_starts_is_no_traceback(tmp_path: Path, delay: 
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     assert proc.returncode in (130, -signal.SIGINT), err[-2000:]  # -2: stopped before Python took the signal
-
-
-def _while_searching(run: Path, pid: int) -> None:
-    """report, export and --resume meeting the search running in `run` (process `pid`)."""
-    fault = next(f for f in FAULTS if f.id == "resume-while-searching")
-    before = _finished(run / "study.db")
-    resumed = run_cli("search", "--resume", str(run), "--budget", "1m")
-    assert resumed.returncode == fault.exit_code and fault.message in resumed.stderr, resumed.stderr
-    assert f"(pid {pid}, since " in resumed.stderr and "Traceback" not in resumed.stderr
-    assert set(before) <= set(_finished(run / "study.db"))
-    report = run_cli("report", str(run))
-    assert report.returncode == 0, report.stderr
-    assert f"in progress: a search is running in this folder (pid {pid}, since " in report.stdout
-    text = (run / "report.md").read_text()
-    assert "**in progress**" in text and "## Winner" not in text and "stopped:" not in text
-    assert "## Best so far" in text or "## No fit yet" in text
-    if (run / "best.json").is_file():
-        export = run_cli("export", str(run), "-o", str(run.parent / "train.py"))
-        assert export.returncode == 0 and "a search is running in" in export.stderr, export.stderr
 
 
 @pytest.mark.slow

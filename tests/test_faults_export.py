@@ -153,7 +153,9 @@ DATASETS = {
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every record of the folder; not the locks, which name whichever process last took them."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix != ".lock"}
 
 
 @pytest.fixture(scope="module")

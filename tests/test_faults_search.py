@@ -16,7 +16,8 @@ import pytest
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, read_trials, run_cli
 from faults import Fault
 
-from autofit.rundir import read_spec
+from autofit import locks
+from autofit.rundir import SEARCH_LOCK, read_spec
 from autofit.study import open_study, stop_reason_of, study_rows
 
 FAULTS = [
@@ -25,6 +26,9 @@ FAULTS = [
     Fault("probe-killed-in-search", "kill -9 of a probe child from outside autofit during a search",
           "kill -9 <probe child of autofit search>", None,
           "probed once more (trial-NNNN-retry.log); the row keeps the first attempt's reason"),
+    Fault("resume-while-searching", "`search --resume` of a run whose search is still running (a second "
+          "search on the same study and GPU, each measuring under the other's load)", "autofit search --resume RUN",
+          2, "--resume: a search is running in", nothing_lost=True),
     Fault("budget-left", "the sampler's next proposal would not finish in the budget left",
           "autofit search --model tiny-llama --device cpu --budget 60s", 0,
           "a cheaper config is probed; stops when none can finish"),
@@ -135,6 +139,33 @@ def _new_pid(pid_file: Path, old: int | None, seconds: float = 120) -> int:
     raise AssertionError(f"no new probe child wrote {pid_file}")
 
 
+def _while_searching(run: Path, pid: int) -> None:
+    """report, export and --resume meeting the search running in `run` (process `pid`)."""
+    fault = next(f for f in FAULTS if f.id == "resume-while-searching")
+    before = _rows(run)
+    resumed = run_cli("search", "--resume", str(run), "--budget", "1m")
+    assert resumed.returncode == fault.exit_code and fault.message in resumed.stderr, resumed.stderr
+    assert f"(pid {pid}, since " in resumed.stderr and "Traceback" not in resumed.stderr
+    assert all(row in _rows(run) for row in before)
+    # a second worker joined from the folder a running one was joined from would share its run folder
+    spec = read_spec(run)
+    joined = run.parent / "joined" / f"{spec['run_id']}-worker-{run.parent.name}"
+    joined.mkdir(parents=True)
+    with locks.held(joined / SEARCH_LOCK, lambda who: None):  # the first joiner, as it holds its folder
+        join = run_cli("search", "--storage", spec["storage"], "--study-name", spec["study_name"], "--out",
+                       str(joined.parent), "--device", "cpu", "--budget", "1m", cwd=run.parent)
+    assert join.returncode == 2 and f"a worker of this study already runs in {joined}" in join.stderr, join.stderr
+    # the search writes best.json when it ends: an export before then says so, not "run autofit report"
+    early = run_cli("export", str(run), "-o", str(run.parent / "early.py"))
+    assert early.returncode == 2 and "it writes best.json when it ends" in early.stderr, early.stderr
+    report = run_cli("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert f"in progress: a search is running in this folder (pid {pid}, since " in report.stdout
+    text = (run / "report.md").read_text()
+    assert "**in progress**" in text and "## Winner" not in text and "stopped:" not in text
+    assert "## No fit yet" in text  # a hanging probe: no fit, and no best.json for an export to take
+
+
 @pytest.mark.slow
 def test_a_probe_killed_from_outside_is_probed_once_more(tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.id == "probe-killed-in-search")
@@ -152,6 +183,7 @@ def test_a_probe_killed_from_outside_is_probed_once_more(tmp_path: Path) -> None
         second = _new_pid(logs / "fake-child.pid", first)  # the same config, probed once more
         os.kill(second, signal.SIGKILL)
         _new_pid(logs / "fake-child.pid", second)  # the search moved on to the next config
+        _while_searching(logs.parent, search.pid)  # which hangs: the search is surely still running
     finally:
         search.send_signal(signal.SIGINT)
         search.communicate(timeout=120)

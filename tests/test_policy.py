@@ -368,10 +368,16 @@ def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
 
     plain = advice(cfg(4, "off", max_length=1024))
     assert plain == ("quantization (--space qlora: a 4-bit base), a --max-length shorter than 1024, "
-                     "micro_batch_size 1, gradient checkpointing (on, or on+offload), or a larger --memory-limit.")
+                     "micro_batch_size 1 (in a --space file), gradient checkpointing (on, or on+offload), or a larger "
+                     "--memory-limit.")
     tried = advice(cfg(1, "on+offload", quantization="nf4", max_length=512), cfg(2, "on", max_length=1024))
     assert tried == "a --max-length shorter than 512, or a larger --memory-limit."
     assert "with offload (on+offload)" in advice(cfg(1, "every_2", max_length=256))
+    # a probe that timed out or crashed ran out of nothing: it takes no saving off the advice
+    quiet = [ProbeResult(outcome, cfg(1, "on+offload", quantization="nf4", max_length=256).to_dict(), reason="x")
+             for outcome in (Outcome.TIMEOUT, Outcome.CRASH, Outcome.CANCELLED)]
+    mixed = nothing_fits_message([oom(cfg(4, "off", max_length=1024), OOM_TEXT), *quiet], LIMIT)
+    assert mixed.split("Allow next: ")[1] == plain
 
 
 def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_advice() -> None:

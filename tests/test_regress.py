@@ -393,7 +393,8 @@ def test_an_unchanged_run_passes_history_is_appended_and_the_version_diff_is_sho
 @pytest.mark.slow
 def test_a_second_regress_of_one_run_waits_for_the_first(run: Path) -> None:
     """A nightly job that overran into the next: the second measured under the first's load and both
-    appended to one history. It now waits for the run's lock, saying who holds it, then measures."""
+    appended to one history. It now waits for the run's lock, saying who holds it, then reads the baseline
+    the first job left (here edited to 10x faster meanwhile) and measures against it."""
     with open(run / "regress.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         held.truncate(0)  # as a holder does: the copied run kept the fixture's regress in it
@@ -409,8 +410,11 @@ def test_a_second_regress_of_one_run_waits_for_the_first(run: Path) -> None:
         assert "another autofit regress of this run is measuring (pid 4242, since last night)" in said
         time.sleep(1.0)
         assert proc.poll() is None and not (run / "regress-history.jsonl").exists()  # nothing measured meanwhile
+        faster = edit_best(run, tokens_per_s=10)["tokens_per_s"]
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err
+    assert proc.returncode == 1, out + err
+    check = json.loads((run / "r.json").read_text())["checks"][0]
+    assert check["status"] == "slower" and check["baseline_tokens_per_s"] == pytest.approx(faster)
     assert len(regress.read_history(run)) == 1
     assert (run / "regress.lock").read_text().startswith(f"pid {proc.pid}, since ")
 

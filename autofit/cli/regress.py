@@ -20,11 +20,13 @@ MEMORY_TOLERANCE_CPU = 0.10
 
 def cmd_regress(args: argparse.Namespace) -> int:
     reports = regress.Reports.claim(args.json, args.junit, args.run)
-    with ExitStack() as held:  # the run's regress lock, from the first probe to the last record
+    with ExitStack() as held:  # the run's regress lock, from reading the baseline to the last record
         try:
             speed, memory = gather(lambda: fraction(args.tolerance, "--tolerance"),
                                    lambda: None if args.memory_tolerance is None
                                    else fraction(args.memory_tolerance, "--memory-tolerance"))
+            # before the baseline is read: a job that waited must compare with what the first one left
+            held.enter_context(regress.one_at_a_time(Path(args.run), warn))
             p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit,
                              args.allow_gpu_change, args.dataset)
             if memory is None:  # the allocator's peak on a GPU is exact; a CPU's is resident memory, which moves
@@ -38,7 +40,6 @@ def cmd_regress(args: argparse.Namespace) -> int:
             print(f"    {'':<17} {'baseline':<28} now")
             for what, before, now, changed in regress.version_diff(p.env_before, env_now):
                 print(f"  {'*' if changed else ' '} {what:<17} {before:<28} {now}")
-            held.enter_context(regress.one_at_a_time(p.run_dir, warn))
             checks = regress.run_checks(p, tol, show)
         except AutofitError as e:  # nothing could be checked: an <error>, not a <failure>
             reports.error(e)

@@ -18,13 +18,16 @@ from ..study import stop_reason_of, study_rows, untried_of
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     spec, study = open_run_study(run_dir)
-    rows, timeline = study_rows(study)
-    searching = locks.holder(run_dir / SEARCH_LOCK)
-    try:
-        best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study),
-                             searching)
-    except OSError as e:
-        raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
+    while True:
+        rows, timeline = study_rows(study)
+        searching = locks.holder(run_dir / SEARCH_LOCK)
+        try:
+            best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study),
+                                 searching)
+        except OSError as e:
+            raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
+        if not searching or locks.holder(run_dir / SEARCH_LOCK):
+            break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
     if searching:  # the interim figures are not the search's result, and an export now would take them

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
 from shlex import quote
@@ -134,18 +134,24 @@ def request(args: argparse.Namespace) -> SearchRequest:
 
 def cmd_search(args: argparse.Namespace) -> int:
     session = plan(request(args))
-    with ExitStack() as held:  # the run folder's search lock, for the search's life (a joining worker takes none)
-        if session.mode is Mode.RESUME:  # before start() rewrites anything in the folder
-            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session.run_dir)))
+    with ExitStack() as held:  # the run folder's search lock, for the search's life
+        if session.mode is not Mode.NEW:  # before start() rewrites anything in the folder
+            if session.mode is Mode.JOIN:  # a joining worker's folder is made here; a resumed one exists
+                with suppress(OSError):  # not writable: start() says so, naming --out
+                    session.run_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
         session, study = start(session)
-        if session.mode is Mode.NEW:
-            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session.run_dir)))
+        if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
+            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
         return _search(args, session, study)
 
 
-def _searching(run_dir: Path, who: str) -> None:
-    raise UsageError(f"--resume: a search is running in {run_dir} ({who}); wait for it to end, or stop it "
-                     f"(Ctrl-C) and resume then.")
+def _searching(session: Session, who: str) -> None:
+    if session.mode is Mode.JOIN:
+        raise UsageError(f"a worker of this study already runs in {session.run_dir} ({who}), joined from this "
+                         "folder; start another worker from another folder, or give it another --out.")
+    raise UsageError(f"--resume: a search is running in {session.run_dir} ({who}); wait for it to end, or stop "
+                     "it (Ctrl-C) and resume then.")
 
 
 def _search(args: argparse.Namespace, session: Session, study: optuna.Study) -> int:
