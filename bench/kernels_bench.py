@@ -695,6 +695,9 @@ def main() -> None:
     ap.add_argument("--resume-first", metavar="DURATION",
                     help="with --export-run: resume a copy of the run for this long first (`autofit search --resume`), "
                          "so a best measured once is measured again and its figure is a median; then the export")
+    ap.add_argument("--winner-changes", metavar="JSON",
+                    help="with --export-run: export the run's winner with these config changes (a copy of the run, "
+                         "as the stock reference is made), e.g. the best a resume of the run found")
     ap.add_argument("--warm-steps", type=int, default=0,
                     help="with the export: start the loss curves from the preset trained this many steps by the "
                          "stock recipe (a settled loss, as fine-tuning a trained model), not from random weights")
@@ -720,6 +723,10 @@ def main() -> None:
         head: dict[str, Any] = {"export_of": run_dir.name}
         if a.resume_first:
             run_dir, head["resumed"] = resumed_copy(run_dir, a.resume_first)
+        if a.winner_changes:
+            head["winner_changes"] = json.loads(a.winner_changes)
+            run_dir = variant_copy(run_dir, Path(tempfile.mkdtemp(prefix="kernels-changed-")), "changed",
+                                   head["winner_changes"])
         best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
         head["winner"] = config_of(best)
         export = export_fidelity(setup, run_dir, best,
