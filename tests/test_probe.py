@@ -192,7 +192,7 @@ def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path) -> None:
+def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path, short_fit: dict) -> None:
     """lora_targets=all-linear is peft's own form: every linear layer of a block (not the head), and the
     memory model's adapter count is the probe's trainable parameters, for the names and for all-linear."""
     from autofit.memory import Shape, adapter_params
@@ -200,10 +200,12 @@ def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: 
     from autofit.spec import TrialConfig
 
     shape = Shape.from_config(PRESETS["tiny-llama"])
-    for targets in ("all-linear", "q_proj,v_proj"):
-        r = probe_json(*SHORT, "--set", f"lora_targets={targets}", cwd=tmp_path)
-        assert r["outcome"] == "fit" and r["config"]["lora_targets"] == targets
-        assert r["trainable_params"] == adapter_params(TrialConfig(lora_targets=targets), shape), targets
+    every = probe_json(*SHORT, "--set", "lora_targets=all-linear", cwd=tmp_path)
+    for r in (every, short_fit):  # short_fit: the default q_proj,v_proj
+        targets = r["config"]["lora_targets"]
+        assert r["outcome"] == "fit" and r["trainable_params"] == adapter_params(TrialConfig(lora_targets=targets),
+                                                                                 shape), targets
+    assert every["config"]["lora_targets"] == "all-linear" and short_fit["config"]["lora_targets"] == "q_proj,v_proj"
 
 
 def test_real_cuda_oom_text_is_an_oom_with_shortfall(tmp_path: Path) -> None:
