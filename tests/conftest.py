@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_CHILD = Path(__file__).resolve().parent / "fake_child.py"
+
+# A suite started in the background (`nohup pytest &` from a script) inherits SIGINT ignored, and so would
+# every autofit it starts: the Ctrl-C tests would find their signal dropped. A handler is reset to the
+# default in a new program, where an ignored signal stays ignored; so the suite takes Python's own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
