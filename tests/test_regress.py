@@ -391,17 +391,18 @@ def test_an_unchanged_run_passes_history_is_appended_and_the_version_diff_is_sho
 
 
 @pytest.mark.slow
-def test_a_second_regress_of_one_run_waits_for_the_first(run: Path) -> None:
+def test_a_baseline_ten_times_faster_is_a_speed_regression_after_waiting_for_the_job_before(run: Path) -> None:
     """A nightly job that overran into the next: the second measured under the first's load and both
     appended to one history. It now waits for the run's lock, saying who holds it, then reads the baseline
-    the first job left (here edited to 10x faster meanwhile) and measures against it."""
+    the first job left (here edited to 10x faster meanwhile) and measures against it: a regression."""
     with open(run / "regress.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         held.truncate(0)  # as a holder does: the copied run kept the fixture's regress in it
         held.write("pid 4242, since last night\n")
         held.flush()
         proc = subprocess.Popen([sys.executable, "-m", "autofit", "regress", str(run), "--json", str(run / "r.json"),
-                                 *TOL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--junit", str(run / "r.xml"), *TOL], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         said = ""
         while "waiting for it to finish" not in said:
             line = proc.stderr.readline()
@@ -410,28 +411,20 @@ def test_a_second_regress_of_one_run_waits_for_the_first(run: Path) -> None:
         assert "another autofit regress of this run is measuring (pid 4242, since last night)" in said
         time.sleep(1.0)
         assert proc.poll() is None and not (run / "regress-history.jsonl").exists()  # nothing measured meanwhile
-        faster = edit_best(run, tokens_per_s=10)["tokens_per_s"]
+        best = edit_best(run, tokens_per_s=10)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out + err
-    check = json.loads((run / "r.json").read_text())["checks"][0]
-    assert check["status"] == "slower" and check["baseline_tokens_per_s"] == pytest.approx(faster)
-    assert len(regress.read_history(run)) == 1
-    assert (run / "regress.lock").read_text().startswith(f"pid {proc.pid}, since ")
-
-
-@pytest.mark.slow
-def test_a_baseline_ten_times_faster_is_a_speed_regression(run: Path) -> None:
-    best = edit_best(run, tokens_per_s=10)
-    proc = regress_cli(run, *TOL)
-    assert proc.returncode == 1
-    assert "[SLOWER] winner" in proc.stdout and f"{best['tokens_per_s']:,.0f}" in proc.stdout
-    assert "autofit: error: 1 of 1 config(s) regressed: winner slower" in proc.stderr
+    assert "[SLOWER] winner" in out and f"{best['tokens_per_s']:,.0f}" in out
+    assert "autofit: error: 1 of 1 config(s) regressed: winner slower" in err
     failure = ET.parse(run / "r.xml").getroot().find("testcase/failure")
     assert failure is not None and failure.get("type") == "slower"
     doc = json.loads((run / "r.json").read_text())
     check = doc["checks"][0]
+    assert check["baseline_tokens_per_s"] == pytest.approx(best["tokens_per_s"])
     assert doc["regression"] is True and check["attempts"] == 3  # measured again before failing
     assert len(check["runs"]) == 3 and check["tokens_per_s"] == statistics.median(check["runs"])
+    assert len(regress.read_history(run)) == 1
+    assert (run / "regress.lock").read_text().startswith(f"pid {proc.pid}, since ")
 
 
 @pytest.mark.slow
