@@ -216,7 +216,8 @@ def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) 
 
 def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
                   timeline: list[tuple[float, float]], stop_reason: str = "",
-                  untried: dict[str, int] | None = None, searching: str | None = None) -> dict[str, Any] | None:
+                  untried: dict[str, int] | None = None, searching: str | None = None,
+                  unfinished: bool = False) -> dict[str, Any] | None:
     """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result);
     `untried`: the configs the search left unprobed, by verdict (study.untried_of); `searching`: the
     search still running in the folder ("pid N, since T"), whose best so far this is."""
@@ -243,7 +244,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     (run_dir / "report.md").write_text(
         report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried,
-                        run_dir, searching))
+                        run_dir, searching, unfinished))
     return best_doc
 
 
@@ -271,12 +272,15 @@ def rebaselined(path: Path, config: dict[str, Any]) -> bool:
 def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
                     data: dict[str, Any] | None = None, untried: dict[str, int] | None = None,
-                    run_dir: Path | None = None, searching: str | None = None) -> str:
+                    run_dir: Path | None = None, searching: str | None = None, unfinished: bool = False) -> str:
     """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>);
     `searching`: the search still running there, so that nothing below is called its result."""
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried)
+    if unfinished:
+        lines[-1:-1] = ["- **not finished**: the study records no end (its search was killed, or the folder copied "
+                        "while it ran): what follows is the result so far; `autofit search --resume` continues it"]
     if searching:
         lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows is "
                         "the best so far, and the search rewrites this report when it ends (if it is killed "
@@ -571,6 +575,12 @@ def nothing_fits_message(results: list[ProbeResult], limit: int | None, stop_rea
         return (f"No configuration ran: every probe was unsupported or crashed, so nothing is known about memory. "
                 f"{n} of {len(results)} said: {reason}. That is no memory problem: fix what it names (the model, a "
                 "key of the space, a kernel this machine lacks) and search again; the probe logs say more.")
+    if not unstable and not any(r.outcome.is_memory() for r in results):  # timeouts, crashes, cancels: no memory
+        counts = Counter(r.outcome.value for r in results)
+        return (f"No configuration fits, and none ran out of memory: {len(results)} probe(s) ended "
+                f"{', '.join(f'{o} ({n})' for o, n in counts.most_common())}, so nothing is known about memory "
+                "yet. The probe logs say why each ended; a longer --budget or --probe-timeout, or a fix for "
+                "what crashed, comes before any memory saving; `--resume` keeps what was measured.")
     msg = "No configuration fits"
     msg += f" under the {format_size(limit)} limit." if limit else "."
     if memory:

@@ -274,6 +274,10 @@ class Search:
             for t in trials:
                 if t.state == TrialState.RUNNING:
                     self._settle(study, t)
+            # the last search's end is not this one's: a report made while this runs, or after it is
+            # killed, must not show it (a shared study's other workers may still be running: kept there)
+            record_stop_reason(study, "")
+            record_untried(study, {})
         seed_cfg = self.s.space.config(self.s.space.seed())
         if not any(t.user_attrs.get("config_key") == seed_cfg.key() for t in trials):
             study.enqueue_trial(self.s.space.seed(), user_attrs={"seeded": "common recipe"},

@@ -155,6 +155,8 @@ def _while_searching(run: Path, pid: int) -> None:
         join = run_cli("search", "--storage", spec["storage"], "--study-name", spec["study_name"], "--out",
                        str(joined.parent), "--device", "cpu", "--budget", "1m", cwd=run.parent)
     assert join.returncode == 2 and f"a worker of this study already runs in {joined}" in join.stderr, join.stderr
+    regressed = run_cli("regress", str(run))  # a second measurer, and a second writer of best.json
+    assert regressed.returncode == 2 and f"RUN: a search is running in {run} (pid {pid}" in regressed.stderr
     # the search writes best.json when it ends: an export before then says so, not "run autofit report"
     early = run_cli("export", str(run), "-o", str(run.parent / "early.py"))
     assert early.returncode == 2 and "it writes best.json when it ends" in early.stderr, early.stderr

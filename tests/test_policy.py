@@ -378,6 +378,9 @@ def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
              for outcome in (Outcome.TIMEOUT, Outcome.CRASH, Outcome.CANCELLED)]
     mixed = nothing_fits_message([oom(cfg(4, "off", max_length=1024), OOM_TEXT), *quiet], LIMIT)
     assert mixed.split("Allow next: ")[1] == plain
+    none = nothing_fits_message(quiet, LIMIT)  # nothing ran out of memory: no memory advice at all
+    assert none.startswith("No configuration fits, and none ran out of memory: 3 probe(s) ended ")
+    assert "timeout (1)" in none and "crash (1)" in none and "Allow next" not in none
 
 
 def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_advice() -> None:

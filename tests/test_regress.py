@@ -500,6 +500,21 @@ def test_regress_of_a_folder_that_is_not_a_run_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stderr == (
         f"autofit: error: RUN: {tmp_path} is not an autofit run (it has no spec.yaml); give a folder made by "
         "`autofit search`.\n")
+    assert list(tmp_path.iterdir()) == []  # no lock left in a folder that is no run
+
+
+@pytest.mark.slow
+def test_regress_and_a_resumed_search_do_not_measure_one_run_at_once(run: Path) -> None:
+    from autofit import locks
+    from autofit.rundir import REGRESS_LOCK, SEARCH_LOCK
+
+    with locks.held(run / REGRESS_LOCK, lambda who: None):  # a regress job measuring the run
+        resumed = run_cli("search", "--resume", str(run), "--budget", "1m")
+    assert resumed.returncode == 2 and f"--resume: autofit regress is measuring {run} (pid " in resumed.stderr
+    with locks.held(run / SEARCH_LOCK, lambda who: None):  # its search resumed and running
+        proc = regress_cli(run, *TOL)
+    assert proc.returncode == 2 and f"RUN: a search is running in {run} (pid " in proc.stderr, proc.stderr
+    assert not (run / "regress-history.jsonl").exists()  # nothing measured
 
 
 # --------------------------------------------------------------------------- several GPUs per probe, in-process

@@ -297,6 +297,9 @@ def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path, sig: 
     if sig == signal.SIGINT:
         assert proc.returncode == 130
         assert (run_dir / "report.md").is_file()  # the folder is consistent
+    report = run_cli("report", str(run_dir))  # killed: no end recorded, and the report says so
+    assert report.returncode == 0 and "not finished: the study records no end" in report.stdout, report.stdout
+    assert "**not finished**" in (run_dir / "report.md").read_text()
     before = read_trials(run_dir)
     resumed = run_cli("search", "--resume", str(run_dir), "--budget", "25s", "--json")
     assert resumed.returncode in (0, 3), resumed.stderr[-2000:]

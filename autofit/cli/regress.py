@@ -9,8 +9,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from .. import regress
-from ..errors import AutofitError, RegressionFound
+from .. import locks, regress
+from ..errors import AutofitError, RegressionFound, UsageError
+from ..rundir import SEARCH_LOCK
 from ..session import busy_gpus
 from .common import add_target_flags, fraction, gather, warn
 
@@ -26,7 +27,13 @@ def cmd_regress(args: argparse.Namespace) -> int:
                                    lambda: None if args.memory_tolerance is None
                                    else fraction(args.memory_tolerance, "--memory-tolerance"))
             # before the baseline is read: a job that waited must compare with what the first one left
-            held.enter_context(regress.one_at_a_time(Path(args.run), warn))
+            run = Path(args.run)
+            if (run / "spec.yaml").is_file():  # a run folder (what else it is not, plan says)
+                held.enter_context(regress.one_at_a_time(run, warn))
+            searching = locks.holder(run / SEARCH_LOCK)
+            if searching:  # both would measure under the other's load, and both write best.json
+                raise UsageError(f"RUN: a search is running in {run} ({searching}); regress re-measures the winner "
+                                 "of a search that has ended: run it then.")
             p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit,
                              args.allow_gpu_change, args.dataset)
             if memory is None:  # the allocator's peak on a GPU is exact; a CPU's is resident memory, which moves

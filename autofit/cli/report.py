@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from .. import locks
@@ -21,9 +22,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     while True:
         rows, timeline = study_rows(study)
         searching = locks.holder(run_dir / SEARCH_LOCK)
+        unfinished = not searching and not stop_reason_of(study) and bool(rows)
         try:
             best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study),
-                                 searching)
+                                 searching, unfinished)
         except OSError as e:
             raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
@@ -33,6 +35,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if searching:  # the interim figures are not the search's result, and an export now would take them
         print(f"in progress: a search is running in this folder ({searching}); these are its best so far, and "
               "it rewrites them when it ends")
+    elif unfinished:
+        print(f"not finished: the study records no end (its search was killed, or the folder copied while it "
+              f"ran); these are the results so far. Continue with: autofit search --resume {quote(str(run_dir))}")
     elif not best:  # what export and regress sent the user here to learn
         why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows], spec.targets[0].memory_limit_bytes,
                                    stop_reason_of(study))

@@ -24,7 +24,7 @@ from ..errors import UsageError
 from ..policy import Policy
 from ..protocol import TRAIN_TOKENS
 from ..report import config_brief, untried_line
-from ..rundir import CONFIRM, SEARCH_LOCK
+from ..rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK
 from ..search import Event
 from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
 from ..session import run as run_search
@@ -140,6 +140,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                 with suppress(OSError):  # not writable: start() says so, naming --out
                     session.run_dir.mkdir(parents=True, exist_ok=True)
             held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
+            regressing = locks.holder(session.run_dir / REGRESS_LOCK)
+            if regressing:  # it measures the winner: two measurers on one machine measure each other's load
+                raise UsageError(f"--resume: autofit regress is measuring {session.run_dir} ({regressing}); resume "
+                                 "when it has finished.")
         session, study = start(session)
         if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
             held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
