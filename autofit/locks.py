@@ -36,8 +36,9 @@ def holder(path: Path) -> str | None:
         return None
 
 
-ATTEMPTS = 5
-"""Tries, 20 ms apart, before a lock counts as held: `holder` takes it for an instant to look."""
+ATTEMPTS = 10
+"""Tries, 50 ms apart, before a lock counts as held: `holder` takes it for an instant to look (longer
+where a loaded machine stops the looker in that instant)."""
 
 
 @contextmanager
@@ -74,7 +75,7 @@ def _try(f: IO[str]) -> bool:
             return True
         except BlockingIOError:
             if attempt + 1 < ATTEMPTS:
-                time.sleep(0.02)
+                time.sleep(0.05)
     return False
 
 

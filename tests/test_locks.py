@@ -83,7 +83,7 @@ def test_a_look_by_holder_does_not_refuse_a_taker(tmp_path: Path) -> None:
     looker.start()
     refused: list[str] = []
     try:
-        for _ in range(300):
+        for _ in range(150):
             with locks.held(lock, refused.append):
                 pass
     finally:
