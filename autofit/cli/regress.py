@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import locks, regress
 from ..errors import AutofitError, RegressionFound, UsageError
-from ..rundir import SEARCH_LOCK
+from ..rundir import SEARCH_LOCK, RunDir
 from ..session import busy_gpus
 from .common import add_target_flags, fraction, gather, warn
 
@@ -28,13 +28,13 @@ def cmd_regress(args: argparse.Namespace) -> int:
                                    else fraction(args.memory_tolerance, "--memory-tolerance"))
             # before the baseline is read: a job that waited must compare with what the first one left
             run = Path(args.run)
-            if (run / "spec.yaml").is_file():  # a run folder (what else it is not, plan says)
+            if RunDir(run).spec.is_file():  # a run folder (what else it is not, plan says)
                 held.enter_context(regress.one_at_a_time(run, warn))
             searching = locks.holder(run / SEARCH_LOCK)
             if searching:  # both would measure under the other's load, and both write best.json
                 raise UsageError(f"RUN: a search is running in {run} ({searching}); regress re-measures the winner "
                                  "of a search that has ended: run it then.")
-            p = regress.plan(Path(args.run), args.top, args.gpu, args.device, args.memory_limit,
+            p = regress.plan(run, args.top, args.gpu, args.device, args.memory_limit,
                              args.allow_gpu_change, args.dataset)
             if memory is None:  # the allocator's peak on a GPU is exact; a CPU's is resident memory, which moves
                 memory = MEMORY_TOLERANCE_GPU if p.target.device == "cuda" else MEMORY_TOLERANCE_CPU

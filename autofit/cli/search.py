@@ -135,18 +135,21 @@ def request(args: argparse.Namespace) -> SearchRequest:
 def cmd_search(args: argparse.Namespace) -> int:
     session = plan(request(args))
     with ExitStack() as held:  # the run folder's search lock, for the search's life
+        def hold(s: Session) -> None:
+            held.enter_context(locks.held(s.run_dir / SEARCH_LOCK, partial(_searching, s)))
+
         if session.mode is not Mode.NEW:  # before start() rewrites anything in the folder
             if session.mode is Mode.JOIN:  # a joining worker's folder is made here; a resumed one exists
                 with suppress(OSError):  # not writable: start() says so, naming --out
                     session.run_dir.mkdir(parents=True, exist_ok=True)
-            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
+            hold(session)
             regressing = locks.holder(session.run_dir / REGRESS_LOCK)
             if regressing:  # it measures the winner: two measurers on one machine measure each other's load
                 raise UsageError(f"--resume: autofit regress is measuring {session.run_dir} ({regressing}); resume "
                                  "when it has finished.")
         session, study = start(session)
         if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
-            held.enter_context(locks.held(session.run_dir / SEARCH_LOCK, partial(_searching, session)))
+            hold(session)
         return _search(args, session, study)
 
 
