@@ -56,6 +56,45 @@ def read_only_folder(path: Path, fill: Callable[[Path], None] | None = None) -> 
             d.chmod(0o755)
 
 
+def mount_tmpfs(where: Path, size: str) -> bool:
+    """A small file system of its own at `where` (root only); False where it cannot be mounted."""
+    where.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          check=False, capture_output=True).returncode == 0
+
+
+def fill(where: Path) -> Path:
+    """Write until the file system is full; the file returned is the space to free later."""
+    filler = where / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for chunk in (1 << 20, 1 << 12, 1):  # down to the last byte
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+@contextmanager
+def full_disk(where: Path, size: str = "4m", fill_first: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """A tmpfs at `where` (`fill_first` puts content in first), then filled to the last byte; unmounted after.
+    Root only: the suite runs as root in CI's container."""
+    assert mount_tmpfs(where, size), "this test needs root to mount a small tmpfs (run the suite as root)"
+    try:
+        if fill_first is not None:
+            fill_first(where)
+        fill(where)
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
+
+
 def _ok(cmd: list[str]) -> bool:
     return shutil.which(cmd[0]) is not None and subprocess.run(cmd, check=False, capture_output=True).returncode == 0
 

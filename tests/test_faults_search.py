@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, read_trials, run_cli
-from faults import Fault
+from faults import Fault, fill, mount_tmpfs
 
 from autofit import locks
 from autofit.rundir import SEARCH_LOCK, read_spec
@@ -35,27 +35,6 @@ FAULTS = [
 ]
 
 
-def _mount_tmpfs(where: Path, size: str) -> bool:
-    where.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          check=False, capture_output=True).returncode == 0
-
-
-def _fill(where: Path) -> Path:
-    """Write until the filesystem is full; the file is the space to free later."""
-    filler = where / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    return filler
-
-
 def _rows(run_dir: Path) -> list[dict]:
     spec = read_spec(run_dir)
     return study_rows(open_study(spec["storage"], spec["study_name"], create=False, seed=0))[0]
@@ -64,7 +43,7 @@ def _rows(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "24m"):
+    if not mount_tmpfs(disk, "24m"):
         pytest.fail("this test needs root to mount a small tmpfs (run the suite as root, or in CI's container)")
     try:
         cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
@@ -77,7 +56,7 @@ def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(t
             run_dir = next((p.parent for p in disk.glob("*/trials.jsonl") if p.read_text().strip()), None)
             time.sleep(0.2)
         assert run_dir is not None, "no probe finished"
-        filler = _fill(disk)
+        filler = fill(disk)
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 4, stderr[-3000:]
         assert "cannot write the study" in stderr and "--resume" in stderr

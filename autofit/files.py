@@ -1,0 +1,118 @@
+"""Files autofit writes: whole or not at all, and which failures mean "cannot write" (exit 4).
+
+Every file a command writes (a recipe, best.json, a report, a plot, a JSON or JUnit file) goes
+through `write_atomic`: the bytes go to a temporary file in the same folder, are flushed to disk,
+and only then renamed over the target, so a full disk or a kill leaves the old file or none,
+never half of one. An append-only record (a history) goes through `append_line`, which starts the
+new record on a line of its own even when the last one was cut.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+"""The errors of a disk or folder that does not take writes: full, over quota, read-only, not ours,
+a file over the file system's size limit."""
+STORAGE_WORDS = ("disk is full", "disk i/o error", "readonly database", "read-only", "database or disk is full")
+"""What database drivers say for the same (SQLite: "database or disk is full", "attempt to write a
+readonly database")."""
+
+
+def cannot_write(e: BaseException) -> bool:
+    """A full or read-only disk, or a storage that refuses writes; not any other failure."""
+    if isinstance(e, OSError):
+        return e.errno in WRITE_FAILURES
+    text = f"{e} {e.__cause__ or ''}".lower()
+    return any(w in text for w in STORAGE_WORDS)
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed.
+    An OSError (a full disk) leaves no temporary file and the old `path` as it was."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:200]}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _mode(target))
+        os.replace(tmp, target)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], doc: Any) -> None:
+    """`write_atomic` of a JSON document, indented one space, ending in a newline."""
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> None:
+    """A matplotlib figure saved whole or not at all (a disk that fills while it renders leaves no
+    damaged image)."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem[:200]}.", suffix=target.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, _mode(target))
+        os.replace(tmp, target)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append one record (a JSON line) to an append-only file. A file whose last line was cut (no
+    newline at its end) gets one first, so the new record never joins the damaged one."""
+    target = Path(path)
+    with open(target, "ab+") as f:
+        f.seek(0, os.SEEK_END)
+        joins = False
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            joins = f.read(1) != b"\n"
+        f.seek(0, os.SEEK_END)
+        f.write((("\n" if joins else "") + line.rstrip("\n") + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _mode(target: Path) -> int:
+    """The permissions a plain `open(path, "w")` would have given: the old file's, else 0o666 less the umask
+    (mkstemp makes 0o600)."""
+    try:
+        return target.stat().st_mode & 0o777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask sets it, which
+    would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
