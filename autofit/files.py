@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,13 @@ def cannot_write(e: BaseException) -> bool:
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed.
-    An OSError (a full disk) leaves no temporary file and the old `path` as it was."""
+    An OSError (a full disk) leaves no temporary file and the old `path` as it was. An existing target
+    that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is written into as asked, never replaced."""
     target = Path(path)
+    if _special(target):
+        with open(target, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        return
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:200]}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -58,6 +64,9 @@ def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> None:
     """A matplotlib figure saved whole or not at all (a disk that fills while it renders leaves no
     damaged image)."""
     target = Path(path)
+    if _special(target):
+        fig.savefig(target, dpi=dpi)
+        return
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem[:200]}.", suffix=target.suffix)
     os.close(fd)
     try:
@@ -85,6 +94,14 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
         f.write((("\n" if joins else "") + line.rstrip("\n") + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
+
+
+def _special(target: Path) -> bool:
+    """An existing target that is not a regular file (a device, a FIFO): renaming over it would replace it."""
+    try:
+        return not stat.S_ISREG(target.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _mode(target: Path) -> int:

@@ -1,7 +1,7 @@
 """The package's shape: layers that import only downward, no cycles, torch only on the probe side.
 
 Layers, bottom to top (a module imports its own layer or lower ones, never a cycle):
-  0 foundation   errors, files, protocol, units, result, envinfo, spec, models, signatures, objective
+  0 foundation   errors, files, paths, protocol, units, result, envinfo, spec, models, signatures, objective
   1 domain       space, memory, recipe, target, kills (evidence of the OOM killer), data (datasets,
                  lengths, batching), kernels (what kernels can run, the correctness gate), distributed
                  (the engines of a probe spanning several GPUs), group (its ranks judged as one)

@@ -83,3 +83,17 @@ def test_the_written_file_has_the_permissions_open_would_give(tmp_path: Path) ->
 ])
 def test_cannot_write_tells_a_refused_write_from_other_failures(error: BaseException, expected: bool) -> None:
     assert files.cannot_write(error) is expected
+
+
+def test_a_device_or_fifo_target_is_written_into_never_replaced(tmp_path: Path) -> None:
+    files.write_atomic("/dev/null", "nothing")
+    assert Path("/dev/null").is_char_device()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        files.write_atomic(fifo, "through the pipe")
+        assert os.read(reader, 100) == b"through the pipe"
+        assert fifo.is_fifo()
+    finally:
+        os.close(reader)
