@@ -108,6 +108,15 @@ class ProbeRequest:
     """Seeds the micro-batch plan: every config of a search sees the same samples in the same order."""
     nvml_indices: list[int] = field(default_factory=list)
     """A probe spanning several GPUs: the physical index of each local rank's GPU (rank k: entry k)."""
+    accumulation: int | None = None
+    """Micro-steps per optimizer step where the data decides them (a packed plan's rows hold a varying
+    number of samples: `data.batching.step_shape`); None: the config's `gradient_accumulation_steps`.
+    The probe sets it from its own plan."""
+
+    @property
+    def config_accumulation(self) -> int:
+        """Micro-steps of one real optimizer step on each rank (what the figures are extended to)."""
+        return self.accumulation or self.config.gradient_accumulation_steps
 
     @property
     def usable_bytes(self) -> int | None:
@@ -116,8 +125,12 @@ class ProbeRequest:
     @property
     def probe_accumulation(self) -> int:
         """Micro-steps per probed optimizer step: the config's, capped by `max_probe_accumulation`."""
-        cap = self.max_probe_accumulation or self.config.gradient_accumulation_steps
-        return min(self.config.gradient_accumulation_steps, cap)
+        return min(self.config_accumulation, self.max_probe_accumulation or self.config_accumulation)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches the probe trains in all (warm-up, timed and extra timed steps)."""
+        return (self.warmup_steps + self.timed_steps + self.extra_timed_steps) * self.probe_accumulation
 
     def to_json(self) -> str:
         d = asdict(self)

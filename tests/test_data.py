@@ -29,6 +29,7 @@ from autofit.data import (
     load_samples,
     plan,
 )
+from autofit.data.batching import step_shape
 from autofit.data.stats import format_stats, histogram_png
 from autofit.data.tokenizer import PLAIN_CHAT, standin_tokenizer, tokenizer_for
 from autofit.errors import UsageError
@@ -592,11 +593,12 @@ def test_the_probe_runs_the_heaviest_micro_batch_then_the_seeded_sample(tmp_path
     cfg = TrialConfig(batching="group_by_length", max_length=256, micro_batch_size=4, global_batch=8)
     req = ProbeRequest(cfg, resolve_model("tiny-llama"), str(tmp_path / "r.json"),
                        dataset=DatasetRef.of(load_samples(D2)).to_dict(), data_cache=str(tmp_path), data_seed=3)
-    rb = real_batches(req, 9)
+    rb = real_batches(req)
     p = plan(Batching.GROUP_BY_LENGTH, [len(t) for t in rb.token_ids], 256, 4, 3)
-    assert rb.order[0] == p.heaviest
-    assert list(rb.order[1:]) == drawn(p.batches, 8, 3)
-    assert list(rb.order[1:]) != p.batches[:8]  # the plan's start: its longest micro-batches
+    n = req.micro_batches  # every step of the probe: accumulation 2 (8 / 4), no packed rows to count
+    assert rb.order[0] == p.heaviest and len(rb.order) == n and rb.step.accumulation == 2
+    assert list(rb.order[1:]) == drawn(p.batches, n - 1, 3)
+    assert list(rb.order[1:]) != p.batches[:n - 1]  # the plan's start: its longest micro-batches
 
 
 def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_its_window_drew() -> None:
@@ -613,7 +615,8 @@ def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_
     p = plan(Batching.PAD_LONGEST, lengths, 2048, 1, 0)
     n = len(p.batches)
     rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:60]), p.pad_fraction, 0.0,
-                     plan_trained=p.trained_tokens / n, plan_tensor=sum(b.tensor_tokens for b in p.batches) / n)
+                     plan_trained=p.trained_tokens / n, plan_tensor=sum(b.tensor_tokens for b in p.batches) / n,
+                     step=step_shape(Batching.PAD_LONGEST, 16, 1, 1, 1, p.trained_tokens / n))
     a, b, acc, config_acc, first = 0.15, 2e-5, 4, 16, 2
     steps = range(first, first + 8)
     seconds = [config_acc * (a + b * sum(m.tensor_tokens for m in rb.step_batches(k, acc)) / acc) for k in steps]

@@ -100,6 +100,7 @@ def _check_strategy_figures(tmp_path: Path, rows: list[dict]) -> None:
     """Each strategy's probe trained on the data as the plan says: the heaviest micro-batch first
     (recomputed from the data, independently of the probe), its padding and its samples per step."""
     from autofit.data import Batching, load_samples, plan, tokenizer_for
+    from autofit.data.batching import step_shape
     from autofit.models import resolve_model
 
     data = load_samples(D1)
@@ -112,10 +113,14 @@ def _check_strategy_figures(tmp_path: Path, rows: list[dict]) -> None:
         assert extra["heaviest_tensor_tokens"] == p.heaviest.tensor_tokens, strategy
         if strategy == "pad_max":
             assert extra["heaviest_tensor_tokens"] == 2 * 96 and extra["pad_fraction"] > 0.2
-        if strategy in ("pad_max", "pad_longest", "group_by_length"):
-            assert extra["samples_per_step"] == 4  # micro-batch 2 x accumulation 2
-        else:
-            assert extra["samples_per_step"] > 0
+        if strategy == "packed":  # rows of several samples: the accumulation keeps the global batch on average
+            n = len(p.batches)
+            want = step_shape(p.strategy, row["config"]["global_batch"], 2, 1, p.samples_per_micro_batch,
+                              p.trained_tokens / n)
+            assert extra["gradient_accumulation_steps"] == want.accumulation, strategy
+            assert extra["samples_per_step"] == pytest.approx(want.samples, abs=0.01)
+        else:  # micro-batch 2 x accumulation 2, padded or flattened
+            assert (extra["samples_per_step"], extra["gradient_accumulation_steps"]) == (4, 2), strategy
         if strategy == "padding_free":
             assert extra["pad_fraction"] == 0
         assert 0 < extra["tokens_lost"] < 1
@@ -504,12 +509,14 @@ def test_the_spread_rule_compares_seconds_per_unit_of_work_when_steps_differ_in_
     """Steps timed exactly by a fixed cost per micro-batch plus a cost per token (short samples on a GPU)
     are not noise: the rule divides by each step's work as the speed model counts it."""
     from autofit.data import Batching, plan
+    from autofit.data.batching import step_shape
     from autofit.effects import HALF_TOKENS
     from autofit.probe.batches import RealBatches
     from autofit.probe.timing import ProbeCallback, TimingPlan, spread
 
     p = plan(Batching.PAD_LONGEST, [20 + (i * 37) % 1300 for i in range(300)], 2048, 1, 0)
-    rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:40]), p.pad_fraction, 0.0, 1.0, 1.0)
+    rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:40]), p.pad_fraction, 0.0, 1.0, 1.0,
+                     step_shape(Batching.PAD_LONGEST, 16, 1, 1, 1, 1.0))
     cb = ProbeCallback(None, lambda: None, TimingPlan(2, 5, 5, 0, lambda event: None))  # type: ignore[arg-type]
     cost = [1e-4 * rb.step_cost(k, 4) for k in range(7)]  # 0.1 s a micro-batch of HALF_TOKENS' worth
     cb.steps = [{"seconds": c, "micro": 0.0, "optimizer": 0.0, "reserved": 0} for c in cost]

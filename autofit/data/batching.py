@@ -10,21 +10,31 @@ exporters can reproduce:
   micro-batches sorted by length, the longest micro-batch first), padded to the longest; the
   permutation comes from Python's `random` with the seed, not torch's, so the batches are
   Trainer's algorithm but not its exact draw;
-- PADDING_FREE: samples in a shuffled order flattened into one row, position_ids restarting per
-  sample (DataCollatorWithFlattening), a token budget of micro_batch_size x max_length per
-  micro-batch instead of a sample count;
+- PADDING_FREE: micro_batch_size samples in a shuffled order flattened into one row, position_ids
+  restarting per sample (transformers' DataCollatorWithFlattening, TRL's `padding_free=True`: the
+  batch's samples, not a token budget);
 - PACKED: best-fit-decreasing bins of max_length (TRL `packing_strategy="bfd"`, same algorithm:
   longest first, each into the fullest bin it fits, ties first-opened first), the bins in a seeded
   shuffle (a random sampler over the packed rows), micro_batch_size rows per micro-batch,
   boundaries kept by position_ids.
 Samples are truncated to max_length first (what every strategy and exporter does).
 A trained token is a token with a label after the model's shift: `length - 1` per sample.
+
+One effective batch for every strategy (`StepShape`): `global_batch` is samples per optimizer step,
+as in Trainer (per-device batch x accumulation x ranks). A padded or padding-free micro-batch holds
+micro_batch_size samples, so accumulation = ceil(global_batch / (micro_batch_size x gpus)); a packed
+micro-batch holds micro_batch_size rows of however many samples fit, so accumulation =
+max(1, round(global_batch / (gpus x the plan's mean samples per micro-batch))). A config whose step
+then trains more than `BATCH_TOLERANCE` away from the global batch (a packed row of 35 short samples
+against a global batch of 16; micro-batch 12 at 16: 24 samples) changes what is learned, and is
+marked so (`StepShape.keeps_global_batch`).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import math
 import random
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -32,6 +42,9 @@ from dataclasses import dataclass
 
 MEGA_BATCH_MULT = 50
 """transformers' get_length_grouped_indices default (capped so that there are 4 mega-batches)."""
+BATCH_TOLERANCE = 0.10
+"""How far a step's mean samples may lie from the global batch before the config is said to change
+what is learned (a tenth: the effective batch of a 16-sample step stays within 14.4-17.6)."""
 
 
 class Batching(enum.Enum):
@@ -93,6 +106,54 @@ class BatchPlan:
     def trained_tokens(self) -> int:
         return sum(b.trained_tokens for b in self.batches)
 
+    @property
+    def samples_per_micro_batch(self) -> float:
+        """The mean samples a micro-batch of this plan trains (micro_batch_size but for packed rows and
+        the epoch's last, short micro-batch)."""
+        return sum(len(b.samples) for b in self.batches) / max(len(self.batches), 1)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one optimizer step trains, over every rank, on average over the data."""
+
+    accumulation: int
+    """Micro-steps per optimizer step on each rank."""
+    samples: float
+    """Samples per optimizer step (the effective batch)."""
+    trained_tokens: float
+    """Label-bearing tokens per optimizer step."""
+    global_batch: int
+    """The samples per step asked for."""
+
+    @property
+    def keeps_global_batch(self) -> bool:
+        return abs(self.samples / self.global_batch - 1) <= BATCH_TOLERANCE + 1e-9
+
+    def describe(self) -> str:
+        """"16 samples per step (global batch 16)", with the difference where it is not kept."""
+        n = f"{self.samples:,.1f}".removesuffix(".0")
+        if self.keeps_global_batch:
+            return f"{n} samples per optimizer step (global batch {self.global_batch})"
+        return (f"{n} samples per optimizer step, {self.samples / self.global_batch - 1:+.0%} against the global "
+                f"batch of {self.global_batch}: changes what is learned")
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return {"gradient_accumulation_steps": self.accumulation, "samples_per_step": round(self.samples, 2),
+                "trained_tokens_per_step": round(self.trained_tokens, 1), "global_batch": self.global_batch,
+                "keeps_global_batch": self.keeps_global_batch}
+
+
+def step_shape(strategy: Batching, global_batch: int, micro_batch_size: int, gpus: int,
+               samples_per_micro_batch: float, trained_per_micro_batch: float) -> StepShape:
+    """The rule of one effective batch (module docstring), from what a mean micro-batch of the plan holds."""
+    if strategy is Batching.PACKED:
+        acc = max(1, round(global_batch / (gpus * max(samples_per_micro_batch, 1e-9))))
+    else:
+        acc = math.ceil(global_batch / (micro_batch_size * gpus))
+    per_micro = samples_per_micro_batch if strategy is Batching.PACKED else micro_batch_size
+    return StepShape(acc, acc * gpus * per_micro, acc * gpus * trained_per_micro_batch, global_batch)
+
 
 def plan(strategy: Batching, lengths: Sequence[int], max_length: int, micro_batch_size: int,
          seed: int = 0) -> BatchPlan:
@@ -109,7 +170,7 @@ def plan(strategy: Batching, lengths: Sequence[int], max_length: int, micro_batc
         groups = [tuple(bins[i:i + micro_batch_size]) for i in range(0, len(bins), micro_batch_size)]
         batches = [_rows(g, cut, max_length) for g in groups]
     elif strategy is Batching.PADDING_FREE:
-        batches = [_flat(g, cut) for g in _by_budget(order, cut, micro_batch_size * max_length)]
+        batches = [_flat(order[i:i + micro_batch_size], cut) for i in range(0, len(order), micro_batch_size)]
     else:
         if strategy is Batching.GROUP_BY_LENGTH:
             order = length_grouped(order, cut, micro_batch_size)
@@ -122,10 +183,10 @@ def plan(strategy: Batching, lengths: Sequence[int], max_length: int, micro_batc
 
 def heaviest(strategy: Batching, cut: Sequence[int], max_length: int, micro_batch_size: int) -> MicroBatch:
     """The longest samples together: padded strategies pad them (to max_length for PAD_MAX),
-    PADDING_FREE fills its token budget longest-first, PACKED fills micro_batch_size full rows."""
+    PADDING_FREE flattens them, PACKED fills micro_batch_size full rows."""
     longest = sorted(range(len(cut)), key=lambda i: -cut[i])
     if strategy is Batching.PADDING_FREE:
-        return _flat(_fill(longest, cut, micro_batch_size * max_length), cut)
+        return _flat(longest[:micro_batch_size], cut)
     if strategy is Batching.PACKED:
         bins = best_fit_decreasing(cut, max_length)[:micro_batch_size]
         return _rows(tuple(bins), cut, max_length)
@@ -148,29 +209,6 @@ def _rows(bins: Sequence[tuple[int, ...]], cut: Sequence[int], max_length: int) 
     real = sum(cut[i] for b in bins for i in b)
     n = sum(len(b) for b in bins)
     return MicroBatch(tuple(bins), max_length, real, real - n)
-
-
-def _by_budget(order: Sequence[int], cut: Sequence[int], budget: int) -> list[list[int]]:
-    """Consecutive samples while they fit the token budget (a sample alone always fits: <= max_length)."""
-    groups: list[list[int]] = [[]]
-    used = 0
-    for i in order:
-        if used + cut[i] > budget and groups[-1]:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += cut[i]
-    return groups
-
-
-def _fill(longest: Sequence[int], cut: Sequence[int], budget: int) -> list[int]:
-    """Longest first, every sample that still fits the budget."""
-    out, used = [], 0
-    for i in longest:
-        if used + cut[i] <= budget:
-            out.append(i)
-            used += cut[i]
-    return out
 
 
 def length_grouped(order: Sequence[int], cut: Sequence[int], batch_size: int) -> list[int]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .batching import Batching, plan
+from .batching import Batching, StepShape, plan, step_shape
 from .reference import DatasetRef
 
 SAMPLE = 20_000
@@ -27,7 +27,7 @@ before, and a plan of 100k samples takes up to 0.7 s, paid inside the search's b
 class TokenShapes:
     lengths: Sequence[int]
     seed: int = 0
-    _cache: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict, repr=False)
+    _cache: dict[tuple[str, int, int], tuple[float, float, float]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,12 +36,23 @@ class TokenShapes:
 
     def per_micro_batch(self, batching: str, max_length: int, micro_batch_size: int) -> tuple[float, float]:
         """(trained tokens, tensor tokens) of the plan's mean micro-batch."""
+        return self._means(batching, max_length, micro_batch_size)[:2]
+
+    def step(self, batching: str, max_length: int, micro_batch_size: int, global_batch: int,
+             gpus: int = 1) -> StepShape:
+        """What one optimizer step trains on this data (`batching.step_shape`: one effective batch)."""
+        trained, _, samples = self._means(batching, max_length, micro_batch_size)
+        return step_shape(Batching(batching), global_batch, micro_batch_size, gpus, samples, trained)
+
+    def _means(self, batching: str, max_length: int, micro_batch_size: int) -> tuple[float, float, float]:
+        """(trained tokens, tensor tokens, samples) of the plan's mean micro-batch."""
         key = (batching, max_length, micro_batch_size)
         with self._lock:  # the search's workers share one table: each plan is built once
             if key not in self._cache:
                 p = plan(Batching(batching), self.lengths, max_length, micro_batch_size, self.seed)
                 n = max(len(p.batches), 1)
-                self._cache[key] = (p.trained_tokens / n, sum(b.tensor_tokens for b in p.batches) / n)
+                self._cache[key] = (p.trained_tokens / n, sum(b.tensor_tokens for b in p.batches) / n,
+                                    p.samples_per_micro_batch)
             return self._cache[key]
 
 

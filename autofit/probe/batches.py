@@ -6,7 +6,7 @@ sequential sampling, a collator that unwraps the one micro-batch), so the same s
 model in the same order for every config of a search (`ProbeRequest.data_seed`): the plan's
 micro-batches drawn in a seeded shuffle, a sample of the whole epoch rather than its first ones. The heaviest
 micro-batch the strategy can produce (`BatchPlan.heaviest`: the longest samples padded to
-`max_length`, or the full token budget) is the first micro-batch of the first warm-up step: its peak
+`max_length`, or flattened) is the first micro-batch of the first warm-up step: its peak
 counts toward the probe's peak, and it is not timed.
 
 The objective is trained tokens per second over the data: the plan's mean label-bearing, non-pad
@@ -24,6 +24,7 @@ mask), the deliberately leaking strategy that the loss check must turn into `mis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
+from ..data.batching import StepShape, step_shape
 from ..data.collate import collate, model_inputs, packed_rows
 from ..data.correctness import BoundaryCheck, boundary_batch, boundary_key, check_batch
 from ..data.stats import cut
@@ -60,6 +62,8 @@ class RealBatches:
     """The whole plan's mean trained tokens per micro-batch (one epoch of the data)."""
     plan_tensor: float
     """The whole plan's mean tensor tokens (padding included) per micro-batch."""
+    step: StepShape
+    """What one optimizer step trains on this data: its accumulation, samples and trained tokens."""
     leaky: bool = False
 
     def collated(self, mb: MicroBatch) -> dict[str, Any]:
@@ -138,9 +142,9 @@ class RealBatches:
 
     def figures(self, seconds: Sequence[float], first_step: int, accumulation: int,
                 config_accumulation: int) -> dict[str, Any]:
-        """The timed steps' pad fraction and trained tokens; samples per optimizer step (the effective batch of
-        padding_free and packed, whose micro-batches hold a varying number of samples); the plan's mean
-        micro-batch and the time model the figure comes from, with what the window alone gave."""
+        """The timed steps' pad fraction, trained tokens and samples per step; the plan's mean micro-batch
+        and the time model the figure comes from, with what the window alone gave (the plan's samples
+        per step, the effective batch, are `step`'s)."""
         steps = len(seconds)
         timed = [b for k in range(steps) for b in self.step_batches(first_step + k, accumulation)]
         tensor = sum(b.tensor_tokens for b in timed)
@@ -154,13 +158,14 @@ class RealBatches:
                 "plan_tensor_per_micro_batch": round(self.plan_tensor, 2),
                 "time_model": {"seconds_per_micro_batch": a, "seconds_per_tensor_token": b},
                 "window_tokens_per_s": trained * config_accumulation / accumulation / sum(seconds),
-                "samples_per_step": sum(len(m.samples) for m in timed) / max(steps, 1)
+                "window_samples_per_step": sum(len(m.samples) for m in timed) / max(steps, 1)
                 * config_accumulation / accumulation,
                 "heaviest_tensor_tokens": heavy.tensor_tokens, "heaviest_samples": len(heavy.samples)}
 
 
-def real_batches(req: ProbeRequest, micro_batches: int) -> RealBatches | None:
-    """The probe's micro-batches from the request's dataset (None without one)."""
+def real_batches(req: ProbeRequest) -> RealBatches | None:
+    """The probe's micro-batches from the request's dataset (None without one): the heaviest, then as many
+    of the epoch's as the probe's steps take at the accumulation the plan decides (`step_shape`)."""
     if req.dataset is None:
         return None
     ref = DatasetRef.from_dict(req.dataset)
@@ -175,12 +180,15 @@ def real_batches(req: ProbeRequest, micro_batches: int) -> RealBatches | None:
         raise Unsupported(f"the tokenizer gives ids beyond the model's vocabulary ({vocab})")
     strategy = Batching(cfg.batching)
     p = plan(strategy, [len(t) for t in ids], cfg.max_length, cfg.micro_batch_size, req.data_seed)
-    rest = drawn(p.batches, micro_batches - 1, req.data_seed)
-    leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
     n = max(len(p.batches), 1)
+    step = step_shape(strategy, cfg.global_batch, cfg.micro_batch_size, cfg.gpus, p.samples_per_micro_batch,
+                      p.trained_tokens / n)
+    rest = drawn(p.batches, dataclasses.replace(req, accumulation=step.accumulation).micro_batches - 1,
+                 req.data_seed)
+    leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
     return RealBatches(strategy, ids, tok.pad_id, cfg.max_length, (p.heaviest, *rest), p.pad_fraction,
                        cut([len(t) for t in ids], cfg.max_length).tokens_lost, p.trained_tokens / n,
-                       sum(b.tensor_tokens for b in p.batches) / n, leaky)
+                       sum(b.tensor_tokens for b in p.batches) / n, step, leaky)
 
 
 def drawn(batches: Sequence[MicroBatch], n: int, seed: int) -> list[MicroBatch]:

@@ -7,6 +7,7 @@ then timed), checkpointing verified per layer, then the figures.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import distributed, recipe
+from ..data.batching import Batching, step_shape
 from ..protocol import SPREAD_BOUND, ProbeRequest, write_json_atomic
 from ..result import Outcome, ProbeResult
 from . import hostclock
@@ -69,7 +71,9 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     gate = run_gate(req, state, model)
     if gate is not None and not gate.ok:
         return mismatch_result(req, gate)
-    batches = real_batches(req, _micro_batches(req))  # None without --dataset: random tokens
+    batches = real_batches(req)  # None without --dataset: random tokens
+    if batches is not None:  # the data decides a packed step's accumulation (one effective batch)
+        req = dataclasses.replace(req, accumulation=batches.step.accumulation)
     check = None
     if batches is not None and req.boundaries:  # False: the study holds a passing verdict
         check = check_boundaries(model, batches, req.config.precision)
@@ -83,10 +87,6 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     if check is not None:
         res.extra.update(boundary_verdict(req, check))
     return res
-
-
-def _micro_batches(req: ProbeRequest) -> int:
-    return (req.warmup_steps + req.timed_steps + req.extra_timed_steps) * req.probe_accumulation
 
 
 def _stop_runaway(req: ProbeRequest, state: ProbeState, now: int) -> None:
@@ -187,7 +187,7 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
     cfg, ga = req.config, req.probe_accumulation
     assert state.mem is not None
     plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
-                      cfg.gradient_accumulation_steps - ga, announce)
+                      req.config_accumulation - ga, announce)
     data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
                         int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
@@ -285,7 +285,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     tps = [cfg.rank_batch * cfg.max_length / t for t in window]  # this rank's share (a group sums them)
     first = len(cb.steps) - len(window)
     if batches is not None:  # trained (label-bearing, non-pad) tokens of the data's mean micro-batch
-        tps = batches.tokens_per_s(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
+        tps = batches.tokens_per_s(window, first, req.probe_accumulation, req.config_accumulation)
     timed = cb.timed_steps
     peak, outside, retries = peak_memory(req, state)
     growth = max(0, timed[-1]["reserved"] - timed[0]["reserved"]) if len(timed) >= 2 else 0
@@ -307,8 +307,9 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
                "noise_controls": [c for c in CONTROLS if enabled(c)],
                # beside step_times' timed steps: the host's share of a slow step (hostclock's docstring)
                "host_per_step": hostclock.per_step(timed),
-               **(batches.figures(window, first, req.probe_accumulation, cfg.gradient_accumulation_steps)
-                  if batches is not None else {})},
+               **(batches.figures(window, first, req.probe_accumulation, req.config_accumulation)
+                  if batches is not None else {}),
+               **step_figures(req, batches)},
     )
     notes = []
     if spread(tps) > SPREAD_BOUND:  # max/min of tokens/s: of the times where every step is alike
@@ -319,6 +320,16 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         notes.append(f"peak reserved memory grew by {growth} bytes over the timed steps")
     res.reason = "; ".join(notes)
     return judge_stability(res, cb, len(cb.steps))
+
+
+def step_figures(req: ProbeRequest, batches: RealBatches | None) -> dict[str, Any]:
+    """What one optimizer step of this config trains (`data.batching.StepShape`): on the data, from the
+    plan; on random tokens, micro_batch_size rows of max_length."""
+    if batches is not None:
+        return batches.step.to_dict()
+    cfg = req.config
+    return step_shape(Batching.PAD_MAX, cfg.global_batch, cfg.micro_batch_size, cfg.gpus, cfg.micro_batch_size,
+                      cfg.micro_batch_size * cfg.max_length).to_dict()
 
 
 def judge_stability(res: ProbeResult, cb: ProbeCallback, steps: int) -> ProbeResult:
