@@ -283,7 +283,9 @@ KEYS: dict[str, Key] = {
         Key("micro_batch_size", int, "sequences per forward/backward pass",
             check=_positive, expected="an integer >= 1"),
         Key("global_batch", int,
-            "sequences per optimizer step; accumulation = ceil(global_batch / micro_batch_size)",
+            "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / micro_batch_size), "
+            "or for packed rows the data's samples per micro-batch into it (a step more than 10% off it is "
+            "marked as changing what is learned)",
             check=_positive, expected="an integer >= 1"),
         Key("precision", str, "bf16, fp16 (with loss scaling) or fp32", PRECISIONS,
             changes_learning=True),
@@ -318,8 +320,8 @@ KEYS: dict[str, Key] = {
             check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
             expected="a number in [0, 1) such as 0.05"),
         Key("batching", str, "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped "
-            "by length), padding_free (a token budget of micro_batch_size x max_length) or packed (best-fit "
-            "decreasing rows, boundaries kept)", BATCHINGS),
+            "by length), padding_free (the micro-batch's samples flattened into one row) or packed (best-fit "
+            "decreasing rows of max_length, boundaries kept)", BATCHINGS),
         Key("gpus", int, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes "
             "with the gloo backend); the global batch is kept: accumulation = ceil(global_batch / "
             "(micro_batch_size x gpus))", check=_positive, expected="an integer >= 1"),
