@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
+from .errors import UsageError
 from .result import ProbeResult
 from .spec import ALL_LINEAR, TrialConfig
+from .units import format_size
 
 GIB = 2**30
 CUDA_CONTEXT = int(0.75 * GIB)  # measured on an H200 (CUDA 13): context + cuBLAS handles
@@ -23,6 +26,10 @@ NCCL_BUFFERS = 384 * 2**20
 """Per rank, outside PyTorch, when a probe spans several GPUs: NCCL's communicator (its channels'
 send/receive buffers, NCCL_BUFFSIZE 4 MiB each, and kernel workspace). A stated estimate, a few hundred
 MiB on a host of NVLink GPUs; the fitted groups absorb the difference."""
+PRIOR_MARGIN = 0.25
+"""The prior's relative error until probes have checked it (`MemoryModel.margin`): a prediction is called
+hopeless only this far over the usable memory, and the weights must exceed it by as much before a space is
+called beyond reach (`beyond_reach`)."""
 ZERO_BUCKET = 500_000_000
 """DeepSpeed's default reduce_bucket_size in elements (the generated JSON leaves it unset)."""
 OPTIMIZER_STATE_BYTES = {  # bytes of optimizer state per fp32 trainable parameter
@@ -57,7 +64,7 @@ class Shape:
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer in one decoder layer."""
-        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        h, kv = self.hidden, self.hidden // max(self.heads, 1) * self.kv_heads  # a config of 0 heads: no division
         return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
                 "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
                 "down_proj": (self.intermediate, h)}
@@ -282,7 +289,7 @@ class MemoryModel:
 
     shape: Shape
     on_gpu: bool = True
-    prior_margin: float = 0.25
+    prior_margin: float = PRIOR_MARGIN
     """Relative margin while the model has not been checked against enough probes."""
     points: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     bounds: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
@@ -300,7 +307,7 @@ class MemoryModel:
         self.points.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, peak))
         self.ratios.append(peak / max(prior(cfg, self.shape, self.on_gpu).total(), 1))
         if predicted:
-            self._sample(cfg, abs(predicted - peak) / peak, fit=True)
+            self._sample(cfg, abs(predicted - peak) / max(peak, 1), fit=True)
 
     def observe_bound(self, cfg: TrialConfig, lower_bound: int, predicted: int | None = None) -> None:
         """Record what an out-of-memory probe proved: its peak is at least `lower_bound`. A prediction
@@ -308,7 +315,7 @@ class MemoryModel:
         consistent with it (an error sample of zero)."""
         self.bounds.setdefault(group_key(cfg), []).append((cfg.tokens_per_micro_batch, lower_bound))
         if predicted:
-            self._sample(cfg, max(lower_bound - predicted, 0) / lower_bound, fit=False)
+            self._sample(cfg, max(lower_bound - predicted, 0) / max(lower_bound, 1), fit=False)
 
     def learn(self, res: ProbeResult, predicted: int | None = None) -> None:
         """What a probe shows about memory: its measured peak (it ran to the end, also one judged over
@@ -330,7 +337,7 @@ class MemoryModel:
         out-of-memory probe of the group with no more tokens per micro-batch proved."""
         t = cfg.tokens_per_micro_batch
         floor = max((b for x, b in self.bounds.get(group_key(cfg), []) if x <= t), default=0)
-        return max(self._fitted(cfg), floor)
+        return max(self._fitted(cfg), floor, 0)  # two noisy fits can slope down into negative bytes
 
     def _fitted(self, cfg: TrialConfig) -> int:
         pts = self.points.get(group_key(cfg), [])
@@ -428,3 +435,261 @@ def loaded_bytes(cfg: TrialConfig, shape: Shape) -> int:
 def _kernels(cfg: TrialConfig | None) -> tuple[bool, bool]:
     return (bool(cfg.liger), bool(cfg.torch_compile)) if cfg is not None else (False, False)
 
+
+
+# --------------------------------------------------------------------------- what fits, by the prior
+
+MAX_GPUS = 1024
+"""The most GPUs `reach` considers for a sharded saving (powers of two up to it)."""
+SHARDING = ("fsdp2", "zero3")
+"""The engines that shard the weights over the ranks (FSDP2, DeepSpeed ZeRO-3)."""
+
+
+def weights_floor(cfg: TrialConfig, shape: Shape) -> int:
+    """The least the loaded model can hold on cfg's largest rank before any step: `loaded_bytes` of a shape no
+    larger than the real model, whatever its architecture. The embeddings count once (a config.json without
+    tie_word_embeddings may tie them) and the MLP as two hidden x intermediate matrices (Llama's gated MLP has
+    three, GPT-NeoX's and Falcon's two); biases, experts and wider heads only add to the real model."""
+    return loaded_bytes(cfg, replace(shape, tied=True, intermediate=shape.intermediate * 2 // 3))
+
+
+def beyond_reach(candidates: list[TrialConfig], shape: Shape, usable: int, margin: float = PRIOR_MARGIN) -> bool:
+    """Nothing in `candidates` can fit in `usable` bytes, for certain: each one's weights alone
+    (`weights_floor`, what exists before the first step) exceed it by more than the prior's margin. A config
+    merely predicted over is never counted here: the search probes it where its policy would."""
+    return bool(candidates) and all(weights_floor(c, shape) > usable * (1 + margin) for c in candidates)
+
+
+class Change(StrEnum):
+    """The savings `reach` weighs, one kind each."""
+
+    QUANTIZE = "a 4-bit base"
+    LENGTH = "a shorter length"
+    MODEL = "a smaller model"
+    GPUS = "more GPUs"
+    CARD = "a larger card"
+
+
+@dataclass(frozen=True)
+class Saving:
+    """One change that would bring a space under the usable memory, by the prior, or why it would not."""
+
+    kind: Change
+    change: str
+    """What to allow, for a person ('a 4-bit base (QLoRA, --space qlora)')."""
+    fits: bool
+    detail: str
+    """The prior's figures behind it ('weights 3.6 GiB, smallest predicted peak 4.2 GiB')."""
+    amount: int | None = None
+    """The figure of a change that fits: the smallest peak (4-bit, card), the longest length, the most
+    parameters, the fewest GPUs."""
+
+    def describe(self) -> str:
+        return f"{self.change}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What a space needs of a card by the prior (the memory model before any probe), and the smallest
+    savings that would bring it under the card's usable memory."""
+
+    usable: int
+    weights: dict[str, int]
+    """Per base in the space (precision or quantization, with the LoRA adapter): its smallest weights."""
+    smallest_peak: int | None
+    """The space's smallest predicted peak (None: an empty space)."""
+    certain: bool
+    """Nothing in the space can fit, whatever the prior's error (`beyond_reach`)."""
+    savings: tuple[Saving, ...]
+
+    def describe(self) -> str:
+        """Why nothing fits and what would, in one paragraph: the weights, then the savings that would fit
+        and those that would not."""
+        need = ", ".join(f"{format_size(n)} ({base})" for base, n in self.weights.items())
+        would = [s.describe() for s in self.savings if s.fits]
+        would_not = [s.describe() for s in self.savings if not s.fits]
+        if self.certain:
+            text = (f"the weights alone need {need} in every configuration, more than the usable "
+                    f"{format_size(self.usable)} by more than the memory model's error")
+        else:
+            text = (f"the smallest predicted peak is {format_size(self.smallest_peak)} against the usable "
+                    f"{format_size(self.usable)} (weights: {need})")
+        if would:
+            text += f". Would fit, by the memory model: {'; '.join(would)}"
+        if would_not:
+            text += f". Would not: {'; '.join(would_not)}"
+        return text
+
+
+def reach(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True,
+          margin: float = PRIOR_MARGIN) -> Reach:
+    """What `candidates` (a space's configs) need of a card with `usable` bytes by the prior, and for each
+    saving (a 4-bit base, a shorter length, a smaller model, more GPUs sharding the weights, a larger card)
+    the least of it that would fit. Pure: no probe, no study; `autofit search` says it when nothing can fit,
+    and a plan of a space per card can say it for each."""
+    weights: dict[str, int] = {}
+    candidates = frontier(candidates)  # every group's weights, and the least peak of each
+    for c in candidates:
+        base = _base_name(c)
+        weights[base] = min(weights.get(base, loaded_bytes(c, shape)), loaded_bytes(c, shape))
+    least = smallest_peak(candidates, shape, on_gpu)
+    savings = () if least is None or least <= usable else (
+        four_bit(candidates, shape, usable, on_gpu), shorter_length(candidates, shape, usable, on_gpu),
+        smaller_model(candidates, shape, usable, on_gpu), more_gpus(candidates, shape, usable, on_gpu),
+        larger_card(candidates, shape, on_gpu))
+    return Reach(usable, weights, least, beyond_reach(candidates, shape, usable, margin),
+                 tuple(s for s in savings if s is not None))
+
+
+def smallest_peak(candidates: list[TrialConfig], shape: Shape, on_gpu: bool = True) -> int | None:
+    """The least peak the prior predicts among `candidates` (None: none)."""
+    return min((prior(c, shape, on_gpu).total() for c in frontier(candidates)), default=None)
+
+
+def frontier(candidates: list[TrialConfig]) -> list[TrialConfig]:
+    """Per memory group (`group_key`), the config of the smallest micro-batch, at its shortest length: the
+    prior grows with tokens per micro-batch and with nothing else the group leaves out, so the least peak of
+    `candidates` is among these, at any length they are given (a space of 1,280 configs has a few dozen)."""
+    fewest: dict[str, TrialConfig] = {}
+    for c in candidates:
+        key = group_key(c)
+        if key not in fewest or _smaller(c, fewest[key]):
+            fewest[key] = c
+    return list(fewest.values())
+
+
+def _smaller(a: TrialConfig, b: TrialConfig) -> bool:
+    return (a.micro_batch_size, a.tokens_per_micro_batch) < (b.micro_batch_size, b.tokens_per_micro_batch)
+
+
+def variants(candidates: list[TrialConfig], **changes: Any) -> list[TrialConfig]:
+    """Each candidate with `changes`, where the result is a valid config (full + nf4 is not), once each."""
+    out: dict[str, TrialConfig] = {}
+    for c in candidates:
+        try:
+            v = c.replace(**changes)
+        except UsageError:
+            continue
+        out.setdefault(v.key(), v)
+    return list(out.values())
+
+
+def four_bit(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+    """The space's configs on a 4-bit base (QLoRA: LoRA on nf4 weights, one GPU): what its weights need and
+    whether its smallest predicted peak fits. None for an empty space."""
+    four = variants(candidates, method="lora", quantization="nf4", engine="none", cpu_offload="off",
+                    reshard_after_forward=True)
+    peak = smallest_peak(four, shape, on_gpu)
+    if peak is None:
+        return None
+    weights = min(loaded_bytes(c, shape) for c in four)
+    where = "in the space" if any(c.quantization == "nf4" for c in candidates) else "QLoRA, --space qlora"
+    return Saving(Change.QUANTIZE, f"a 4-bit base ({where})", peak <= usable,
+                  f"weights {format_size(weights)}, smallest predicted peak {format_size(peak)}", peak)
+
+
+def shorter_length(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+    """The longest max_length (a multiple of 8, the shortest a config takes) at which some config of the
+    space is predicted to fit (the prior grows with tokens per micro-batch: bisected)."""
+    if not candidates:
+        return None
+    longest = max(c.max_length for c in candidates)
+
+    def fits(n: int) -> bool:
+        peak = smallest_peak(variants(candidates, max_length=8 * n), shape, on_gpu)
+        return peak is not None and peak <= usable
+
+    if not fits(1):
+        return Saving(Change.LENGTH, "a shorter --max-length", False,
+                      "what does not shrink with the length exceeds the usable memory at any length")
+    lo, hi = 1, max(longest // 8, 1)  # fits(lo) holds
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    peak = smallest_peak(variants(candidates, max_length=8 * lo), shape, on_gpu)
+    return Saving(Change.LENGTH, f"--max-length {8 * lo}" + (" or shorter" if lo > 1 else ""), True,
+                  f"predicted peak {format_size(peak)}", 8 * lo)
+
+
+def scaled(shape: Shape, s: float) -> Shape:
+    """The shape's family at a fraction `s` of its width and depth (hidden, intermediate and layers times s,
+    the vocabulary and heads kept): about s**3 of its decoder's parameters; at least one of each."""
+    return replace(shape, hidden=max(1, round(shape.hidden * s)),
+                   intermediate=max(1, round(shape.intermediate * s)), layers=max(1, round(shape.layers * s)))
+
+
+def smaller_model(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+    """The largest model of this shape's family (`scaled`) whose smallest predicted peak in the space fits:
+    its parameter count, bisected over the scale."""
+    if not candidates or not shape.total_params():
+        return None
+    candidates = frontier(candidates)  # once, not at each of the bisection's 40 steps
+
+    def fits(s: float) -> bool:
+        peak = smallest_peak(candidates, scaled(shape, s), on_gpu)
+        return peak is not None and peak <= usable
+
+    if not fits(0.0):
+        return Saving(Change.MODEL, "a smaller model", False,
+                      "the vocabulary's embeddings and what is not weights exceed the usable memory at any size")
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # 2**-40 of the scale: far finer than a parameter count is told
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    params = scaled(shape, lo).total_params()
+    return Saving(Change.MODEL, f"a smaller model of at most {_params(params)} parameters", True,
+                  f"this one has {_params(shape.total_params())}", params)
+
+
+def more_gpus(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+    """The fewest GPUs (a power of two up to MAX_GPUS) over which an engine that shards the weights (FSDP2,
+    ZeRO-3) brings the space's smallest predicted per-rank peak under the usable memory; a 16-bit base
+    (a quantized one is not sharded), FSDP2's checkpointing on every layer where the space's is partial."""
+    if not candidates:
+        return None
+    searched = {c.engine for c in candidates} & set(SHARDING)
+    where = "" if searched else " (in a space searching `engine: [fsdp2, zero3]`; this one shards nothing)"
+    batch = max(c.global_batch for c in candidates)
+    gpus = 2
+    while gpus <= MAX_GPUS:
+        for engine in SHARDING:
+            ranks = variants([_shardable(c, engine) for c in candidates], gpus=gpus, engine=engine)
+            peak = smallest_peak(ranks, shape, on_gpu)
+            if peak is not None and peak <= usable:
+                name = "FSDP2" if engine == "fsdp2" else "ZeRO-3"
+                wider = f", a --global-batch of at least {gpus}" if gpus > batch else ""  # a sequence per GPU
+                return Saving(Change.GPUS, f"--gpus {gpus} sharded with {name}{where}", True,
+                              f"predicted peak {format_size(peak)} per GPU{wider}", gpus)
+        gpus *= 2
+    return Saving(Change.GPUS, "more GPUs", False,
+                  f"sharded over {MAX_GPUS} GPUs, each one's predicted peak still exceeds the usable memory")
+
+
+def larger_card(candidates: list[TrialConfig], shape: Shape, on_gpu: bool = True) -> Saving | None:
+    """The usable memory the space's smallest predicted peak needs."""
+    peak = smallest_peak(candidates, shape, on_gpu)
+    if peak is None:
+        return None
+    return Saving(Change.CARD, f"a card with {format_size(peak)} usable", True,
+                  "the space's smallest predicted peak", peak)
+
+
+def _shardable(cfg: TrialConfig, engine: str) -> TrialConfig:
+    """cfg as a sharding engine runs it: a 16-bit base, nothing offloaded; FSDP2 checkpoints every layer or none."""
+    ckpt = cfg.gradient_checkpointing
+    if engine == "fsdp2" and ckpt not in ("off", "on"):
+        ckpt = "on"
+    return cfg.replace(quantization="none", cpu_offload="off", reshard_after_forward=True,
+                       gradient_checkpointing=ckpt)
+
+
+def _base_name(cfg: TrialConfig) -> str:
+    base = cfg.quantization if cfg.quantization != "none" else cfg.precision
+    return f"{base} weights" + (" + LoRA adapter" if cfg.method == "lora" else "")
+
+
+def _params(n: int) -> str:
+    """A parameter count as people write it: 6.7B, 350M, 90,112."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n:,}"

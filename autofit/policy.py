@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -37,6 +38,9 @@ from .data.shapes import TokenShapes
 from .knowledge import Knowledge
 from .objective import speed
 from .spec import TrialConfig
+
+YEAR = 365 * 24 * 3600.0
+"""The longest probe time the score divides by (an estimate past it is taken as it)."""
 
 
 class Policy(StrEnum):
@@ -64,7 +68,18 @@ def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
         return 1.0
     predicted = know.memory.predict(cfg)
     z = (know.usable - predicted) / (max(know.memory.margin(cfg), 0.05) * know.usable)
-    return 1.0 / (1.0 + math.exp(-3.0 * z))
+    return logistic(3.0 * z)
+
+
+def logistic(x: float) -> float:
+    """1 / (1 + e^-x) in [0, 1] for any x: exp of a negative number only, so a peak predicted a hundred times
+    the usable memory (x of -1,000) is 0, not an OverflowError."""
+    if math.isnan(x):
+        return 0.5
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def measured(know: Knowledge) -> list[tuple[TrialConfig, float]]:
@@ -86,21 +101,25 @@ def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig,
 
 
 def expected_improvement(mu: float, sigma: float, best: float) -> float:
-    """E[max(X - best, 0)] for X ~ Normal(mu, sigma)."""
+    """E[max(X - best, 0)] for X ~ Normal(mu, sigma): never negative, never infinite; 0 where an input (or
+    their difference) is not a finite number: no estimate."""
+    ahead = mu - best
+    if not all(math.isfinite(x) for x in (ahead, sigma)):
+        return 0.0
     if sigma <= 0:
-        return max(mu - best, 0.0)
-    z = (mu - best) / sigma
-    pdf = math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-    cdf = 0.5 * (1 + math.erf(z / math.sqrt(2)))
-    return sigma * pdf + (mu - best) * cdf
+        return max(ahead, 0.0)
+    z = ahead / sigma
+    pdf = math.exp(-0.5 * min(z * z, 1e4)) / math.sqrt(2 * math.pi)  # e^-5000 is 0 already: no overflow of z * z
+    cdf = 0.5 * math.erfc(-z / math.sqrt(2))  # erfc, not 1 + erf: no cancellation far below the best
+    return min(max(sigma * pdf + ahead * cdf, 0.0), sys.float_info.max)
 
 
 def cost_weight(typical_seconds: float | None, left: float) -> float:
     """How much a probe's wall time counts: little while many probes fit in the time left, fully
     when only a few do."""
-    if not typical_seconds or left <= 0:
+    if not typical_seconds or not math.isfinite(typical_seconds) or typical_seconds < 0 or not left > 0:
         return 0.0
-    return min(1.0, 4.0 * typical_seconds / left)
+    return min(1.0, 4.0 * typical_seconds / left)  # a probe of a quarter of the time left counts fully
 
 
 def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: float,
@@ -109,8 +128,17 @@ def score(know: Knowledge, cfg: TrialConfig, seconds: float | None, weight: floa
     p = fit_probability(know, cfg)
     mu, sigma = expected_speed(fits, cfg, know.shapes, know.half_tokens)
     gain = expected_improvement(mu, sigma, best) if best is not None else mu
-    value = p * gain / max(seconds or 1.0, 1.0) ** weight
+    value = p * gain / _cost(seconds) ** weight
     return Score(cfg, p, mu, gain, seconds, value)
+
+
+def _cost(seconds: float | None) -> float:
+    """A probe's seconds as the score divides by them: at least 1; unknown (None, not a number) is 1; no
+    estimate beyond a year (a float's power of that stays finite)."""
+    if seconds is None or math.isnan(seconds):
+        return 1.0
+    return min(max(seconds, 1.0), YEAR)
+
 
 
 def edge_chooser(know: Knowledge, estimate: Callable[[TrialConfig], float | None],

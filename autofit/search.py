@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 from .data.shapes import shapes_of
 from .errors import CannotWrite
 from .knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
-from .memory import Shape
+from .memory import Shape, beyond_reach, reach
 from .models import ModelSource
 from .objective import best_of
 from .policy import Policy, edge_chooser
@@ -52,6 +52,7 @@ from .study import (
     untried_of,
 )
 from .target import Target
+from .units import format_size
 
 __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "open_study",
            "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
@@ -167,6 +168,8 @@ class Search:
         self.searched_on = 0
         """Untried configs that measuring the best again reopened, after which the workers ran on."""
         self.time = ProbeTime(s.warmup_steps + s.timed_steps, s.max_probe_accumulation, s.confirm > 0)
+        self.unreachable = ""
+        """Why no config of the space can fit any worker, where the prior is certain of it (`prepare`)."""
 
     # ----------------------------------------------------------------------- the whole search
 
@@ -182,6 +185,10 @@ class Search:
 
     def _run(self) -> str:
         study = self.prepare()
+        if self.unreachable:  # the prior is certain: no probe is started
+            if self.s.local_storage:  # the study's end (a shared one's other workers may have larger cards)
+                record_stop_reason(study, self.unreachable)
+            return self.unreachable
         self.deadline = self.clock() + self.s.budget_s
         threads: list[threading.Thread] = []
         try:
@@ -278,11 +285,31 @@ class Search:
             # killed, must not show it (a shared study's other workers may still be running: kept there)
             record_stop_reason(study, "")
             record_untried(study, {})
+        self.unreachable = self._beyond_reach(study)
+        if self.unreachable:
+            return study
         seed_cfg = self.s.space.config(self.s.space.seed())
         if not any(t.user_attrs.get("config_key") == seed_cfg.key() for t in trials):
             study.enqueue_trial(self.s.space.seed(), user_attrs={"seeded": "common recipe"},
                                 skip_if_exists=True)
         return study
+
+    def _beyond_reach(self, study: optuna.Study) -> str:
+        """Why no config can fit, where the prior is certain of it (memory.beyond_reach: in every config of the
+        space the weights alone exceed the largest usable memory of the workers by more than the prior's error)
+        and no probe of the study has fit; with what the weights need and the savings that would fit
+        (memory.reach). Empty otherwise: a config merely predicted over the limit is probed as the policy says."""
+        usable = [t.usable_bytes for t in self.s.targets]
+        if not usable or None in usable:
+            return ""
+        most = max(u for u in usable if u is not None)
+        target = self.s.targets[usable.index(most)]
+        if not beyond_reach(self.candidates, self.shape, most) or self._knowledge(study, target).fits():
+            return ""
+        limit = target.memory_limit_bytes or most
+        plan = reach(self.candidates, self.shape, most, on_gpu=target.device == "cuda")
+        return (f"nothing in the space can fit the {format_size(limit)} limit less {target.headroom:.0%} headroom: "
+                f"{plan.describe()}")
 
     def _settle(self, study: optuna.Study, stale: FrozenTrial) -> None:
         """A finished probe (its result stored, or its result file written) is adopted; one that

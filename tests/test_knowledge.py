@@ -340,6 +340,46 @@ def test_the_stop_reason_lives_in_the_study(tmp_path: Path) -> None:
     assert stop_reason_of(open_study(s.storage, s.study_name, create=False, seed=0)) == "budget spent"
 
 
+def beyond(tmp_path: Path, limit_gib: float) -> SearchSettings:
+    """llama2-7b's LoRA space (bf16 weights: 12.6 GiB) on a CPU target with `limit_gib`; a runner may not start."""
+    return SearchSettings(space=load_space("lora"), model=resolve_model("llama2-7b"),
+                          targets=[Target("cpu", memory_limit_bytes=int(limit_gib * 2**30))], run_dir=tmp_path,
+                          storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s", budget_s=60)
+
+
+def no_runner(target: Target) -> Runner:
+    raise AssertionError("a probe runner was started for a space that cannot fit")
+
+
+def test_a_space_whose_weights_alone_exceed_the_card_ends_before_any_probe(tmp_path: Path) -> None:
+    """Issue 28: at 2 GiB the policy raised an OverflowError; at 6 GiB it probed a config the prior knew could
+    not fit. Now neither starts a probe process: the study ends with the reason, and no trial."""
+    for gib in (2, 6):
+        s = beyond(tmp_path / str(gib), gib)
+        s.run_dir.mkdir()
+        search = Search(s, make_runner=no_runner)
+        reason = search.run()
+        study = open_study(s.storage, s.study_name, create=False, seed=0)
+        assert reason.startswith(f"nothing in the space can fit the {gib} GiB limit less 5% headroom: the weights "
+                                 "alone need 12.6 GiB (bf16 weights + LoRA adapter)")
+        assert study.get_trials() == [] and stop_reason_of(study) == reason and search.runners == []
+    assert "Would fit, by the memory model: a 4-bit base (QLoRA, --space qlora)" in reason  # at 6 GiB
+
+
+def test_a_measured_fit_outweighs_the_prior(tmp_path: Path) -> None:
+    """A study that measured a fit under this card goes on, whatever the prior says (a resumed study whose
+    model the prior overcounts): measurements decide, the prior only where nothing was measured."""
+    s = beyond(tmp_path, 2)
+    study = open_study(s.storage, s.study_name, create=True, seed=0)
+    measured = s.space.config({**s.space.seed(), "micro_batch_size": 2})
+    number = running(study, measured, result(measured, peak=2**30))
+    study.tell(number, 1000.0)
+    search = Search(s, make_runner=no_runner)
+    search.prepare()
+    assert search.unreachable == ""
+    assert study.get_trials(states=(TrialState.WAITING,))  # the seed is queued: the search goes on
+
+
 def test_probe_results_leave_out_superseded_and_unfinished_trials() -> None:
     done = trial(0, result(cfg()))
     assert [t.number for t, _ in probe_results([done])] == [0]

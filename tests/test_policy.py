@@ -6,18 +6,31 @@ ones from torch's own error text; no probe runs."""
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
+from stored import probe_trial
 
 from autofit import effects
 from autofit.knowledge import Knowledge, ProbeTime, Verdict
-from autofit.memory import MemoryModel, Shape
+from autofit.memory import (
+    Change,
+    MemoryModel,
+    Shape,
+    beyond_reach,
+    loaded_bytes,
+    prior,
+    reach,
+    scaled,
+    shorter_length,
+    weights_floor,
+)
 from autofit.models import PRESETS
 from autofit.policy import edge_chooser, expected_improvement, expected_speed, fit_probability
 from autofit.protocol import usable_bytes
+from autofit.replay import Landscape
 from autofit.result import Outcome, ProbeResult
 from autofit.signatures import oom_figures
-from autofit.space import Space
+from autofit.space import Space, load_space
 from autofit.spec import TrialConfig
-from stored import probe_trial
 
 GIB = 2**30
 SHAPE = Shape.from_config(PRESETS["llama2-7b"])
@@ -396,3 +409,77 @@ def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_a
     assert msg.startswith("No configuration ran") and f"2 of 3 said: {reason}" in msg
     assert "Allow next" not in msg and "memory-limit" not in msg
     assert "Allow next" in nothing_fits_message([*results, oom(cfg(8, "off"), OOM_TEXT)], LIMIT)
+
+
+# ----------------------------------------------------------------------------- nothing can fit, by the prior
+
+LORA, QLORA = load_space("lora").candidates(), load_space("qlora").candidates()
+
+
+def test_nothing_can_fit_is_claimed_only_where_the_weights_alone_exceed_the_card_beyond_the_error() -> None:
+    """llama2-7b's bf16 weights are 12.6 GiB: at 2 and 6 GiB no config of the LoRA space can fit, whatever the
+    prior's error; at 12 GiB every config is predicted over (so the old policy probed them anyway) but the
+    weights floor is within the error: probed, never skipped on a guess. With nf4 in the space 6 GiB can fit."""
+    for gib in (2, 6):
+        assert beyond_reach(LORA, SHAPE, usable_bytes(gib * GIB))
+    at_12 = usable_bytes(12 * GIB)
+    assert all(prior(c, SHAPE).total() > at_12 for c in LORA)
+    assert not beyond_reach(LORA, SHAPE, at_12)
+    assert not beyond_reach(QLORA, SHAPE, usable_bytes(6 * GIB))
+    assert beyond_reach(QLORA, SHAPE, usable_bytes(2 * GIB))  # even the 4-bit weights: 3.6 GiB
+
+
+def test_the_weights_floor_is_below_every_measured_peak_of_the_recorded_landscapes() -> None:
+    """What makes the claim certain: on every GPU scenario recorded (bench/landscapes), the floor of the weights
+    stayed under 64% of the measured peak, and no recorded scenario is called beyond reach."""
+    for path in sorted((ROOT / "bench" / "landscapes").glob("*.json")):
+        land = Landscape.load(path)
+        shape = Shape.from_config(land.model_source().config)
+        fits = [ProbeResult.from_dict(p) for p in land.points.values() if p.get("tokens_per_s")]
+        assert fits and all(weights_floor(TrialConfig.from_dict(r.config), shape) < 0.7 * (r.peak_memory_bytes or 0)
+                            for r in fits), path.name
+        assert not beyond_reach(land.search_space().candidates(), shape, land.usable_bytes), path.name
+
+
+def test_the_savings_are_computed_and_each_is_the_least_that_fits() -> None:
+    """At 6 GiB: a 4-bit base fits by its smallest prediction; no length does (the weights alone exceed it); the
+    largest model of the family that fits, and 1% more scale does not; the fewest GPUs that shard it under the
+    card, and half as many do not; the card the space needs."""
+    usable = usable_bytes(6 * GIB)
+    r = reach(LORA, SHAPE, usable, on_gpu=True)
+    assert r.certain and r.weights == {"bf16 weights + LoRA adapter": min(loaded_bytes(c, SHAPE) for c in LORA)}
+    found = {s.kind: s for s in r.savings}
+    assert set(found) == set(Change)
+
+    def least(configs: list[TrialConfig], shape: Shape = SHAPE) -> int:
+        return min(prior(c, shape).total() for c in configs)
+
+    assert found[Change.QUANTIZE].fits and found[Change.QUANTIZE].amount == least(
+        [c.replace(quantization="nf4") for c in LORA]) <= usable
+    assert not found[Change.LENGTH].fits
+    model = found[Change.MODEL]
+    assert model.fits and 0.5e9 < (model.amount or 0) < SHAPE.total_params()
+    scale = next(s / 1000 for s in range(1000, 0, -1) if scaled(SHAPE, s / 1000).total_params() <= (model.amount or 0))
+    assert least(LORA, scaled(SHAPE, scale)) <= usable < least(LORA, scaled(SHAPE, scale * 1.01))
+    gpus = found[Change.GPUS].amount or 0
+
+    def sharded(n: int) -> list[TrialConfig]:  # FSDP2 checkpoints every layer or none
+        return [c.replace(gpus=n, engine="zero3") for c in LORA] + [
+            c.replace(gpus=n, engine="fsdp2") for c in LORA if c.gradient_checkpointing in ("off", "on")]
+
+    assert gpus >= 2 and least(sharded(gpus)) <= usable and (gpus == 2 or least(sharded(gpus // 2)) > usable)
+    assert found[Change.CARD].amount == r.smallest_peak == least(LORA)
+
+
+def test_the_longest_length_that_fits_is_bisected_to_the_edge() -> None:
+    """qlora at 4096 on a card where nf4 fits only shorter: the length named fits, 8 tokens more does not."""
+    space = load_space("qlora").replaced(max_length=[4096])
+    usable = usable_bytes(6 * GIB)
+    saving = shorter_length(space.candidates(), SHAPE, usable)
+    assert saving is not None and saving.fits
+    n = saving.amount or 0
+
+    def least(length: int) -> int:
+        return min(prior(c.replace(max_length=length), SHAPE).total() for c in space.candidates())
+
+    assert 8 <= n < 4096 and least(n) <= usable < least(n + 8)
