@@ -7,16 +7,26 @@ repeats (tokens/s the median, `objective.combined_tokens_per_s`; the peak the la
 noisy run neither fails nor passes the job. Every check is appended to
 `RUN/regress-history.jsonl`.
 
+A figure outside tolerance is a regression only on more evidence than one check (`Rule`, decided
+by `decide` from the baseline, the history and tonight's runs): outside on `consecutive` checks
+in a row against one baseline, or once by more than `severe` times the tolerance. A single check
+outside is "suspect"; one whose runs disagree among themselves as much as they differ from the
+baseline is "inconclusive" (noise that large can make the difference by itself). Both exit 0
+with a warning and a JUnit <skipped>. A config that no longer fits fails at once, always; so does
+a GPU peak beyond tolerance (the allocator's figure is exact: no noise to wait out).
+
 The --json and --junit files are claimed before anything is measured: written at once with an
 error ("did not finish"), replaced by the checks at the end, or by the error that stopped the
 job. A CI job therefore never reads a stale pass, and exit 1 means a regression, nothing else.
+Every file is written whole or not at all (`files`), and the history gets one record a line.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import shutil
+import math
+import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -28,10 +38,12 @@ from typing import Any
 from . import locks
 from .data import DatasetRef, stored_dataset
 from .envinfo import collect, gpus
-from .errors import CannotWrite, RegressionFound, UsageError
+from .errors import AutofitError, CannotWrite, RegressionFound, UsageError
 from .export.common import Best, BestEntry, read_best, read_env
+from .files import append_line, cannot_write, save_figure, write_atomic, write_json
 from .models import ModelSource
 from .objective import combined_tokens_per_s
+from .paths import input_file, output_file, shown
 from .protocol import Checks
 from .result import ProbeResult
 from .rundir import HISTORY, REGRESS_LOCK, RunDir, model_of, read_spec, targets_of
@@ -42,6 +54,14 @@ from .units import format_size
 TREND = "regress-trend.png"
 RUNS_OUTSIDE_TOLERANCE = 3
 """Runs of a config whose first figure is outside tolerance: the median of three outvotes one outlier."""
+CONSECUTIVE = 2
+"""Checks in a row outside tolerance that make a regression (PyTorch's HUD: two consecutive points)."""
+SEVERE = 2.0
+"""A check further outside than this many tolerances is a regression at once."""
+MEMORY_TOLERANCE_GPU = 0.03
+"""The allocator's peak on a GPU is exact: a few percent is a real change."""
+MEMORY_TOLERANCE_CPU = 0.10
+"""On the CPU the peak is the process's resident memory, which moves by several percent between runs."""
 
 
 class Status(str, enum.Enum):
@@ -49,6 +69,10 @@ class Status(str, enum.Enum):
 
     OK = "ok"
     FASTER = "faster"
+    SUSPECT = "suspect"
+    """Outside tolerance on this check, not (yet) on enough checks in a row to be a regression."""
+    INCONCLUSIVE = "inconclusive"
+    """Outside tolerance, but the runs disagree among themselves as much: too noisy to judge."""
     SLOWER = "slower"
     HEAVIER = "heavier"
     NO_LONGER_FITS = "no_longer_fits"
@@ -56,6 +80,10 @@ class Status(str, enum.Enum):
     def failed(self) -> bool:
         """A regression: exit 1 and a JUnit <failure>."""
         return self in (Status.SLOWER, Status.HEAVIER, Status.NO_LONGER_FITS)
+
+    def doubtful(self) -> bool:
+        """Outside tolerance, not a regression on this evidence: exit 0, a warning, a JUnit <skipped>."""
+        return self in (Status.SUSPECT, Status.INCONCLUSIVE)
 
     def settled(self) -> bool:
         """No need to measure again: within tolerance, or not fitting at all (an OOM fails at once)."""
@@ -68,10 +96,34 @@ class Status(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Fractions: slower than `speed`, or heavier than `memory`, is a regression."""
+    """Fractions: slower than `speed`, or heavier than `memory`, is outside tolerance."""
 
     speed: float
     memory: float
+
+
+@dataclass(frozen=True)
+class Rule:
+    """When checks outside tolerance make a regression. Between fresh processes a launch-bound config
+    moves by 9-13% on an H200 and more on a loaded CPU: one check outside is not enough evidence."""
+
+    consecutive: int = CONSECUTIVE
+    """Checks in a row outside tolerance (against one baseline, this one included) that make a regression."""
+    severe: float | None = SEVERE
+    """A check worse than this many tolerances is a regression at once; None: never at once."""
+    memory_exact: bool = False
+    """The peak is a GPU allocator's exact figure: heavier beyond tolerance fails at once."""
+
+    def needed(self, figure: str) -> int:
+        """Checks in a row outside tolerance that make `figure` ("speed" or "memory") a regression."""
+        return 1 if figure == "memory" and self.memory_exact else self.consecutive
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_memory_tolerance(target: Target) -> float:
+    return MEMORY_TOLERANCE_GPU if target.device == "cuda" else MEMORY_TOLERANCE_CPU
 
 
 @dataclass(frozen=True)
@@ -85,6 +137,8 @@ class Measured:
     reason: str
     runs: tuple[float, ...]
     """tokens/s of each fitting run."""
+    peaks: tuple[int, ...] = ()
+    """The peak of each fitting run that counts for memory (`combine`)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +156,9 @@ class Check:
     status: Status
     runs: tuple[float, ...]
     messages: tuple[str, ...]
+    peaks: tuple[int, ...] = ()
+    streak: int = 0
+    """Checks in a row, this one included, with the deciding figure outside tolerance against this baseline."""
 
     @property
     def failed(self) -> bool:
@@ -110,7 +167,7 @@ class Check:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value
-        d["runs"], d["messages"] = list(self.runs), list(self.messages)
+        d["runs"], d["peaks"], d["messages"] = list(self.runs), list(self.peaks), list(self.messages)
         return d
 
 
@@ -229,16 +286,136 @@ def version_diff(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str,
 
 
 def judge(base: BestEntry, m: Measured, tol: Tolerance) -> Status:
+    """What tonight's figures alone say, before the history is asked: ok, faster, slower, heavier, or
+    no longer fits. It decides whether a config is measured again (`check_config`)."""
     if not m.fits:
         return Status.NO_LONGER_FITS
-    tps, peak = m.tokens_per_s or 0.0, m.peak_bytes or 0
-    if tps < base.tokens_per_s * (1 - tol.speed):
+    speed, memory = figures(base, m, tol)
+    if speed.outside():
         return Status.SLOWER
-    if peak > base.peak_memory_bytes * (1 + tol.memory):
+    if memory.outside():
         return Status.HEAVIER
-    if tps > base.tokens_per_s * (1 + tol.speed):
-        return Status.FASTER
-    return Status.OK
+    return Status.FASTER if speed.better() > tol.speed else Status.OK
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a check (tokens/s or the peak) against its baseline."""
+
+    name: str
+    """Which figure: "speed" or "memory"."""
+    now: float
+    base: float
+    tolerance: float
+    values: tuple[float, ...] = ()
+    """The figure of each run (empty for a recorded check: only its combined figure counts)."""
+
+    @property
+    def regression(self) -> Status:
+        return Status.SLOWER if self.name == "speed" else Status.HEAVIER
+
+    def worse(self) -> float:
+        """How much worse than the baseline, as a fraction of it: slower by (1 - now/base), heavier by
+        (now/base - 1); negative when better."""
+        ratio = self.now / self.base
+        return 1 - ratio if self.name == "speed" else ratio - 1
+
+    def better(self) -> float:
+        return -self.worse()
+
+    def outside(self) -> bool:
+        """Worse than the baseline beyond the tolerance."""
+        return self.worse() > self.tolerance
+
+    def spread(self) -> float:
+        return spread(self.values)
+
+    def distance(self) -> float:
+        """Tonight against the baseline on the same scale: the larger over the smaller (1.0 when equal)."""
+        low = min(self.now, self.base)
+        return max(self.now, self.base) / low if low > 0 else math.inf
+
+    def noisy(self) -> bool:
+        """The runs disagree among themselves at least as much as tonight's figure differs from the
+        baseline (so, tonight's figure being outside tolerance, by more than the tolerance): noise that
+        large can make the difference by itself. A gap wider than the whole spread is no such noise."""
+        return self.spread() >= self.distance()
+
+
+def spread(values: Sequence[float]) -> float:
+    """How much the runs disagree: the largest over the smallest (1.0 for one run)."""
+    return max(values) / min(values) if values and min(values) > 0 else 1.0
+
+
+def figures(base: BestEntry, m: Measured, tol: Tolerance) -> tuple[Figure, Figure]:
+    """Tonight's speed and memory against the baseline (a config that fits)."""
+    return (Figure("speed", m.tokens_per_s or 0.0, base.tokens_per_s, tol.speed, m.runs),
+            Figure("memory", m.peak_bytes or 0, base.peak_memory_bytes, tol.memory, tuple(map(float, m.peaks))))
+
+
+def recorded_figure(check: dict[str, Any], name: str, tol: Tolerance) -> Figure | None:
+    """A figure of a check in the history (today's tolerance); None where that check did not fit."""
+    now = check.get("tokens_per_s" if name == "speed" else "peak_bytes")
+    if check.get("status") == Status.NO_LONGER_FITS.value or not now:
+        return None
+    if name == "speed":
+        return Figure(name, now, check["baseline_tokens_per_s"], tol.speed)
+    return Figure(name, now, check["baseline_peak_bytes"], tol.memory)
+
+
+def streak(base: BestEntry, history: Sequence[dict[str, Any]], name: str, tol: Tolerance) -> int:
+    """Checks in a row, ending with the last one recorded, in which this config's figure `name` was
+    outside today's tolerance against this same baseline (a check that did not fit counts as outside).
+    A re-baselined config starts again: the checks before measured against other figures."""
+    same = [c for entry in history for c in entry["checks"]
+            if c["name"] == base.name and c["baseline_tokens_per_s"] == base.tokens_per_s
+            and c["baseline_peak_bytes"] == base.peak_memory_bytes]
+    n = 0
+    for check in reversed(same):
+        f = recorded_figure(check, name, tol)
+        if f is not None and not f.outside():
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `decide` found: the status, the figure that decided it, and the checks in a row outside."""
+
+    status: Status
+    figure: Figure | None = None
+    streak: int = 0
+
+
+def decide(base: BestEntry, history: Sequence[dict[str, Any]], m: Measured, tol: Tolerance,
+           rule: Rule = Rule()) -> Verdict:
+    """The verdict on tonight's runs of `base`, given the history of earlier checks (oldest first).
+
+    A config that no longer fits is a regression. A figure worse than tolerance is: inconclusive when
+    its runs are too noisy to judge (`Figure.noisy`), whatever else holds; a regression when it is
+    worse than `rule.severe` tolerances, or outside on `rule.needed` checks in a row; else suspect.
+    Faster beyond tolerance is "faster" (inconclusive when noisy); anything else is ok."""
+    if not m.fits:
+        return Verdict(Status.NO_LONGER_FITS)
+    found = []
+    speed, memory = figures(base, m, tol)
+    for f in (speed, memory):
+        if not f.outside():
+            continue
+        nights = 1 + streak(base, history, f.name, tol)
+        severe = rule.severe is not None and f.worse() > rule.severe * f.tolerance
+        if f.noisy():
+            found.append(Verdict(Status.INCONCLUSIVE, f, nights))
+        elif severe or nights >= rule.needed(f.name):
+            found.append(Verdict(f.regression, f, nights))
+        else:
+            found.append(Verdict(Status.SUSPECT, f, nights))
+    if found:  # a regression first, then a suspect figure, then a noisy one
+        return min(found, key=lambda v: (not v.status.failed(), v.status is Status.INCONCLUSIVE))
+    if speed.better() > tol.speed:
+        return Verdict(Status.INCONCLUSIVE if speed.noisy() else Status.FASTER, speed)
+    return Verdict(Status.OK)
 
 
 def combine(results: Sequence[ProbeResult]) -> Measured:
@@ -251,8 +428,9 @@ def combine(results: Sequence[ProbeResult]) -> Measured:
     if failed:
         return Measured(False, None, failed[0].peak_memory_bytes, failed[0].outcome.value, failed[0].reason, runs)
     clean = [r for r in fits if not ran_checks(r)] or fits  # a check's residue is not the config's memory
-    peak = max(r.peak_memory_bytes or 0 for r in clean)
-    return Measured(True, combined_tokens_per_s(list(runs)), peak or None, fits[0].outcome.value, "", runs)
+    peaks = tuple(r.peak_memory_bytes for r in clean if r.peak_memory_bytes)
+    return Measured(True, combined_tokens_per_s(list(runs)), max(peaks, default=0) or None, fits[0].outcome.value,
+                    "", runs, peaks)
 
 
 def ran_checks(r: ProbeResult) -> bool:
@@ -261,46 +439,80 @@ def ran_checks(r: ProbeResult) -> bool:
     return bool(r.extra.get("gate") or r.extra.get("boundaries"))
 
 
-def check_config(base: BestEntry, measure: Callable[[int], ProbeResult], tol: Tolerance) -> Check:
-    """Measure once; outside tolerance, measure until there are RUNS_OUTSIDE_TOLERANCE runs, then judge."""
+def check_config(base: BestEntry, measure: Callable[[int], ProbeResult], tol: Tolerance, rule: Rule = Rule(),
+                 history: Sequence[dict[str, Any]] = ()) -> Check:
+    """Measure once; outside tolerance, measure until there are RUNS_OUTSIDE_TOLERANCE runs, then decide."""
     results = [measure(1)]
     if not judge(base, combine(results), tol).settled():
         results += [measure(n) for n in range(2, RUNS_OUTSIDE_TOLERANCE + 1)]
-    return settle(base, results, tol)
+    return settle(base, results, tol, rule, history)
 
 
-def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance) -> Check:
-    """The check of `base` from its runs."""
+def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance, rule: Rule = Rule(),
+           history: Sequence[dict[str, Any]] = ()) -> Check:
+    """The check of `base` from its runs and the history before them."""
     m = combine(results)
-    status = judge(base, m, tol)
+    v = decide(base, history, m, tol, rule)
     check = Check(base.name, base.config.to_dict(), base.tokens_per_s, base.peak_memory_bytes, m.tokens_per_s,
-                  m.peak_bytes, m.outcome, len(results), status, m.runs, ())
-    return replace(check, messages=describe(check, m, tol))
+                  m.peak_bytes, m.outcome, len(results), v.status, m.runs, (), m.peaks, v.streak)
+    return replace(check, messages=describe(check, m, tol, rule, v))
 
 
-def describe(c: Check, m: Measured, tol: Tolerance) -> tuple[str, ...]:
+def describe(c: Check, m: Measured, tol: Tolerance, rule: Rule, v: Verdict) -> tuple[str, ...]:
     if c.status is Status.NO_LONGER_FITS:
         line = (f"{c.name} no longer fits: outcome {m.outcome} ({m.reason}); baseline "
                 f"{c.baseline_tokens_per_s:,.0f} tokens/s at {format_size(c.baseline_peak_bytes)}")
         return (line,)
     dt = (c.tokens_per_s or 0) / c.baseline_tokens_per_s - 1
     dm = (c.peak_bytes or 0) / c.baseline_peak_bytes - 1
-    runs = f"median of {len(c.runs)} runs" if len(c.runs) > 1 else "1 run"
+    runs = f"median of {len(c.runs)} runs (spread {spread(c.runs) - 1:.0%})" if len(c.runs) > 1 else "1 run"
     line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} ({dt:+.1%}, "
             f"tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs {format_size(c.baseline_peak_bytes)} "
             f"({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
-    if c.status is Status.FASTER:
-        hint = (f"{c.name} is faster than its baseline beyond tolerance: re-baseline by running this "
+    why = reason(c.name, v, rule)
+    return (line, why) if why else (line,)
+
+
+def reason(name: str, v: Verdict, rule: Rule) -> str:
+    """Why a check is what it is, in one line (none for ok)."""
+    if v.status is Status.FASTER:
+        return (f"{name} is faster than its baseline beyond tolerance: re-baseline by running this "
                 "command again with --update-baseline")
-        return (line, hint)
-    return (line,)
+    f = v.figure
+    if f is None:
+        return ""
+    worse = f.worse()
+    side = ("slower", "faster") if f.name == "speed" else ("heavier", "lighter")
+    what = f"{side[0] if worse > 0 else side[1]} by {abs(worse):.1%}"
+    if v.status is Status.INCONCLUSIVE:
+        figure = "tokens/s" if f.name == "speed" else "peak"
+        return (f"{name} is inconclusive: {what}, but its runs differ by {f.spread() - 1:.0%} among themselves, "
+                f"as much as tonight's {figure} differs from the baseline ({f.distance() - 1:.0%}): too noisy to "
+                "judge, and not a regression on this evidence. Measure again on an idle machine.")
+    in_a_row = f"{v.streak} check{'' if v.streak == 1 else 's'} in a row"
+    needed = rule.needed(f.name)
+    if v.status is Status.SUSPECT:
+        at_once = ("" if rule.severe is None else
+                   f", or one check worse than {rule.severe:g} times the tolerance ({rule.severe * f.tolerance:.0%}, "
+                   "--severe-factor)")
+        return (f"{name} is suspect: {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row}; {needed} in a "
+                f"row make a regression (--consecutive){at_once}. Not failed: the next check decides.")
+    if rule.severe is not None and worse > rule.severe * f.tolerance:
+        return (f"{name} is {what}, worse than {rule.severe:g} times the tolerance ({rule.severe * f.tolerance:.0%}): "
+                "a regression at once")
+    if f.name == "memory" and rule.memory_exact:
+        return (f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}): the GPU allocator's peak is exact, "
+                "so one check is a regression")
+    return f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row} (--consecutive {needed}): a regression"
 
 
 # --------------------------------------------------------------------------- measuring
 
 
-def run_checks(p: Plan, tol: Tolerance, on_check: Callable[[Check], None] | None = None) -> list[Check]:
-    """Re-probe each baseline config in fresh probe processes, with the search's probe settings."""
+def run_checks(p: Plan, tol: Tolerance, rule: Rule = Rule(), history: Sequence[dict[str, Any]] = (),
+               on_check: Callable[[Check], None] | None = None) -> list[Check]:
+    """Re-probe each baseline config in fresh probe processes, with the search's probe settings, and
+    decide each against the history before tonight."""
     checks = []
     with Runner(p.target, p.run_dir / "logs", standby=1,
                 warmup_steps=p.probe.get("warmup_steps", 2), timed_steps=p.probe.get("timed_steps", 5),
@@ -316,7 +528,7 @@ def run_checks(p: Plan, tol: Tolerance, on_check: Callable[[Check], None] | None
                 return runner.run(base.config, p.model, name=f"regress-{stamp}-{i}-{attempt}",
                                   timeout=p.probe.get("timeout_s", 900), checks=checks)
 
-            checks.append(check_config(base, measure, tol))
+            checks.append(check_config(base, measure, tol, rule, history))
             if on_check:
                 on_check(checks[-1])
     return checks
@@ -325,25 +537,39 @@ def run_checks(p: Plan, tol: Tolerance, on_check: Callable[[Check], None] | None
 # --------------------------------------------------------------------------- what is written
 
 
-def summary(p: Plan, checks: Sequence[Check], tol: Tolerance, env_now: dict[str, Any]) -> dict[str, Any]:
+def verdict(checks: Sequence[Check]) -> str:
+    """The job's verdict: "regression", else "suspect", else "inconclusive", else "pass"."""
+    if any(c.failed for c in checks):
+        return "regression"
+    for status in (Status.SUSPECT, Status.INCONCLUSIVE):
+        if any(c.status is status for c in checks):
+            return status.value
+    return "pass"
+
+
+def summary(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: dict[str, Any]) -> dict[str, Any]:
     """The --json document."""
     return {"run": str(p.run_dir), "target": p.target.describe(), "tolerance": tol.speed,
-            "memory_tolerance": tol.memory, "regression": any(c.failed for c in checks), "error": None,
+            "memory_tolerance": tol.memory, "rule": rule.to_dict(), "verdict": verdict(checks),
+            "regression": any(c.failed for c in checks), "error": None,
             "checks": [c.to_dict() for c in checks],
             "versions": [{"what": w, "baseline": b, "now": n, "changed": ch}
                          for w, b, n, ch in version_diff(p.env_before, env_now)]}
 
 
 def junit_xml(checks: Sequence[Check], suite: str) -> str:
-    """One test case per config: a regression is a <failure> of its type."""
+    """One test case per config: a regression is a <failure> of its type; a suspect or inconclusive
+    check a <skipped> with the reason (CI reports show it apart, and do not fail the job on it)."""
     root = ET.Element("testsuite", name=suite, tests=str(len(checks)),
-                      failures=str(sum(c.failed for c in checks)), errors="0")
+                      failures=str(sum(c.failed for c in checks)), errors="0",
+                      skipped=str(sum(c.status.doubtful() for c in checks)))
     for c in checks:
         case = ET.SubElement(root, "testcase", classname="autofit.regress", name=c.name)
+        message = f"{c.status.value}: " + "; ".join(c.messages)[:500]
         if c.failed:
-            fail = ET.SubElement(case, "failure", message=f"{c.status.value}: " + "; ".join(c.messages)[:500],
-                                 type=c.status.value)
-            fail.text = json.dumps(c.to_dict(), indent=1)
+            ET.SubElement(case, "failure", message=message, type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
+        elif c.status.doubtful():
+            ET.SubElement(case, "skipped", message=message, type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
         else:
             ET.SubElement(case, "system-out").text = "; ".join(c.messages)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
@@ -378,42 +604,57 @@ class Reports:
     @classmethod
     def claim(cls, json_path: str | None, junit_path: str | None, run: str) -> Reports:
         """Write both files at once, each with the error "did not finish", before anything is measured.
-        A path that cannot be written is a UsageError naming its flag; the other file still gets the error."""
+        A path that cannot be written is an error naming its flag (CannotWrite for a full or read-only
+        disk, else a UsageError); the other file still gets the error."""
         reports = cls(Path(json_path) if json_path else None, Path(junit_path) if junit_path else None, run)
-        problems = reports.clashes()
-        if problems:
-            raise UsageError(problems)
+        clashes = reports.clashes()
+        if clashes:  # refused; a report path that is not one of them still says why
+            error = UsageError([message for _, message in clashes])
+            flags = {flag for flag, _ in clashes}
+            replace(reports, json_path=None if "--json" in flags else reports.json_path,
+                    junit_path=None if "--junit" in flags else reports.junit_path).error(error)
+            raise error
+        problems: list[str] = []
+        refused = False
         for flag, path in (("--json", reports.json_path), ("--junit", reports.junit_path)):
             if path is not None:
                 try:
+                    if os.path.lexists(path):  # what is there: a folder, a symlink loop (a FIFO is written into)
+                        output_file(path, flag, "Give a file path.")
                     write_text(path, reports.error_text(path, NOT_FINISHED, "NotFinished"), flag)
-                except UsageError as e:
-                    problems += e.problems
+                except (UsageError, CannotWrite) as e:
+                    problems.append(str(e))
+                    refused |= isinstance(e, CannotWrite)
         if problems:
-            reports.error(UsageError(problems))
-            raise UsageError(problems)
+            error = CannotWrite("\n".join(problems)) if refused else UsageError(problems)
+            reports.error(error)
+            raise error
         return reports
 
-    def clashes(self) -> list[str]:
-        """Paths that would replace what the job reads or writes itself: the run folder's own files (its
-        study, best.json, history), one file for both reports, or '-' (stdout holds the report lines)."""
+    def clashes(self) -> list[tuple[str, str]]:
+        """(flag, problem) for each path that would replace what the job reads or writes itself: the run
+        folder's own files (its study, best.json; the history and the trend plot even before the first
+        job), one file for both reports, or '-' (stdout holds the report lines)."""
         out = []
+        run = Path(self.run)
+        written = {real(run / HISTORY), real(run / TREND)}
         for flag, path in (("--json", self.json_path), ("--junit", self.junit_path)):
             if path is None:
                 continue
             if str(path) == "-":
-                out.append(f"{flag}: '-' would mix the file into the report printed on stdout; give a file path.")
-            elif path.exists() and RunDir(Path(self.run)).owns(path):
-                out.append(f"{flag}: {path} is a file of the run folder {self.run} (the run's own record); "
-                           "give a path outside it, or a new file name.")
-        if self.json_path and self.junit_path and self.json_path.resolve() == self.junit_path.resolve():
-            out.append(f"--json and --junit both name {self.json_path}; give two paths.")
+                out.append((flag, f"{flag}: '-' would mix the file into the report printed on stdout; give a file "
+                                  "path."))
+            elif real(path) in written or (os.path.exists(path) and RunDir(run).owns(path)):
+                out.append((flag, f"{flag}: {path} is a file of the run folder {self.run} (the run's own record); "
+                                  "give a path outside it, or a new file name."))
+        if self.json_path and self.junit_path and real(self.json_path) == real(self.junit_path):
+            out.append(("--junit", f"--json and --junit both name {self.json_path}; give two paths."))
         return out
 
     def error_text(self, path: Path, message: str, kind: str) -> str:
         if path == self.junit_path:
             return junit_error(self.suite, message, kind)
-        return json.dumps({"run": self.run, "regression": None, "error": message,
+        return json.dumps({"run": self.run, "verdict": None, "regression": None, "error": message,
                            "error_type": kind, "checks": []}, indent=1) + "\n"
 
     def error(self, e: Exception) -> None:
@@ -421,22 +662,33 @@ class Reports:
         for path in (self.json_path, self.junit_path):
             if path is not None:
                 try:
-                    path.write_text(self.error_text(path, str(e), type(e).__name__))
+                    write_atomic(path, self.error_text(path, str(e), type(e).__name__))
                 except OSError:
                     pass  # the claim already named this path; the error itself is what the user sees
 
     def write(self, doc: dict[str, Any], checks: Sequence[Check]) -> None:
+        """The checks, once measured: a file that cannot be written now is exit 4 (the claim wrote it)."""
         if self.json_path is not None:
             write_text(self.json_path, json.dumps(doc, indent=1) + "\n", "--json", CannotWrite)
         if self.junit_path is not None:
             write_text(self.junit_path, junit_xml(checks, self.suite), "--junit", CannotWrite)
 
 
-def write_text(path: Path, text: str, flag: str, error: type[Exception] = UsageError) -> None:
+def real(path: Path) -> Path:
+    """Where `path` leads, following links as far as they go (a symlink loop is no error here)."""
+    return Path(os.path.realpath(path))
+
+
+def write_text(path: Path, text: str, flag: str, error: type[AutofitError] | None = None) -> None:
+    """A report file, whole or not at all. A full or read-only disk is CannotWrite (exit 4); a path that
+    is no place for a file (a missing folder, a file for a folder) a UsageError, unless `error` says."""
     try:
-        path.write_text(text)
+        write_atomic(path, text)
     except OSError as e:
-        raise error(f"{flag}: cannot write {path} ({e.strerror}); give a path in a writable folder.") from None
+        refused = cannot_write(e)
+        remedy = "give a path in a writable folder with free space" if refused else "give a path in a writable folder"
+        kind = error or (CannotWrite if refused else UsageError)
+        raise kind(f"{flag}: cannot write {path} ({e.strerror}); {remedy}.") from None
 
 
 def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> AbstractContextManager[None]:
@@ -448,38 +700,77 @@ def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> AbstractContextM
         "measures under the other's load (Ctrl-C to stop)"))
 
 
-def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any],
-                   limit: int | None) -> dict[str, Any]:
+def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any], limit: int | None,
+                   tol: Tolerance | None = None, rule: Rule | None = None) -> dict[str, Any]:
+    """Append tonight's record on a line of its own (a line cut short before stays as it was, apart)."""
     entry = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "gpu": ", ".join(g["name"] for g in env.get("gpus", [])) or "cpu",
              "driver": env.get("driver"), "packages": env.get("packages"), "memory_limit_bytes": limit,
+             "tolerance": asdict(tol) if tol else None, "rule": rule.to_dict() if rule else None,
              "checks": [c.to_dict() for c in checks]}
     try:
-        with open(run_dir / HISTORY, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        append_line(run_dir / HISTORY, json.dumps(entry))
     except OSError as e:
-        raise CannotWrite(f"RUN: cannot append to {run_dir / HISTORY} ({e.strerror}); the checks are in "
+        raise CannotWrite(f"RUN: cannot append to {shown(run_dir / HISTORY)} ({e.strerror}); the checks are in "
                           "the output above (and in --json where given).") from None
     return entry
 
 
-def read_history(run_dir: Path) -> list[dict[str, Any]]:
-    """Entries of the history, oldest first; a line that is not a JSON object (a write cut short) is skipped."""
+RECORD_FIELDS = {"name": (str,), "baseline_tokens_per_s": (int, float), "baseline_peak_bytes": (int, float),
+                 "tokens_per_s": (int, float, type(None)), "peak_bytes": (int, float, type(None)), "status": (str,)}
+"""What each check of a history record must hold, and of which JSON types, for the rule and the plot."""
+
+
+def read_history(run_dir: Path, warn: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """Records of the history, oldest first. A damaged line (a write cut short, an edit) is skipped
+    with a warning naming the file and the line; the records around it are read. A history or trend
+    plot that is not a regular file (a folder, a FIFO, a symlink loop) is a UsageError, before anything
+    is measured: appending to a FIFO, or drawing into one, would wait for a reader that never comes."""
+    for name, then in ((TREND, "regress draws a new one"), (HISTORY, "regress starts a new history")):
+        if os.path.lexists(run_dir / name):
+            input_file(run_dir / name, "RUN", f"Move it out of the run folder; {then}.")
     path = run_dir / HISTORY
     if not path.is_file():
         return []
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise UsageError(f"RUN: cannot read {shown(path)} ({e.strerror}); make it readable, or move it out of "
+                         "the run folder.") from None
     out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("checks"), list):
+        try:
+            entry = json.loads(raw.decode())
+            problem = record_problem(entry)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a number too long, nested too deep
+            problem = f"not JSON: {getattr(e, 'msg', None) or e}"
+        if problem:
+            warn(f"RUN: {shown(path)} line {number} is damaged ({problem}); skipped, the other records are read")
+        else:
             out.append(entry)
     return out
 
 
-def plot_trend(run_dir: Path, history: list[dict[str, Any]]) -> Path:
+def record_problem(entry: Any) -> str:
+    """What keeps a parsed line from being a history record ("" for a record)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("checks"), list) \
+            or not isinstance(entry.get("date"), str):
+        return "not a regress record: no date and list of checks"
+    for check in entry["checks"]:
+        bad = [k for k, types in RECORD_FIELDS.items() if not isinstance(check, dict) or k not in check
+               or not isinstance(check[k], types) or isinstance(check[k], bool)]
+        if bad:
+            return f"a check without {', '.join(bad)}"
+        if any(isinstance(check[k], float) and not math.isfinite(check[k]) for k in RECORD_FIELDS):
+            return "a check with a figure that is not a finite number"
+        if check["baseline_tokens_per_s"] <= 0 or check["baseline_peak_bytes"] <= 0:
+            return "a check with a baseline that is not positive"
+    return ""
+
+
+def plot_trend(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     # Deferred: matplotlib takes a second to import and only the trend plot needs it.
     import matplotlib
 
@@ -504,27 +795,44 @@ def plot_trend(run_dir: Path, history: list[dict[str, Any]]) -> Path:
     a1.grid(alpha=0.3)
     a2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    except OSError as e:
+        raise CannotWrite(f"RUN: cannot write the trend plot {shown(path)} ({e.strerror}); the checks are in "
+                          f"{shown(run_dir / HISTORY)}.") from None
+    finally:
+        plt.close(fig)
     return path
 
 
-def record(p: Plan, checks: Sequence[Check], tol: Tolerance, env_now: dict[str, Any],
-           reports: Reports) -> Path:
-    """The history, --json and --junit (both written even when the history cannot be), the trend plot."""
+def record(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: dict[str, Any],
+           reports: Reports, history: Sequence[dict[str, Any]] = ()) -> Path:
+    """The history, --json and --junit (both written even when the history cannot be), the trend plot
+    (of the records read before tonight and tonight's)."""
     try:
-        append_history(p.run_dir, checks, env_now, p.target.memory_limit_bytes)
+        entry = append_history(p.run_dir, checks, env_now, p.target.memory_limit_bytes, tol, rule)
     finally:
-        reports.write(summary(p, checks, tol, env_now), checks)
-    return plot_trend(p.run_dir, read_history(p.run_dir))
+        reports.write(summary(p, checks, tol, rule, env_now), checks)
+    return plot_trend(p.run_dir, [*history, entry])
 
 
 # --------------------------------------------------------------------------- re-baselining
 
 
+def taken_in(checks: Sequence[Check]) -> str:
+    """What a new baseline takes in that a nightly job should not accept silently ("" for nothing):
+    a regression, or figures outside tolerance not yet called one."""
+    worse = [f"{c.name} {c.status.value}" for c in checks if c.failed or c.status.doubtful()]
+    if not worse:
+        return ""
+    what = "a regression" if any(c.failed for c in checks) else "figures outside the tolerance"
+    return f"the new baseline takes in {what} ({', '.join(worse)}); drop --update-baseline from a nightly job"
+
+
 def update_baseline(p: Plan, checks: Sequence[Check], env: dict[str, Any]) -> Path:
-    """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them.
-    A config that no longer fits is not a baseline: RegressionFound, nothing rewritten."""
+    """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them, each
+    file whole or not at all. A config that no longer fits is not a baseline: RegressionFound, nothing
+    rewritten."""
     if any(c.status is Status.NO_LONGER_FITS for c in checks):
         raise RegressionFound("a baseline config no longer fits; not re-baselining. Search again.")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -534,13 +842,16 @@ def update_baseline(p: Plan, checks: Sequence[Check], env: dict[str, Any]) -> Pa
     for entry, c in zip(entries, checks):
         entry["tokens_per_s"], entry["peak_memory_bytes"] = c.tokens_per_s, c.peak_bytes
     best["baseline_updated"] = stamp
-    try:
-        shutil.copy2(p.best.path, kept)
-        if (p.run_dir / "env.json").is_file():
-            shutil.copy2(p.run_dir / "env.json", p.run_dir / f"env.previous-{stamp}.json")
-        p.best.path.write_text(json.dumps(best, indent=1) + "\n")
-        (p.run_dir / "env.json").write_text(json.dumps(env, indent=1) + "\n")
-    except OSError as e:
-        raise CannotWrite(f"RUN: cannot re-baseline {p.run_dir} ({e.strerror}: {e.filename}); the checks "
-                          f"are in {p.run_dir / HISTORY}.") from None
+    env_path = p.run_dir / "env.json"
+    steps: list[tuple[Path, Callable[[Path], None]]] = [(kept, lambda to: write_atomic(to, p.best.path.read_bytes()))]
+    if env_path.is_file():
+        steps.append((p.run_dir / f"env.previous-{stamp}.json", lambda to: write_atomic(to, env_path.read_bytes())))
+    steps += [(p.best.path, lambda to: write_json(to, best)), (env_path, lambda to: write_json(to, env))]
+    for path, write in steps:  # the new best.json only once the old one is kept; env.json last
+        try:
+            write(path)
+        except OSError as e:
+            done = "best.json is rewritten, env.json is not; " if path == env_path else "nothing was rewritten; "
+            raise CannotWrite(f"RUN: cannot re-baseline {shown(p.run_dir)}: cannot write {shown(path)} "
+                              f"({e.strerror}); {done}the checks are in {shown(p.run_dir / HISTORY)}.") from None
     return kept
