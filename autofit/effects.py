@@ -126,8 +126,8 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
             rates = sorted(((*micro_batch_tokens(c, shapes), s / declared(c)) for c, s in ((a, sa), (b, sb))),
                            key=lambda x: -x[1])  # (trained, tensor, speed / declared), the larger first
             (trained_big, tensor_big, r_big), (trained_small, tensor_small, r_small) = rates
-            if not (r_small > 0 and trained_big > 0 and trained_small > 0):
-                continue  # a fit measured at 0 tokens/s (or training none) tells no ratio
+            if not (trained_big > 0 and trained_small > 0 and r_small / trained_small > 0):
+                continue  # a fit measured at (next to) 0 tokens/s, or training no token, tells no ratio
             q = (r_big / trained_big) / (r_small / trained_small)
             # near q = 1 the solution runs away with the noise: bounded by a multiple of the pair's tokens
             cap = HALF_TOKENS_CAP * tensor_big

@@ -308,7 +308,7 @@ class Knowledge:
         per_cost = statistics.median(w / self._probe_cost(c, steps, max_acc)
                                      for (w, c), n in zip(rows, apart, strict=True) if fewest or n == 0)
         later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
-        overheads = [r.wall_seconds - r.train_seconds for r in later]
+        overheads = [max(r.wall_seconds - r.train_seconds, 0.0) for r in later]  # a clock's jitter is no saving
         overhead = statistics.median(overheads) if overheads else 1.0
         # an estimate across differing keys is as unsure as a speed estimated across them
         spread = 1.0 + (effects.uncertainty(fewest) if fewest else 0.0)

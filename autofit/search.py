@@ -308,7 +308,7 @@ class Search:
             return ""
         limit = target.memory_limit_bytes or most
         plan = reach(self.candidates, self.shape, most, on_gpu=target.device == "cuda")
-        return (f"nothing in the space can fit the {format_size(limit)} limit less {target.headroom:.0%} headroom: "
+        return (f"nothing in the space can fit the {format_size(limit)} limit less {abs(target.headroom):.0%} headroom: "
                 f"{plan.describe()}")
 
     def _settle(self, study: optuna.Study, stale: FrozenTrial) -> None:

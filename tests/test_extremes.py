@@ -20,6 +20,7 @@ from autofit.policy import (
     cost_weight,
     edge_chooser,
     expected_improvement,
+    expected_speed,
     fit_probability,
     logistic,
     measured,
@@ -189,6 +190,25 @@ def test_an_out_of_memory_shortfall_of_zero_or_petabytes_prunes_without_error(
     viable = [c for c, v in zip(candidates, verdicts) if v.probes()]
     if viable:
         assert edge_chooser(know, lambda c: 30.0, 600.0)(viable) in viable
+
+
+@EXAMPLES
+@given(st.lists(st.tuples(st.sampled_from(SPACE.candidates()), st.floats(0, 1e12), st.floats(0, 1e9),
+                          st.floats(0, 1e9)), min_size=1, max_size=4), st.sampled_from(SPACE.candidates()),
+       st.integers(1, 10**6), st.one_of(st.none(), st.integers(1, 10**6)))
+def test_speed_and_time_estimates_from_fits_of_any_speed_and_duration(
+        fits: list, cfg: TrialConfig, steps: int, max_acc: int | None) -> None:
+    """Fits measured at 0 to 10**12 tokens/s over 0 to 10**9 seconds: the learned fixed cost of a micro-step,
+    the expected speed and a probe's estimated time stay finite (None: no time known)."""
+    results = [ProbeResult(Outcome.FIT, c.to_dict(), tokens_per_s=tps, peak_memory_bytes=GIB, wall_seconds=wall,
+                           train_seconds=train) for c, tps, wall, train in fits]
+    know = Knowledge.build([probe_trial(SPACE.dimensions, r, i) for i, r in enumerate(results)], LLAMA,
+                           on_gpu=True, usable=20 * GIB)
+    assert math.isfinite(know.half_tokens(cfg)) and know.half_tokens(cfg) >= 0
+    mu, sigma = expected_speed(measured(know), cfg, None, know.half_tokens)
+    assert math.isfinite(mu) and math.isfinite(sigma) and mu >= 0
+    seconds = know.estimate_seconds(cfg, steps, max_acc)
+    assert seconds is None or (math.isfinite(seconds) and seconds >= 0)
 
 
 # ----------------------------------------------------------------------------- what fits, by the prior

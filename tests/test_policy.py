@@ -267,9 +267,12 @@ def test_with_a_dataset_the_expected_speed_counts_trained_tokens_and_the_micro_b
     shapes = TokenShapes(SHORT)
     c = lambda mb, b: DATA_SPACE.config({"micro_batch_size": mb, "batching": b})  # noqa: E731
     speed = {(mb, b): effects.factor(c(mb, b), shapes) for mb in (1, 2) for b in DATA_SPACE.dimensions["batching"]}
-    # padding-free fills 2 x 2048 tokens a micro-batch; micro-batch 1 padded to its one ~80-token sample
-    # pays the fixed cost of a micro-batch for ~80 trained tokens; pad_max trains ~4% of its tensor
-    assert speed[(1, "padding_free")] > 5 * speed[(1, "pad_longest")]
+    # packed fills a 2048-token row a micro-batch; micro-batch 1 padded to its one ~80-token sample pays the
+    # fixed cost of a micro-batch for ~80 trained tokens; padding-free flattens micro_batch_size samples: at 1
+    # the same as pad_longest, at 2 without the padding between them; pad_max trains ~4% of its tensor
+    assert effects.factor(c(1, "packed"), shapes) > 5 * speed[(1, "pad_longest")]
+    assert speed[(1, "padding_free")] == pytest.approx(speed[(1, "pad_longest")])
+    assert speed[(2, "padding_free")] > speed[(2, "pad_longest")]
     assert speed[(2, "pad_longest")] > 1.5 * speed[(1, "pad_longest")]
     assert speed[(1, "pad_longest")] > 4 * speed[(1, "pad_max")]
     trained, tensor = shapes.per_micro_batch("pad_max", 2048, 1)
