@@ -27,7 +27,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "autofit"
 LAYERS = {
-    0: ("errors", "files", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
+    0: ("errors", "files", "paths", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
     1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels", "distributed", "group"),
     2: ("rundir", "locks", "runner", "report", "study", "knowledge", "policy"),
     3: ("search", "regress", "export", "replay"),
