@@ -128,6 +128,12 @@ def _read_json(path: Path, flag: str) -> dict[str, Any]:
 def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
     """Build the config the way the probe will, so a mistyped field is a usage error now
     rather than a crash in every probe."""
+    empty = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+             if isinstance(data.get(k), int) and data[k] < 1]
+    if empty:
+        raise UsageError(f"{flag}: {path} gives {', '.join(f'{k}={data[k]}' for k in empty)}; a model to fine-tune "
+                         "needs at least one of each. Fix the config.json, or use a preset "
+                         f"({', '.join(PRESETS)}).")
     # Deferred: the config classes import torch (about two seconds), needed only for a config from a file.
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
@@ -139,8 +145,9 @@ def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             AutoConfig.for_model(**data)
-    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError) as e:
-        # transformers' configs are strict dataclasses: the validation error's text names the field
+    except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:
+        # transformers' configs are strict dataclasses: the validation error's text names the field (a
+        # ZeroDivisionError: a head count of 0)
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UsageError(f"{flag}: transformers cannot build a config from {path}: {reason}. "
                          "Fix that field in the config.json, or use a preset "

@@ -25,6 +25,9 @@ class Target:
     ranks: int = 1
     gpu_indices: tuple[int, ...] = ()
     """Every GPU of the group, `gpu_index` first (empty: the one `gpu_index`, or the CPU)."""
+    card_bytes: int | None = None
+    """The GPU's own memory as the driver reports it: the limit where none is given (a real 24 GiB card is
+    judged as a 24 GiB limit is), so the search's prior and its headroom know the card's size."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gpu_indices, list):  # read back from spec.yaml
@@ -50,8 +53,9 @@ class Target:
 
     @property
     def usable_bytes(self) -> int | None:
-        """The memory a peak may reach: the limit less the headroom (None without a limit)."""
-        return usable_bytes(self.memory_limit_bytes, self.headroom)
+        """The memory a peak may reach: the limit (else the card's memory) less the headroom (None on the
+        CPU without a limit)."""
+        return usable_bytes(self.memory_limit_bytes or self.card_bytes, self.headroom)
 
 
 def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | None,
@@ -97,7 +101,7 @@ def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | Non
     if problems:
         raise UsageError(problems)
     if per_probe == 1:
-        return [Target("cuda", i, found[i].name, limit, headroom) for i in wanted]
+        return [Target("cuda", i, found[i].name, limit, headroom, card_bytes=found[i].memory_bytes) for i in wanted]
     groups = [tuple(wanted[k:k + per_probe]) for k in range(0, len(wanted), per_probe)]
-    return [Target("cuda", g[0], found[g[0]].name, limit, headroom, ranks=per_probe, gpu_indices=g)
-            for g in groups]
+    return [Target("cuda", g[0], found[g[0]].name, limit, headroom, ranks=per_probe, gpu_indices=g,
+                   card_bytes=min(found[i].memory_bytes for i in g)) for g in groups]

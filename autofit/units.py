@@ -6,6 +6,7 @@ A size needs a unit: a bare `24` is refused (it would be 24 bytes, never what wa
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import UsageError
@@ -41,7 +42,10 @@ def parse_size(text: str, flag: str = "--memory-limit") -> int:
             f"{flag}: cannot read {text!r} as a size; expected a number and a unit such as "
             "24GiB, 40GiB or 512MiB (GiB = 2**30 bytes; GB = 1e9 bytes)."
         )
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    number = float(m.group(1))
+    if not math.isfinite(number) or number * _SIZE_UNITS[unit] > 2**64:
+        raise UsageError(f"{flag}: {text[:40]!r} is larger than any memory; give for example 24GiB.")
+    value = int(number * _SIZE_UNITS[unit])
     if value <= 0:
         raise UsageError(f"{flag}: {text!r} is not a positive size; give for example 24GiB.")
     return value
@@ -73,12 +77,16 @@ def parse_duration(text: str, flag: str = "--budget") -> float:
 
 
 def format_size(n: float | None) -> str:
-    """Bytes as GiB/MiB with one decimal, or '-' when unknown."""
+    """Bytes as TiB/GiB with one decimal, MiB or KiB whole, bytes below that; '-' when unknown."""
     if n is None:
         return "-"
-    if abs(n) >= 1024**3:
-        return f"{n / 1024**3:.1f} GiB".replace(".0 GiB", " GiB")
-    return f"{n / 1024**2:.0f} MiB"
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}".replace(f".0 {unit}", f" {unit}")
+    for unit, scale in (("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
 
 
 def format_duration(seconds: float) -> str:
