@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autofit.envinfo import collect  # noqa: E402
+from autofit.files import write_json  # noqa: E402
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
+SMALL_FIXED = """\
+# --small: tiny-llama on the CPU, short rows (the dimensions follow)
+method: lora
+fixed:
+  max_length: 128
+  global_batch: 4
+  lora_r: 8
+  lora_alpha: 16
+  lora_targets: q_proj,v_proj
+  precision: fp32
+  optimizer: adamw_torch
+dimensions:"""
 
 
 def repo_relative(path: str | Path) -> str:
@@ -68,7 +84,7 @@ def save(name: str, figures: dict[str, Any]) -> Path:
         **figures,
     }
     path = out_dir() / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    write_json(path, payload)
     print(f"wrote {path}")
     return path
 
@@ -92,3 +108,98 @@ def brief(res: Any) -> dict[str, Any]:
                                                  "gradient_checkpointing", "quantization", "optimizer")}
     out["peak_gib"] = round(d["peak_memory_bytes"] / GIB, 2) if d["peak_memory_bytes"] else None
     return out
+
+
+STEP_KEYS = ("gradient_accumulation_steps", "samples_per_step", "trained_tokens_per_step", "keeps_global_batch")
+"""What one optimizer step of a probed config trains (`extra`, from `data.batching.StepShape`)."""
+
+
+def step_of(res: dict[str, Any]) -> dict[str, Any]:
+    """A probe result's step figures: accumulation, samples and trained tokens per optimizer step, and
+    whether that is the asked global batch (within 10%)."""
+    extra = res.get("extra") or {}
+    return {k: extra.get(k) for k in STEP_KEYS}
+
+
+def spread_figure(values: list[float]) -> dict[str, Any]:
+    """A headline figure: every run, their median, and the spread (max / min) around it; None where
+    nothing was measured."""
+    if not values:
+        return {"runs": [], "median": None, "min": None, "max": None, "spread": None}
+    return {"runs": [round(v, 1) for v in values], "median": round(statistics.median(values), 1),
+            "min": round(min(values), 1), "max": round(max(values), 1), "spread": round(max(values) / min(values), 4)}
+
+
+def ratio_of_medians(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """median(a) / median(b) of two `spread_figure`s measured in the same session (None if one is missing)."""
+    return round(a["median"] / b["median"], 4) if a.get("median") and b.get("median") else None
+
+
+def interleaved(target: Any, model: Any, configs: dict[str, Any], n: int, keep: Callable[[str, Any], None], *,
+                max_acc: int | None, dataset: dict[str, Any] | None = None, data_cache: Path | None = None,
+                prefix: str = "after", timeout: float = 600) -> None:
+    """Each config (label -> TrialConfig) measured n times, each run a fresh probe process (one standby
+    importing ahead, held while a probe times its steps), in the order a, b, b, a, a, b, ... so that a
+    steady drift of the machine over the minutes falls on every config alike. `keep(label, result)` gets
+    each ProbeResult as it comes: an interrupted pass keeps what it measured."""
+    from autofit.report import config_brief
+    from autofit.runner import Runner
+
+    order = list(configs.items())
+    with Runner(target, Path(tempfile.mkdtemp(prefix="bench-runs-")), standby=1, max_probe_accumulation=max_acc,
+                dataset=dataset, data_cache=data_cache) as runner:
+        runner.warm_up()
+        for i in range(n):
+            for label, cfg in (order if i % 2 == 0 else order[::-1]):
+                res = runner.run(cfg, model, name=f"{prefix}-{label}-{i}", timeout=timeout)
+                print(f"{prefix} {label} {i}: {config_brief(res.config)}  {res.tokens_per_s or 0:,.0f} tok/s "
+                      f"({res.outcome.value})", flush=True)
+                keep(label, res)
+
+
+def best_fits(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A run folder's fastest fit of each batching strategy (trials.jsonl rows)."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        b = r["config"].get("batching", "pad_max")
+        if r["outcome"] == "fit" and (r.get("tokens_per_s") or 0) > best.get(b, {}).get("tokens_per_s", 0):
+            best[b] = r
+    return best
+
+
+def figure_row(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config's entry in a headline table, before its runs: filled by `keep_run`."""
+    from autofit.report import config_brief
+
+    return {"config": cfg, "brief": config_brief(cfg), "runs": [], "figure": spread_figure([])}
+
+
+def keep_run(row: dict[str, Any], res: Any) -> None:
+    """One more fresh-process run of the row's config: its brief, and the figure over the fits so far."""
+    row["runs"].append(run_brief(res))
+    row["figure"] = spread_figure([r["tokens_per_s"] for r in row["runs"]
+                                   if r["outcome"] == "fit" and r["tokens_per_s"]])
+
+
+def run_brief(res: Any) -> dict[str, Any]:
+    """One fresh-process run as a headline keeps it: outcome, tokens/s, peak, step figures, noise, and on data
+    the time model and the window's own figure; the host's share of its steps."""
+    d = res.to_dict()
+    extra = d.get("extra") or {}
+    return {"outcome": d["outcome"], "tokens_per_s": d.get("tokens_per_s"), "noisy": d.get("noisy"),
+            "reason": (d.get("reason") or "")[:300],
+            "peak_gib": round(d["peak_memory_bytes"] / GIB, 2) if d.get("peak_memory_bytes") else None,
+            "oom_shortfall_gib": round(d["oom_shortfall_bytes"] / GIB, 2) if d.get("oom_shortfall_bytes") else None,
+            "step": step_of(d), "step_times": d.get("step_times"), "micro_step_s": d.get("micro_step_s"),
+            "time_model": extra.get("time_model"), "window_tokens_per_s": extra.get("window_tokens_per_s"),
+            "host": host_share(extra.get("host_per_step") or {})}
+
+
+def host_share(host: dict[str, list[Any]]) -> dict[str, float | None]:
+    """Medians over a probe's timed steps: all threads' CPU time over the step's wall time (near 1: some
+    thread was on a CPU the whole step) and the GPU's power; a launch-bound step draws less power."""
+    steps, cpu, power = host.get("step_s") or [], host.get("process_cpu_s") or [], host.get("power_w") or []
+    shares = [c / t for c, t in zip(cpu, steps, strict=False) if c is not None and t]
+    watts = [w for w in power if w is not None]
+    return {"process_cpu_over_step": round(statistics.median(shares), 3) if shares else None,
+            "power_w": round(statistics.median(watts), 1) if watts else None}

@@ -1,19 +1,29 @@
-"""Issue 11's figures in one call: the data-aware search on real and synthetic data.
+"""Issues 11 and 29: the data-aware search against a searched baseline, both measured in one session.
 
-For each scenario (S1: 40 GiB, S2: 24 GiB; Llama-2-7B shape, LoRA, length 2048) and each dataset
-(D1: the standard library's docstrings; D2: log-normal lengths, mean ~300, p99 ~2,000; both built
-by bench/data/make_corpus.py), one `autofit search --dataset` run; from its probes:
-- the winner vs the best `pad_longest` fit (dynamic padding: what most recipes do) and vs the best
-  `pad_max` fit (today's probe), in trained tokens/s, with the ratios (target: >= 1.3x over
-  pad_longest where the mean sample is <= 1/3 of max_length);
-then for the first scenario's winner on each dataset:
-- the exported hf-trainer recipe trained `--steps` optimizer steps on the same data under the same
-  limit (`--emulate-memory-gib`): no OOM, trained tokens/s within 7% of the probe, peak <= the probe's
-  worst-case peak + 3%;
-- the same recipe on a file of only the longest samples (every micro-batch as heavy as the data can
-  make it): it must stay inside the limit.
+For each scenario (S1: 40 GiB, S2: 24 GiB; Llama-2-7B shape, LoRA, length 2048, global batch 16 samples
+per optimizer step for every strategy) and each dataset (D1: the standard library's docstrings; D2:
+log-normal lengths, mean ~300, p99 ~2,000; both built by bench/data/make_corpus.py):
+1. the data-aware search: `autofit search --dataset` over micro-batch 1-16 x checkpointing x Liger x every
+   batching strategy (micro-batch 16 is the global batch: padding_free's rows of 16 samples);
+2. the baseline, a search of its own: the same space, budget and session with `batching` restricted to
+   the padded strategies people use (pad_longest, group_by_length). A space that lists `batching` keeps
+   its own list under --dataset (`session.data_space`), so the restriction is a space file;
+3. both winners measured again --repeats times (default 3), each run a fresh probe process, alternately
+   (a, b, b, a, a, b): every figure is the median of its runs with their spread, and the headline ratio
+   is median over median. Each winner's step figures say what one optimizer step trains
+   (accumulation, samples and trained tokens per step, whether that is the asked global batch);
+4. --anomaly N: pad_max and pad_longest at micro-batch 1 with checkpointing on (S2/D1 measured 217 and
+   162 trained tokens/s, pad_longest below pad_max at the same config), alternately N times each, with
+   each run's time model and the host's share of its steps (all threads' CPU time over the step's wall
+   time, the GPU's power): whether a short micro-batch costs more than a full row, and whether the host
+   or the GPU sets its pace.
+With --recipes, the first scenario's winner on each dataset is exported (hf-trainer) and trained
+`--steps` steps on the same data under the same limit (no OOM, trained tokens/s within 7% of the probe,
+peak <= the probe's worst case + 3%), and again on a file of only the longest samples (inside the limit).
 
-    python bench/data_bench.py                 # on the GPU: S1, S2 x D1, D2 (~9 minutes)
+    python bench/data_bench.py --limits 40GiB --datasets D1 --name data-bench-s1-d1   # one pair, one call (~9 min)
+    python bench/data_bench.py --gpus 0,1,2,3 --name data-bench-29    # S1, S2 x D1, D2 at once, a GPU each
+    python bench/data_bench.py --limits 24GiB --datasets D1 --budget 0 --anomaly 3 --name data-anomaly-s2-d1
     python bench/data_bench.py --small         # on the CPU: tiny-llama, the committed slices, length 128
 """
 
@@ -25,15 +35,41 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import GIB, REPO, bench_env, out_dir, read_trials, save
+from common import (
+    GIB,
+    REPO,
+    bench_env,
+    best_fits,
+    figure_row,
+    interleaved,
+    keep_run,
+    out_dir,
+    ratio_of_medians,
+    read_trials,
+    save,
+    step_of,
+)
+
+from autofit.data import DatasetRef, load_samples
+from autofit.models import resolve_model
+from autofit.protocol import MAX_PROBE_ACCUMULATION
+from autofit.report import config_brief
+from autofit.result import ProbeResult
+from autofit.rundir import RunDir
+from autofit.space import load_space
+from autofit.spec import TrialConfig
+from autofit.target import resolve_targets
 
 SLICES = {"D1": REPO / "tests" / "data" / "d1-slice.jsonl", "D2": REPO / "tests" / "data" / "d2-slice.jsonl"}
 DATA_SPACE = """\
-# The data-aware benchmark space: S1/S2's shape; `batching` is added by --dataset.
+# The data-aware benchmark space: S1/S2's shape; `batching` is added by --dataset unless listed here.
 method: lora
 fixed:
   global_batch: {gb}
@@ -47,11 +83,18 @@ dimensions:
   micro_batch_size: {mbs}
   gradient_checkpointing: {ckpt}
 """
+KERNELS = "  liger: [false, true]\n"
+PADDED = ("pad_longest", "group_by_length")
+"""The baseline's strategies: dynamic padding as recipes do it, with and without a length-grouping sampler."""
+BASELINE = f"  batching: [{', '.join(PADDED)}]\n"
 FULL = {"model": "llama2-7b", "limits": ["40GiB", "24GiB"], "max_length": 2048, "gb": 16, "r": 16, "alpha": 32,
-        "prec": "bf16", "opt": "adamw_torch_fused", "mbs": "[1, 2, 4, 8]", "ckpt": "[off, on]", "budget": "100s",
-        "device": []}
+        "prec": "bf16", "opt": "adamw_torch_fused", "mbs": "[1, 2, 4, 8, 16]", "ckpt": "[off, on]", "budget": "120s",
+        "kernels": True, "repeats": 3, "device": []}
 SMALL = {"model": "tiny-llama", "limits": [None], "max_length": 128, "gb": 4, "r": 8, "alpha": 16, "prec": "fp32",
-         "opt": "adamw_torch", "mbs": "[2]", "ckpt": "[off]", "budget": "150s", "device": ["--device", "cpu"]}
+         "opt": "adamw_torch", "mbs": "[1, 2]", "ckpt": "[off]", "budget": "90s", "kernels": False, "repeats": 2,
+         "device": ["--device", "cpu"]}
+ANOMALY = {"micro_batch_size": 1, "gradient_checkpointing": "on"}
+"""The config where S2/D1 measured pad_longest (162) below pad_max (217): only the batching differs."""
 
 
 def corpora(small: bool, work: Path) -> dict[str, Path]:
@@ -62,71 +105,154 @@ def corpora(small: bool, work: Path) -> dict[str, Path]:
 
 
 def seconds(budget: str) -> float:
-    return float(budget.rstrip("s")) * (60 if budget.endswith("m") else 1)
+    return float(budget.rstrip("sm")) * (60 if budget.endswith("m") else 1)
 
 
-def search(s: dict[str, Any], space: Path, data: Path, limit: str | None, runs: Path) -> tuple[Path | None, str]:
+def write_spaces(s: dict[str, Any], work: Path) -> dict[str, Path]:
+    """The data-aware space (every strategy, through --dataset) and the baseline's (the padded ones), the
+    other dimensions the same."""
+    common = DATA_SPACE.format(**s) + (KERNELS if s["kernels"] else "")
+    paths = {"searched": work / "data-space.yaml", "baseline": work / "baseline-space.yaml"}
+    paths["searched"].write_text(common)
+    paths["baseline"].write_text(common + BASELINE)
+    return paths
+
+
+def search(s: dict[str, Any], space: Path, data: Path, limit: str | None, runs: Path,
+           gpu: int | None) -> tuple[Path | None, str]:
+    where = ["--gpu", str(gpu)] if gpu is not None else s["device"]
     cmd = [sys.executable, "-m", "autofit", "search", "--model", s["model"], "--space", str(space), "--dataset",
            str(data), "--max-length", str(s["max_length"]), "--budget", s["budget"], "--confirm", "0", "--out",
-           str(runs), "--json", *s["device"], *(["--memory-limit", limit] if limit else [])]
+           str(runs), "--json", *where, *(["--memory-limit", limit] if limit else [])]
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=bench_env(), cwd=REPO,
-                              timeout=seconds(s["budget"]) + 120)
+                              timeout=seconds(s["budget"]) + 180)
     except subprocess.TimeoutExpired:
-        return None, "the search overran its budget by 120 s"
+        return None, "the search overran its budget by 180 s"
     try:
         return Path(json.loads(proc.stdout)["run_dir"]), proc.stderr[-1500:]
     except (json.JSONDecodeError, KeyError):
         return None, proc.stderr[-3000:]
 
 
-def compare(run: Path) -> dict[str, Any]:
-    """The winner against the best pad_longest and pad_max fits of the same run."""
-    rows = [r for r in read_trials(run) if r["outcome"] == "fit" and r.get("tokens_per_s")]
-    best = {}
-    for r in rows:
-        b = r["config"].get("batching", "pad_max")
-        if b not in best or r["tokens_per_s"] > best[b]["tokens_per_s"]:
-            best[b] = r
-    data = json.loads((run / "data" / "data.json").read_text())
-    win = json.loads((run / "best.json").read_text())
-
-    def ratio(b: str) -> float | None:
-        return win["tokens_per_s"] / best[b]["tokens_per_s"] if b in best else None
-
-    return {"run": run.name, "winner": {k: win[k] for k in ("config", "tokens_per_s", "peak_memory_bytes", "extra")},
-            "best_by_batching": {b: {"tokens_per_s": r["tokens_per_s"], "peak_memory_bytes": r["peak_memory_bytes"],
-                                     "config": r["config"], "pad_fraction": r.get("extra", {}).get("pad_fraction")}
-                                 for b, r in best.items()},
-            "ratio_vs_pad_longest": ratio("pad_longest"), "ratio_vs_pad_max": ratio("pad_max"),
-            "mean_sample": data["mean"], "percentiles": data["percentiles"], "approximate": data["approximate"],
-            "probes": len(read_trials(run))}
+def summary(run: Path) -> dict[str, Any]:
+    """A search's winner (its own figure and step figures) and the best fit of each batching it probed."""
+    rows = read_trials(run)
+    best = best_fits(rows)
+    win = json.loads((run / "best.json").read_text()) if (run / "best.json").is_file() else None
+    return {"run": run.name, "probes": len(rows),
+            "outcomes": {o: sum(r["outcome"] == o for r in rows) for o in sorted({r["outcome"] for r in rows})},
+            "winner": None if win is None else {
+                "config": win["config"], "brief": config_brief(win["config"]), "tokens_per_s": win["tokens_per_s"],
+                "measurements": (win.get("extra") or {}).get("measurements"),
+                "peak_gib": round(win["peak_memory_bytes"] / GIB, 2) if win.get("peak_memory_bytes") else None,
+                "step": step_of(win)},
+            "best_by_batching": {b: {"tokens_per_s": r["tokens_per_s"], "brief": config_brief(r["config"]),
+                                     "pad_fraction": (r.get("extra") or {}).get("pad_fraction"), "step": step_of(r)}
+                                 for b, r in best.items()}}
 
 
-def fill(s: dict[str, Any], run: Path, data: Path, limit: str | None) -> dict[str, Any]:
-    """The winner's config with pad_longest and pad_max, probed where the search measured neither (its
-    budget may end first): the same config, only the batching changed."""
-    win = json.loads((run / "best.json").read_text())["config"]
-    measured = {r["config"].get("batching") for r in read_trials(run) if r["outcome"] == "fit"}
-    out = {}
-    for batching in ("pad_longest", "pad_max"):
-        if batching in measured:
-            continue
-        sets = [x for k in ("method", "max_length", "micro_batch_size", "global_batch", "precision",
-                            "gradient_checkpointing", "optimizer", "attn_implementation", "lora_r", "lora_alpha",
-                            "lora_targets") for x in ("--set", f"{k}={win[k]}")]
-        cmd = [sys.executable, "-m", "autofit", "probe", "--model", s["model"], "--dataset", str(data), "--json",
-               *sets, "--set", f"batching={batching}", *s["device"], "--log-dir", str(run / "logs"),
-               *(["--memory-limit", limit] if limit else [])]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=bench_env(), cwd=REPO, timeout=600)
-        try:
-            res = json.loads(proc.stdout)
-            out[batching] = {"outcome": res["outcome"], "tokens_per_s": res["tokens_per_s"],
-                             "peak_memory_bytes": res["peak_memory_bytes"], "config": res["config"],
-                             "pad_fraction": (res.get("extra") or {}).get("pad_fraction"), "probed_after": True}
-        except (json.JSONDecodeError, KeyError):
-            out[batching] = {"error": proc.stderr[-1500:]}
+@dataclass(frozen=True)
+class Where:
+    """What the fresh-process runs of a pair share: its target (GPU, memory limit), model, data and the
+    stand-in tokenizer's cache (a search's run folder's, where one ran: no second tokenizer training)."""
+
+    target: Any
+    model: Any
+    dataset: dict[str, Any]
+    data_cache: Path
+    space: Any
+
+    @classmethod
+    def of(cls, s: dict[str, Any], space: Path, data: Path, limit: str | None, gpu: int | None,
+           cache: Path) -> Where:
+        device = s["device"][1] if s["device"] else None
+        return cls(resolve_targets(None if gpu is None else str(gpu), device, limit)[0], resolve_model(s["model"]),
+                   DatasetRef.of(load_samples(data)).to_dict(), cache,
+                   load_space(str(space)).replaced(max_length=[s["max_length"]]))
+
+
+def measure(where: Where, configs: dict[str, TrialConfig], n: int, out: dict[str, Any], on_change: Any) -> None:
+    """configs measured n times each, alternately, in fresh probe processes on the pair's target and data;
+    out[label] becomes {config, runs, figure: spread_figure of the fits' tokens/s}, filled as runs come."""
+    for label, cfg in configs.items():
+        out[label] = figure_row(cfg.to_dict())
+
+    def keep(label: str, res: ProbeResult) -> None:
+        keep_run(out[label], res)
+        on_change()
+
+    interleaved(where.target, where.model, configs, n, keep, max_acc=MAX_PROBE_ACCUMULATION, dataset=where.dataset,
+                data_cache=where.data_cache, prefix="repeat")
+
+
+def winners(runs: dict[str, Path]) -> dict[str, TrialConfig]:
+    """Each search's winner, once: where both searches picked the same config it is measured under the
+    searched label only (its ratio is then 1)."""
+    out: dict[str, TrialConfig] = {}
+    for label, run in runs.items():
+        best = run / "best.json"
+        if best.is_file():
+            cfg = TrialConfig.from_dict(json.loads(best.read_text())["config"])
+            if all(cfg.key() != other.key() for other in out.values()):
+                out[label] = cfg
     return out
+
+
+def anomaly_configs(space: Any) -> dict[str, TrialConfig]:
+    """pad_max and pad_longest at ANOMALY, the rest of the data space as fixed (stock kernels)."""
+    return {b: space.config({**ANOMALY, "batching": b, "liger": False}) for b in ("pad_max", "pad_longest")}
+
+
+class Book:
+    """The result file, rewritten whole after every stage from whichever thread measured it: a call cut
+    short keeps what it measured."""
+
+    def __init__(self, name: str, figures: dict[str, Any]) -> None:
+        self.name, self.figures, self.lock = name, figures, threading.Lock()
+
+    def save(self) -> None:
+        with self.lock:
+            save(self.name, json.loads(json.dumps(self.figures, default=str)))
+
+
+def pair(s: dict[str, Any], a: argparse.Namespace, spaces: dict[str, Path], files: dict[str, Path],
+         limit: str | None, name: str, gpu: int | None, work: Path, book: Book) -> Path | None:
+    """One scenario x dataset: the two searches, their winners' repeats, the anomaly pair; returns the
+    data-aware search's run folder."""
+    key = f"{limit or 'no-limit'}/{name}"
+    entry: dict[str, Any] = {"gpu": gpu, "budget": s["budget"], "baseline_batchings": list(PADDED)}
+    book.figures["pairs"][key] = entry
+    runs: dict[str, Path] = {}
+    for label in ("searched", "baseline") if seconds(s["budget"]) > 0 else ():
+        t0 = time.monotonic()
+        run, tail = search(s, spaces[label], files[name], limit, work / "runs" / key.replace("/", "-") / label, gpu)
+        entry[label] = {**summary(run), "wall_seconds": round(time.monotonic() - t0, 1)} if run else {"error": tail}
+        if run:
+            runs[label] = run
+        print(key, label, (entry[label].get("winner") or {}).get("brief"),
+              (entry[label].get("winner") or {}).get("tokens_per_s"), flush=True)
+        book.save()
+    if runs.get("searched"):
+        data = json.loads((runs["searched"] / "data" / "data.json").read_text())
+        entry.update(mean_sample=data["mean"], percentiles=data["percentiles"], approximate=data["approximate"])
+    cache = RunDir(runs["searched"]).data if "searched" in runs else work / "data-cache" / key.replace("/", "-")
+    where = Where.of(s, spaces["searched"], files[name], limit, gpu, cache)
+    if runs and s["repeats"]:
+        entry["repeats"] = {}
+        measure(where, winners(runs), s["repeats"], entry["repeats"], book.save)
+        figs = {k: v["figure"] for k, v in entry["repeats"].items()}
+        entry["ratio_of_medians"] = ratio_of_medians(figs["searched"], figs["baseline"]) \
+            if "searched" in figs and "baseline" in figs else (1.0 if len(figs) == 1 and len(runs) == 2 else None)
+        book.save()
+    if a.anomaly:
+        entry["anomaly"] = {"config": ANOMALY, "measured": {}}
+        measure(where, anomaly_configs(where.space), a.anomaly, entry["anomaly"]["measured"], book.save)
+        m = entry["anomaly"]["measured"]
+        entry["anomaly"]["pad_longest_over_pad_max"] = ratio_of_medians(m["pad_longest"]["figure"],
+                                                                        m["pad_max"]["figure"])
+        book.save()
+    return runs.get("searched")
 
 
 def recipe(run: Path, data: Path, steps: int, work: Path, tag: str) -> dict[str, Any]:
@@ -145,11 +271,12 @@ def recipe(run: Path, data: Path, steps: int, work: Path, tag: str) -> dict[str,
     except subprocess.TimeoutExpired as e:
         return {"rc": None, "error": f"timed out after {e.timeout} s", "steps": steps}
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("recipe-summary ")]
-    summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+    summary_line = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     peak = None
-    if "max_memory_reserved" in summary:  # the probe's definition: reserved peak + memory outside the allocator
-        peak = summary["max_memory_reserved"] + max(summary["device_used"] - summary["memory_reserved_now"], 0)
-    tps = summary.get("tokens_per_s")
+    if "max_memory_reserved" in summary_line:  # the probe's definition: reserved peak + memory outside the allocator
+        peak = summary_line["max_memory_reserved"] + max(summary_line["device_used"]
+                                                         - summary_line["memory_reserved_now"], 0)
+    tps = summary_line.get("tokens_per_s")
     return {"rc": proc.returncode, "oom": "out of memory" in (proc.stdout + proc.stderr).lower(), "steps": steps,
             "wall_seconds": time.monotonic() - t0, "tokens_per_s": tps, "peak_bytes": peak, "limit_bytes": limit,
             "tokens_per_s_ratio": tps / best["tokens_per_s"] if tps else None,
@@ -172,54 +299,56 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny-llama on the CPU with the committed slices")
     p.add_argument("--datasets", default="D1,D2")
     p.add_argument("--limits", help="comma list of memory limits (default 40GiB,24GiB: S1, S2)")
-    p.add_argument("--skip-recipes", action="store_true", help="searches only (split the work over two calls)")
-    p.add_argument("--no-fill", action="store_true",
-                   help="do not probe the winner's config with pad_longest / pad_max when the search did not")
+    p.add_argument("--budget", help="per search, the same for both (default 120s; 90s with --small; 0: no searches, "
+                                    "only --anomaly)")
+    p.add_argument("--repeats", type=int, help="fresh-process runs of each winner (default 3; 2 with --small; 0: none)")
+    p.add_argument("--no-kernels", action="store_true", help="leave Liger out of both spaces")
+    p.add_argument("--anomaly", type=int, default=0, metavar="N",
+                   help="also measure pad_max and pad_longest at micro-batch 1 with checkpointing, N runs each")
+    p.add_argument("--gpus", default="", help="comma list: the scenario x dataset pairs run at once, one GPU each")
+    p.add_argument("--recipes", action="store_true", help="export and train the first scenario's winners")
     p.add_argument("--steps", type=int, default=None, help="recipe steps (default 50; 3 with --small)")
-    p.add_argument("--budget", help="per search (default 100s; 150s with --small)")
     p.add_argument("--name", default=None)
     p.add_argument("--runs", help="recipes only, from run folders of an earlier call: D1=DIR,D2=DIR")
     a = p.parse_args()
     s = dict(SMALL if a.small else FULL, **({"budget": a.budget} if a.budget else {}),
-             **({"limits": a.limits.split(",")} if a.limits else {}))
+             **({"limits": a.limits.split(",")} if a.limits else {}),
+             **({"repeats": a.repeats} if a.repeats is not None else {}))
+    if a.no_kernels:
+        s["kernels"] = False
     steps = a.steps or (3 if a.small else 50)
     work = Path(tempfile.mkdtemp(prefix="data-bench-"))
-    space = work / "data-space.yaml"
-    space.write_text(DATA_SPACE.format(**s))
+    spaces = write_spaces(s, work)
     files = corpora(a.small, work)
-    figures: dict[str, Any] = {"small": a.small, "max_length": s["max_length"], "model": s["model"], "searches": {},
-                               "recipes": {}}
-    first: dict[str, Path] = {}
     name_of = a.name or ("data-bench-cpu-small" if a.small else "data-bench-s1-s2")
+    book = Book(name_of, {"small": a.small, "max_length": s["max_length"], "model": s["model"],
+                          "space": spaces["searched"].read_text(), "baseline_space": spaces["baseline"].read_text(),
+                          "repeats": s["repeats"], "pairs": {}, "recipes": {},
+                          "note": "every tokens/s figure is trained (label-bearing, non-pad) tokens/s; a repeats "
+                                  "figure is the median of fresh-process runs measured alternately in this call, "
+                                  "spread = max/min; ratio_of_medians = searched winner / baseline winner"})
+    first: dict[str, Path] = {}
     if a.runs:  # the searches were an earlier call's: their run folders, kept by keep_runs
         first.update({k: Path(v).resolve() for k, v in (x.split("=", 1) for x in a.runs.split(","))})
-        figures["recipes_of"] = {k: v.name for k, v in first.items()}
-    for limit in [] if a.runs else s["limits"]:
-        for name in a.datasets.split(","):
-            key = f"{limit or 'no-limit'}/{name}"
-            run, tail = search(s, space, files[name], limit, work / "runs")
-            figures["searches"][key] = compare(run) if run else {"error": tail}
-            if run and not a.no_fill:
-                filled = fill(s, run, files[name], limit)
-                figures["searches"][key]["same_config_other_batching"] = filled
-                win = figures["searches"][key]["winner"]["tokens_per_s"]
-                for b, r in filled.items():
-                    if r.get("tokens_per_s") and figures["searches"][key].get(f"ratio_vs_{b}") is None:
-                        figures["searches"][key][f"ratio_vs_{b}"] = win / r["tokens_per_s"]
-            if run and name not in first:
-                first[name] = run
-            print(key, {k: figures["searches"][key].get(k) for k in ("ratio_vs_pad_longest", "ratio_vs_pad_max")},
-                  flush=True)
-            save(name_of, figures)  # after every search: a call cut short keeps what it measured
-    for name, run in ({} if a.skip_recipes else first).items():
-        figures["recipes"][name] = {"same_data": recipe(run, files[name], steps, work, f"{name}"),
-                                    "longest_samples": recipe(run, longest_only(files[name], work), max(3, steps // 5),
-                                                              work, f"{name}-longest")}
-        print(name, {k: figures["recipes"][name]["same_data"][k] for k in ("tokens_per_s_ratio", "peak_ratio")},
-              "longest inside limit:", figures["recipes"][name]["longest_samples"]["inside_limit"], flush=True)
-    save(name_of, figures)
+        book.figures["recipes_of"] = {k: v.name for k, v in first.items()}
+    jobs = [] if a.runs else [(limit, name) for limit in s["limits"] for name in a.datasets.split(",")]
+    gpus = [int(g) for g in a.gpus.split(",") if g.strip()]
+    with ThreadPoolExecutor(max(1, min(len(gpus), len(jobs)))) as pool:
+        done = list(pool.map(lambda i: pair(s, a, spaces, files, jobs[i][0], jobs[i][1],
+                                            gpus[i % len(gpus)] if gpus else None, work, book), range(len(jobs))))
+    for (_limit, name), run in zip(jobs, done, strict=True):
+        if run and name not in first:
+            first[name] = run
+    for name, run in (first.items() if a.recipes or a.runs else ()):
+        book.figures["recipes"][name] = {
+            "same_data": recipe(run, files[name], steps, work, f"{name}"),
+            "longest_samples": recipe(run, longest_only(files[name], work), max(3, steps // 5), work,
+                                      f"{name}-longest")}
+        book.save()
+    book.save()
     if not a.runs:
         keep_runs(work / "runs", out_dir() / f"{name_of}-runs")
+    print(json.dumps({k: {x: v.get(x) for x in ("ratio_of_medians",)} for k, v in book.figures["pairs"].items()}))
     print(f"results in {out_dir()}")
 
 

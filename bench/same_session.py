@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import GIB, brief, in_repo, out_dir, read_trials, repo_relative, save
+from common import GIB, brief, in_repo, interleaved, out_dir, read_trials, repo_relative, save
 from search_bench import run_search, search_args
 
 from autofit.models import resolve_model
@@ -81,23 +81,6 @@ def from_landscape(a: argparse.Namespace) -> tuple[dict, list[dict]]:
              "landscape_best_tokens_per_s": land.best().tokens_per_s,
              "landscape_best_key": TrialConfig.from_dict(land.best().config).key()},
             landscape_leaders(land, a.leaders))
-
-
-def interleaved(target: object, model: object, configs: dict[str, TrialConfig], n: int, max_acc: int,
-                out: dict[str, list[float]]) -> None:
-    """Each config measured n times in fresh processes, in the order a, b, b, a, a, b, ... so that a
-    steady drift of the machine over the minutes falls on both alike; the fits' tokens/s go into out
-    by label as they come (an interrupted pass keeps what it measured)."""
-    order = list(configs.items())
-    with Runner(target, Path(tempfile.mkdtemp()), standby=1, max_probe_accumulation=max_acc) as runner:
-        runner.warm_up()
-        for i in range(n):
-            for label, cfg in (order if i % 2 == 0 else order[::-1]):
-                res = runner.run(cfg, model, name=f"after-{label}-{i}", timeout=300)
-                print(f"after {label} {i}: {config_brief(res.config)}  {res.tokens_per_s or 0:,.0f} tok/s "
-                      f"({res.outcome.value})", flush=True)
-                if res.outcome.is_fit() and res.tokens_per_s:
-                    out[label].append(res.tokens_per_s)
 
 
 def probe_list(rows: list[dict]) -> list[dict]:
@@ -204,8 +187,12 @@ def check(a: argparse.Namespace, recorded: dict, top_n: list[dict]) -> None:
         after: dict[str, list[float]] = {"pick": [], "leader": []}
         figures["after_search"] = after
         try:
-            interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after,
-                        int(a.max_probe_accumulation), after)
+            def keep(label: str, res: ProbeResult) -> None:
+                if res.outcome.is_fit() and res.tokens_per_s:
+                    after[label].append(res.tokens_per_s)
+
+            interleaved(target, model, {"pick": by_key[pick_key], "leader": by_key[top_row["key"]]}, a.after, keep,
+                        max_acc=int(a.max_probe_accumulation), timeout=300)
             interrupted = False
         except KeyboardInterrupt:
             interrupted = figures["after_search_interrupted"] = True
