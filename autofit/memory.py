@@ -145,7 +145,8 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
     # Kept for backward; Liger's SwiGLU keeps gate and up only (silu(gate) * up recomputed): 2 x I
     # fewer per token (S1 on the H200: stock 33.4 vs Liger 26.6 GiB at mb2, 5.6 GiB of it this term).
     per_layer = tokens * b * (8 * shape.hidden + (2 if cfg.liger else 4) * shape.intermediate)
-    boundary = tokens * b * shape.hidden  # a checkpointed layer keeps only its input
+    per_layer += _nf4_mlp_bytes(cfg, shape, tokens, b)
+    boundary = tokens * _stream_bytes(cfg) * shape.hidden  # a checkpointed layer keeps only its input
     every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
     ck = len(range(0, shape.layers, every)) if every else 0
     activations = (shape.layers - ck) * per_layer + ck * (0 if offload else boundary) + (per_layer if ck else 0)
@@ -155,6 +156,7 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
         # a compiled backward with checkpointed blocks can hold more, not less).
         activations = int(activations * 0.75)
     logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
+    logits += _nf4_head_copy_bytes(cfg, shape, b)
     outside = (CUDA_CONTEXT + (NCCL_BUFFERS if cfg.gpus > 1 else 0)) if on_gpu else 0
     b = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers)
     return replace(b, allocator=int(b.allocated() * ALLOCATOR_SLACK))
@@ -209,13 +211,50 @@ def adapter_params(cfg: TrialConfig, shape: Shape) -> int:
     return shape.layers * sum(cfg.lora_r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
 
 
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per parameter of a linear layer in nf4 with double quantization (the recipe's
+bnb_4bit_use_double_quant): two 4-bit codes a byte, one 8-bit absmax per block of 64 (bitsandbytes' default
+blocksize for 4 bits), and one fp32 absmax per 256 of those (the absmax quantized blockwise in 256s):
+bitsandbytes functional.quantize_4bit."""
+KBIT_UPCAST_BYTES = 4
+"""peft's prepare_model_for_kbit_training (the recipe's k-bit preparation) casts every 16-bit parameter that is
+not a 4-bit one to fp32: embeddings, lm_head and norms stay in 4 bytes a parameter on a quantized base."""
+
+
 def _base_bytes(cfg: TrialConfig, lin: int, emb: int, weight_b: int) -> int:
-    b = compute_bytes(cfg)
     if cfg.quantization == "nf4":
-        return int(lin * 0.5 * 1.03) + emb * b  # 4-bit linear layers + double-quantised scales
+        return int(lin * NF4_BYTES) + emb * KBIT_UPCAST_BYTES  # packed 4-bit linear layers + their scales
     if cfg.quantization == "8bit":
-        return int(lin * 1.02) + emb * b  # int8 + per-row scales
+        return int(lin * 1.02) + emb * KBIT_UPCAST_BYTES  # int8 + per-row scales
     return (lin + emb) * weight_b
+
+
+def _stream_bytes(cfg: TrialConfig) -> int:
+    """Bytes per element of the residual stream between decoder layers (what a checkpointed layer keeps). On an
+    nf4 base the embeddings are fp32 (KBIT_UPCAST_BYTES), so is their output, and each layer adds its 16-bit
+    attention and MLP outputs to it in fp32 (type promotion): the stream stays fp32 whatever the compute dtype."""
+    return 4 if cfg.quantization == "nf4" else compute_bytes(cfg)
+
+
+def _nf4_mlp_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
+    """What an nf4 layer keeps for backward beyond a 16-bit one: bitsandbytes' Linear4bit returns its input's
+    dtype (the matmul runs in the compute dtype, the output is cast back), and the MLP's input is the fp32
+    stream's norm, so gate_proj's and up_proj's outputs and silu(gate), kept for backward, are fp32, not 16-bit
+    (Liger's SwiGLU keeps gate and up only). Attention's inputs are cast back to 16 bits by autocast before
+    sdpa keeps them: no more there."""
+    if cfg.quantization != "nf4":
+        return 0
+    kept = 2 if cfg.liger else 3  # gate, up (and silu(gate) unless Liger recomputes it)
+    return tokens * kept * shape.intermediate * (4 - b)  # each in 4 bytes instead of b
+
+
+def _nf4_head_copy_bytes(cfg: TrialConfig, shape: Shape, b: int) -> int:
+    """On an nf4 base lm_head is fp32 (KBIT_UPCAST_BYTES): autocast casts its weight to the compute dtype for each
+    forward's product, and the product keeps that copy until backward (its input's gradient needs it); a tied
+    head is the same matrix, cast the same way. Stock loss only: Liger's fused loss takes the weight itself."""
+    if cfg.quantization != "nf4" or cfg.liger:
+        return 0
+    return shape.vocab * shape.hidden * b  # vocab x hidden, in the compute dtype
 
 
 def _gathered(cfg: TrialConfig, shape: Shape, n_train: int) -> int:

@@ -353,8 +353,9 @@ def no_runner(target: Target) -> Runner:
 
 def test_a_space_whose_weights_alone_exceed_the_card_ends_before_any_probe(tmp_path: Path) -> None:
     """Issue 28: at 2 GiB the policy raised an OverflowError; at 6 GiB it probed a config the prior knew could
-    not fit. Now neither starts a probe process: the study ends with the reason, and no trial."""
-    for gib in (2, 6):
+    not fit. Now neither starts a probe process: the study ends with the reason, and no trial; at 8 GiB a
+    4-bit base would fit."""
+    for gib in (2, 6, 8):
         s = beyond(tmp_path / str(gib), gib)
         s.run_dir.mkdir()
         search = Search(s, make_runner=no_runner)
@@ -363,7 +364,7 @@ def test_a_space_whose_weights_alone_exceed_the_card_ends_before_any_probe(tmp_p
         assert reason.startswith(f"nothing in the space can fit the {gib} GiB limit less 5% headroom: the weights "
                                  "alone need 12.6 GiB (bf16 weights + LoRA adapter)")
         assert study.get_trials() == [] and stop_reason_of(study) == reason and search.runners == []
-    assert "Would fit, by the memory model: a 4-bit base (QLoRA, --space qlora)" in reason  # at 6 GiB
+    assert "Would fit, by the memory model: a 4-bit base (QLoRA, --space qlora)" in reason  # at 8 GiB
 
 
 def test_a_measured_fit_outweighs_the_prior(tmp_path: Path) -> None:

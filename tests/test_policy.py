@@ -445,10 +445,11 @@ def test_the_weights_floor_is_below_every_measured_peak_of_the_recorded_landscap
 
 
 def test_the_savings_are_computed_and_each_is_the_least_that_fits() -> None:
-    """At 6 GiB: a 4-bit base fits by its smallest prediction; no length does (the weights alone exceed it); the
-    largest model of the family that fits, and 1% more scale does not; the fewest GPUs that shard it under the
-    card, and half as many do not; the card the space needs."""
-    usable = usable_bytes(6 * GIB)
+    """At 7 GiB: a 4-bit base fits by its smallest prediction (S5 measured 6.5 GiB for it, over 6 GiB's usable
+    5.7); no length does (the weights alone exceed it); the largest model of the family that fits, and 1% more
+    scale does not; the fewest GPUs that shard it under the card, and half as many do not; the card the space
+    needs."""
+    usable = usable_bytes(7 * GIB)
     r = reach(LORA, SHAPE, usable, on_gpu=True)
     assert r.certain and r.weights == {"bf16 weights + LoRA adapter": min(loaded_bytes(c, SHAPE) for c in LORA)}
     found = {s.kind: s for s in r.savings}
