@@ -179,8 +179,23 @@ def train(a: argparse.Namespace) -> None:
                "max_memory_allocated": torch.cuda.max_memory_allocated(),
                # the probe's definition: the reserved peak plus what the device holds outside the allocator
                "peak_bytes": torch.cuda.max_memory_reserved() + max(total - free - reserved_now, 0),
-               "step_times": [round(t, 4) for t in clock.times], "losses": clock.losses}
+               "step_times": [round(t, 4) for t in clock.times], "losses": clock.losses,
+               "versions": versions("unsloth", "unsloth_zoo", "transformers", "trl", "peft", "torch", "bitsandbytes",
+                                    "xformers", "cut_cross_entropy", "datasets")}
     print("unsloth-summary " + json.dumps(summary), flush=True)
+
+
+def versions(*names: str) -> dict[str, str | None]:
+    """What Unsloth's process ran with (its environment is not autofit's: the result file's own versions are
+    the orchestrating process's)."""
+    import importlib.metadata
+
+    def one(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return {name: one(name) for name in names}
 
 
 class StepClock:
