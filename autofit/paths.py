@@ -29,6 +29,12 @@ def shown(path: str | os.PathLike[str]) -> str:
     return shlex.quote(text)
 
 
+def readable(text: str) -> str:
+    """`text` as UTF-8 whole, where it holds a name that is not UTF-8 (its bytes kept as surrogates): each
+    such byte written \\xNN, as `shown` writes it (report.md, a message: text a file or a screen takes)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _escape(b: int) -> str:
     c = chr(b)
     if c == "'" or c == "\\":
@@ -102,3 +108,54 @@ def output_file(path: str | os.PathLike[str], flag: str, remedy: str = "") -> Pa
 
 def _then(remedy: str) -> str:
     return f" {remedy}" if remedy else ""
+
+
+def source(path: str | os.PathLike[str], flag: str, remedy: str = "") -> os.stat_result | None:
+    """What a flag that takes a file or a folder (a model, a space, a dataset) names: None where nothing is
+    there (the caller decides what else the text can be: a preset, a hub id), else its stat; a UsageError
+    naming `flag` for a FIFO or a device (a read of which may never end), a symlink loop, a name too long."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise UsageError(f"{flag}: {shown(path)} {problem(e)}.{_then(remedy)}") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise UsageError(f"{flag}: {shown(path)} is {kind(st.st_mode)}, not a file or a folder.{_then(remedy)}")
+    return st
+
+
+def output_folder(path: str | os.PathLike[str], flag: str, remedy: str = "") -> Path:
+    """A folder to write into: one that exists, or one that can be made (with its parents): nothing but
+    folders on its way, no name too long for the file system. Whether the disk takes writes is found
+    when they are made (exit 4)."""
+    p = Path(path)
+    if not os.fspath(path):
+        raise UsageError(f"{flag}: an empty path.{_then(remedy)}")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        _creatable(p, flag, remedy)
+        return p
+    except OSError as e:
+        raise UsageError(f"{flag}: {shown(p)} {problem(e)}.{_then(remedy)}") from None
+    if not stat.S_ISDIR(mode):
+        raise UsageError(f"{flag}: {shown(p)} is {kind(mode)}, not a folder.{_then(remedy)}")
+    return p
+
+
+def _creatable(p: Path, flag: str, remedy: str) -> None:
+    """The missing part of `p` has names the file system takes (the walk stops at the first missing
+    folder, so a name too long below it is not reported until it is made)."""
+    base = p.absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    try:
+        longest = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    missing = p.absolute().relative_to(base).parts
+    too_long = next((part for part in missing if len(os.fsencode(part)) > longest), None)
+    if too_long is not None:
+        raise UsageError(f"{flag}: {shown(p)} has a name of {len(os.fsencode(too_long))} bytes, longer than the "
+                         f"{longest} the file system takes.{_then(remedy)}")

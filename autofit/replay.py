@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
+from .files import write_json
 from .models import ModelSource
 from .objective import best_of, speed
 from .policy import Policy
@@ -124,9 +125,7 @@ class Landscape:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)  # a write cut short never leaves half a landscape
+        write_json(path, self.to_dict())  # a write cut short never leaves half a landscape
         return path
 
 

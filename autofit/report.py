@@ -6,13 +6,14 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
-from shlex import quote
 from typing import Any
 
 from .errors import UsageError
+from .files import save_figure, write_atomic, write_json
 from .knowledge import promise
 from .memory import MemoryModel, Shape, prior
 from .objective import best_of, best_per_length, ranked_fits
+from .paths import readable, shown
 from .protocol import HEADROOM, usable_bytes
 from .result import Outcome, ProbeResult
 from .space import Space
@@ -185,8 +186,10 @@ def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | No
     if ax.get_legend_handles_labels()[0]:  # nothing measured a peak: no legend (and no warning)
         ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)  # whole or not at all
+    finally:
+        plt.close(fig)
 
 
 def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) -> None:
@@ -210,8 +213,10 @@ def plot_best_so_far(points: list[tuple[float, float]], path: Path, title: str) 
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)  # whole or not at all
+    finally:
+        plt.close(fig)
 
 
 def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
@@ -222,8 +227,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
     `untried`: the configs the search left unprobed, by verdict (study.untried_of); `searching`: the
     search still running in the folder ("pid N, since T"), whose best so far this is."""
     results = [ProbeResult.from_dict(r) for r in rows]
-    with open(run_dir / "trials.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_atomic(run_dir / "trials.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     target = spec["targets"][0]
     limit = target.get("memory_limit_bytes")
     usable = usable_bytes(limit, target.get("headroom", HEADROOM))
@@ -235,16 +239,16 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
                     "target": target, "learning_changes": learning_changes(best.config),
                     "runners_up": [r.to_dict() for r in ranked[1:6]]}
         if not rebaselined(run_dir / "best.json", best.config):
-            (run_dir / "best.json").write_text(json.dumps(best_doc, indent=1) + "\n")
+            write_json(run_dir / "best.json", best_doc)
     else:
         (run_dir / "best.json").unlink(missing_ok=True)
     where = _describe_target(target)
     plot_scatter(results, limit, usable, run_dir / "throughput_vs_memory.png",
                  f"{spec['model']['ref']} on {where}")
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
-    (run_dir / "report.md").write_text(
-        report_markdown(spec, rows, results, best, limit, usable, stop_reason, _data_summary(run_dir), untried,
-                        run_dir, searching, unfinished))
+    write_atomic(run_dir / "report.md",
+                 readable(report_markdown(spec, rows, results, best, limit, usable, stop_reason,
+                                          _data_summary(run_dir), untried, run_dir, searching, unfinished)))
     return best_doc
 
 
@@ -278,18 +282,25 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried)
+    folder = run_dir or Path("runs") / spec["run_id"]
+    resume = f"`autofit search --resume {shown(folder)}` continues it"
     if unfinished:
-        lines[-1:-1] = ["- **not finished**: the study records no end (its search was killed, or the folder copied "
-                        "while it ran): what follows is the result so far; `autofit search --resume` continues it"]
+        why = ("the search was interrupted" if stop_reason else
+               "the study records no end (its search was killed, or the folder copied while it ran)")
+        lines[-1:-1] = [f"- **not finished**: {why}: what follows is the result so far; {resume}"]
     if searching:
         lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows is "
                         "the best so far, and the search rewrites this report when it ends (if it is killed "
                         "instead, `autofit report` rebuilds it)"]
-    if best is None:
-        lines += (["## No fit yet", "", "No probe has fit so far; the search goes on.", ""] if searching else
-                  ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""])
+    if best is None and searching:
+        lines += ["## No fit yet", "", "No probe has fit so far; the search goes on.", ""]
+    elif best is None and unfinished:
+        lines += ["## No fit yet", "", f"No probe has fit so far ({len(results)} measured), and the search did not "
+                  f"finish: nothing is known yet of what fits; {resume}.", ""]
+    elif best is None:
+        lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
     else:
-        lines += _winner(spec, results, best, limit, run_dir or Path("runs") / spec["run_id"], bool(searching))
+        lines += _winner(spec, results, best, limit, folder, bool(searching))
     if data is not None:
         lines += _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
@@ -350,7 +361,7 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
     lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
               f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
               ("Export it when the search has ended" if so_far else "Export it")
-              + f": `autofit export {quote(str(run_dir))} --format hf-trainer -o train.py`", ""]
+              + f": `autofit export {shown(run_dir)} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)

@@ -9,7 +9,7 @@ stand-in, the length table, lengths.png, data.json).
 from __future__ import annotations
 
 import dataclasses
-import json
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,7 +19,9 @@ import yaml
 
 from .data import DatasetRef
 from .errors import CannotWrite, UsageError
+from .files import write_atomic, write_json
 from .models import ModelSource
+from .paths import input_file, kind, problem, shown
 from .policy import Policy
 from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, TRAIN_TOKENS, WARMUP_STEPS
 from .space import Space, validate
@@ -189,38 +191,61 @@ def write_spec(run_dir: Path, spec: dict[str, Any] | RunSpec) -> None:
     header = ("# The exact inputs of this search. `autofit search --resume <this folder>` continues it;\n"
               "# `autofit report <this folder>` rebuilds trials.jsonl, best.json and report.md.\n")
     data = spec.to_dict() if isinstance(spec, RunSpec) else spec
-    (run_dir / SPEC).write_text(header + yaml.safe_dump(data, sort_keys=False))
+    write_atomic(run_dir / SPEC, header + yaml.safe_dump(data, sort_keys=False))
 
 
 def create(run_dir: Path, spec: RunSpec, env: dict[str, Any], flag: str = "--out") -> None:
     """Make the run folder with its spec.yaml and env.json; CannotWrite where the folder cannot be."""
     try:
         write_spec(run_dir, spec)
-        RunDir(run_dir).env.write_text(json.dumps(env, indent=1) + "\n")
+        write_json(RunDir(run_dir).env, env)
     except OSError as e:
-        raise CannotWrite(f"{flag}: cannot write the run folder {run_dir} ({e.strerror or e}); "
+        raise CannotWrite(f"{flag}: cannot write the run folder {shown(run_dir)} ({e.strerror or e}); "
                           f"give a writable folder with {flag}.") from None
 
 
 def load_spec(run_dir: Path, flag: str = "RUN") -> RunSpec:
     """The run folder's spec, its storage following a folder that was moved or copied."""
-    path = Path(run_dir) / SPEC
-    if Path(run_dir).is_file():
-        raise UsageError(f"{flag}: {run_dir} is a file; give the run folder that holds it ({Path(run_dir).parent}).")
-    if not Path(run_dir).is_dir():
-        raise UsageError(f"{flag}: no such folder {run_dir}; give a folder under runs/ made by `autofit search`.")
-    if not path.is_file():
-        raise UsageError(f"{flag}: {run_dir} is not an autofit run (it has no {SPEC}); give a folder made "
-                         "by `autofit search`.")
+    run_dir = Path(run_dir)
+    path = run_dir / SPEC
+    run_folder(run_dir, flag)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise UsageError(f"{flag}: {shown(run_dir)} is not an autofit run (it has no {SPEC}); give a folder made "
+                         "by `autofit search`.") from None
+    except OSError:
+        pass  # input_file says what is wrong with it
+    input_file(path, flag)  # a FIFO or a device in its place is never read: the read may not end
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise UsageError(f"{flag}: {path} is not valid YAML ({e}).") from None
+        raise UsageError(f"{flag}: {shown(path)} is not valid YAML ({e}).") from None
     except UnicodeDecodeError as e:
-        raise UsageError(f"{flag}: {path} is not UTF-8 text ({e}); it may have been overwritten: restore it, "
+        raise UsageError(f"{flag}: {shown(path)} is not UTF-8 text ({e}); it may have been overwritten: restore it, "
                          "or search again.") from None
-    spec = RunSpec.from_dict(data, f"{flag}: {path}")
-    return spec.replace(storage=local_storage(Path(run_dir), spec.storage))
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read {shown(path)} ({e.strerror or e}).") from None
+    spec = RunSpec.from_dict(data, f"{flag}: {shown(path)}")
+    return spec.replace(storage=local_storage(run_dir, spec.storage))
+
+
+def run_folder(run_dir: Path, flag: str) -> None:
+    """`run_dir` is a folder, or a UsageError naming `flag` that says what it is instead (a file of a run
+    folder, a FIFO, a symlink loop, a name too long, nothing)."""
+    try:
+        mode = run_dir.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"{flag}: no such folder {shown(run_dir)}; give a folder under runs/ made by "
+                         "`autofit search`.") from None
+    except OSError as e:
+        raise UsageError(f"{flag}: {shown(run_dir)} {problem(e)}; give a folder made by `autofit search`.") from None
+    if stat.S_ISREG(mode):
+        raise UsageError(f"{flag}: {shown(run_dir)} is a file; give the run folder that holds it "
+                         f"({shown(run_dir.parent)}).")
+    if not stat.S_ISDIR(mode):
+        raise UsageError(f"{flag}: {shown(run_dir)} is {kind(mode)}, not a folder; give a folder made by "
+                         "`autofit search`.")
 
 
 def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:

@@ -33,6 +33,7 @@ import psutil
 
 from . import distributed, group, kernels
 from .errors import CannotWrite, UsageError
+from .files import write_atomic
 from .kills import SAMPLE_EVERY_S, KillWatch
 from .models import ModelSource
 from .protocol import (
@@ -477,7 +478,7 @@ class Runner:
         n = req.config.gpus
         log_path = self.log_dir / f"{name}.log"
         request_file = self.log_dir / f"{name}.request.json"
-        request_file.write_text(req.to_json())
+        write_atomic(request_file, req.to_json())  # the launcher never reads half a request
         for r in range(n):
             Path(rank_result_path(req.result_path, r)).unlink(missing_ok=True)
         self._seq += 1

@@ -9,10 +9,11 @@ opens the study; `run` drives the search; `summarize` writes the outputs from th
 from __future__ import annotations
 
 import enum
-import errno
 import json
+import stat
 import tempfile
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from .data import DatasetRef, TextMode
 from .data import summarize as summarize_data
 from .envinfo import collect, gpus, package_versions
 from .errors import CannotWrite, NothingFits, UsageError, gather
-from .models import resolve_model
+from .files import cannot_write
+from .models import ModelSource, resolve_model
+from .paths import output_file, output_folder, shown, source
 from .policy import Policy
 from .protocol import HEADROOM
 from .report import nothing_fits_message, write_outputs
@@ -41,7 +44,7 @@ from .search import (
     study_rows,
     untried_of,
 )
-from .space import Space, load_space
+from .space import Space, load_space, shipped_spaces
 from .spec import BATCHINGS
 from .target import Target, resolve_targets
 from .units import parse_duration
@@ -124,8 +127,7 @@ def plan(req: SearchRequest) -> Session:
         check_storage(req.storage)
     if req.resume is not None:
         return _resumed(req)
-    if req.out.exists() and not req.out.is_dir():
-        raise UsageError(f"--out: {req.out} is a file; give the folder run folders go in (created if missing).")
+    output_folder(req.out, "--out", "Give the folder run folders go in (created if missing).")
     joined = _joined(req)
     return joined if joined is not None else _new(req)
 
@@ -186,8 +188,8 @@ def ignored_note(req: SearchRequest, why: str, more: tuple[tuple[str, Any], ...]
 
 def _new(req: SearchRequest) -> Session:
     model, space, targets, budget, dims = gather(
-        lambda: resolve_model(req.model) if req.model else _missing("--model"),
-        lambda: load_space(req.space or DEFAULT_SPACE),
+        lambda: model_source(req.model) if req.model else _missing("--model"),
+        lambda: space_source(req.space or DEFAULT_SPACE),
         lambda: resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus),
         lambda: parse_duration(DEFAULT_BUDGET if req.budget is None else req.budget),
         lambda: space_dimensions(req.max_length, req.global_batch))
@@ -204,6 +206,19 @@ def _new(req: SearchRequest) -> Session:
                    storage=storage, study_name=req.study_name or f"autofit-{run_id}", seed=req.seed,
                    probe=req.probe, versions=package_versions(), dataset=ref, policy=req.policy)
     return Session(Mode.NEW, spec, run_dir, local_storage=not req.storage, notes=notes)
+
+
+def model_source(text: str, flag: str = "--model", weights: bool = True) -> ModelSource:
+    """--model resolved; a path that is a FIFO, a device, a symlink loop or a name too long is said as such."""
+    source(Path(text).expanduser(), flag, "Give a model folder, a config.json, a hub id or a preset.")
+    return resolve_model(text, flag, weights)
+
+
+def space_source(ref: str) -> Space:
+    """--space loaded; a path that is a FIFO, a device, a symlink loop or a name too long is said as such."""
+    if ref not in shipped_spaces():
+        source(Path(ref).expanduser(), "--space", "Give a YAML space file or a shipped space.")
+    return load_space(ref)
 
 
 def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, DatasetRef | None, tuple[str, ...]]:
@@ -312,12 +327,15 @@ def _check_file_storage(url: str, flag: str) -> None:
     path = url.removeprefix("sqlite:///")
     if path in ("", ":memory:"):
         raise UsageError(f"{flag}: {url!r} keeps the study in memory, where it would be lost; give a file.")
-    folder = Path(path).expanduser().parent
-    if not folder.is_dir():
-        raise UsageError(f"{flag}: the folder {folder} of {url} does not exist; create it or give another path.")
-    if url.endswith(".journal") and not url.startswith("sqlite") and not _journal_or_new(Path(path).expanduser()):
-        raise UsageError(f"{flag}: {path} exists and is not an Optuna journal (its first line is not a journal "
-                         "record); give a new .journal path, or the journal file of a study.")
+    file = Path(path).expanduser()
+    remedy = "Give a new file in an existing folder, or the study file of a search."
+    found = source(file, flag, remedy)  # a FIFO, a device, a symlink loop, a name too long
+    if found is not None and stat.S_ISDIR(found.st_mode):
+        raise UsageError(f"{flag}: {shown(file)} is a folder, not a study file. {remedy}")
+    output_file(file, flag, "Create the folder or give another path.")
+    if url.endswith(".journal") and not url.startswith("sqlite") and not _journal_or_new(file):
+        raise UsageError(f"{flag}: {shown(file)} exists and is not an Optuna journal (its first line is not a "
+                         "journal record); give a new .journal path, or the journal file of a study.")
 
 
 def _journal_or_new(path: Path) -> bool:
@@ -355,15 +373,30 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
     `<id>` and `<id>-2`, so the session returned may name another folder than the one planned."""
     if session.mode is Mode.NEW:
         session = _reserve(session)
-    # a resumed run's study first: a damaged one is said before anything in its folder is rewritten
-    study = _open_study(session) if session.mode is Mode.RESUME else None
-    create(session.run_dir, session.spec, collect())
-    spec = session.spec
-    if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
-        ref = spec.dataset
-        summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field, ref.messages_field,
-                       TextMode(ref.text_mode), spec.space.lengths)
-    return session, study or _open_study(session)
+    try:
+        # a resumed run's study first: a damaged one is said before anything in its folder is rewritten
+        study = _open_study(session) if session.mode is Mode.RESUME else None
+        create(session.run_dir, session.spec, collect())
+        spec = session.spec
+        if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
+            ref = spec.dataset
+            summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field, ref.messages_field,
+                           TextMode(ref.text_mode), spec.space.lengths)
+        return session, study or _open_study(session)
+    except KeyboardInterrupt:
+        if session.mode is Mode.NEW and not RunDir(session.run_dir).spec.exists():
+            with suppress(OSError):  # the folder reserved, nothing in it yet: not left behind empty
+                session.run_dir.rmdir()
+        raise StartInterrupted(session) from None
+
+
+class StartInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM, SIGHUP) while `start` made the run folder: the session it was making, whose
+    folder `--resume` continues where its spec.yaml was written."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__()
+        self.session = session
 
 
 def _open_study(session: Session) -> optuna.Study:
@@ -440,12 +473,12 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
     except KeyboardInterrupt:
         return INTERRUPTED_REASON, True
     except STORAGE_ERRORS as e:
-        if not _cannot_write(e):
+        if not cannot_write(e):
             raise
         raise CannotWrite(f"cannot write to {session.run_dir} or the study ({_first_line(e.__cause__ or e)}); "
                           "what was "
                           f"measured is in the study: free space, then `autofit search --resume "
-                          f"{session.run_dir}`.") from None
+                          f"{shown(session.run_dir)}`.") from None
 
 
 def summarize(session: Session, study: optuna.Study, reason: str, interrupted: bool = False) -> Summary:
@@ -453,17 +486,18 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
     rows, timeline = study_rows(study)
     untried = untried_of(study)
     try:
-        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried)
+        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried,
+                             unfinished=interrupted)
     except OSError as e:
         raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
-                          f"keeps every result: `autofit report {session.run_dir}` rebuilds them.") from None
+                          f"keeps every result: `autofit report {shown(session.run_dir)}` rebuilds them.") from None
     return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted, untried)
 
 
 def nothing_fits(session: Session, summary: Summary) -> NothingFits:
     results = [ProbeResult.from_dict(r) for r in summary.rows]
     why = nothing_fits_message(results, session.spec.targets[0].memory_limit_bytes, summary.stop_reason)
-    return NothingFits(f"{why} Report: {RunDir(session.run_dir).report}")
+    return NothingFits(f"{why} Report: {shown(RunDir(session.run_dir).report)}")
 
 
 def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.Study]:
@@ -480,6 +514,25 @@ def open_run_study(run_dir: Path, flag: str = "RUN") -> tuple[RunSpec, optuna.St
         raise damaged_study(e, flag, spec.storage) or e from None
 
 
+def unstarted(run_dir: Path, flag: str = "RUN") -> RunSpec | None:
+    """The spec of a run folder whose search was stopped before it made its study (killed, or the terminal
+    closed, while it started): its own study file is missing, or holds no study, and trials.jsonl lists no
+    probe. None for any other folder (`open_run_study` says what is wrong with one that cannot be read)."""
+    spec = load_spec(run_dir, flag)
+    trials = RunDir(run_dir).trials
+    if not _in_folder(spec.storage, run_dir) or (trials.is_file() and trials.stat().st_size):
+        return None
+    if not Path(spec.storage.removeprefix("sqlite:///")).exists():
+        return spec
+    try:
+        open_study(spec.storage, spec.study_name, create=False, seed=spec.seed)
+    except KeyError:
+        return spec
+    except STORAGE_ERRORS:
+        return None
+    return None
+
+
 def damaged_study(e: BaseException, flag: str, storage: str) -> UsageError | None:
     """A study file that is not a database (cut short, overwritten): a usage error naming it, else None."""
     if not any(s in _error_text(e) for s in ("file is not a database", "malformed")):
@@ -487,13 +540,6 @@ def damaged_study(e: BaseException, flag: str, storage: str) -> UsageError | Non
     return UsageError(f"{flag}: the study file {storage.removeprefix('sqlite:///')} is damaged "
                       f"({_first_line(e.__cause__ or e)}); restore it from a copy, or start a new search "
                       "(each probe measured so far is also listed in the run folder's trials.jsonl).")
-
-
-def _cannot_write(e: BaseException) -> bool:
-    """A full or read-only disk, or a storage that refuses writes (not any other failure)."""
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)
-    return any(s in _error_text(e) for s in ("disk is full", "disk i/o error", "readonly database", "read-only"))
 
 
 def _error_text(e: BaseException) -> str:

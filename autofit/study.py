@@ -97,6 +97,16 @@ def stop_reason_of(study: optuna.Study) -> str:
     return str(study.user_attrs.get(STOP_REASON, ""))
 
 
+INTERRUPTED = "interrupted"
+"""How the stop reason of an interrupted search begins (search.INTERRUPTED_REASON)."""
+
+
+def finished(stop_reason: str) -> bool:
+    """Did the search that recorded `stop_reason` run to its end? Not where it recorded none (killed, or
+    still running) or an interruption (Ctrl-C, SIGTERM, SIGHUP): `--resume` continues it."""
+    return bool(stop_reason) and not stop_reason.startswith(INTERRUPTED)
+
+
 def record_untried(study: optuna.Study, counts: dict[str, int]) -> None:
     """The configs of the space the last search left unprobed, by why (a Verdict's value; `probe`:
     none ruled it out, the search ended first). The edge order never proposes what a verdict rules

@@ -79,6 +79,18 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(json.loads(proc.stdout)["run_dir"])
 
 
+@pytest.fixture(scope="session")
+def unreachable_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete run folder in two seconds: a search under a 1 MiB limit, which the memory model proves
+    nothing can fit, so it ends before any probe (exit 3). For tests of what reads or rewrites a run
+    folder (copy before editing)."""
+    out = tmp_path_factory.mktemp("unreachable")
+    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "1MiB", "--budget", "1m",
+                   "--out", str(out), "--json")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    return Path(json.loads(proc.stdout)["run_dir"])
+
+
 def _pg_bin(name: str) -> str | None:
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return found[-1] if found else shutil.which(name)

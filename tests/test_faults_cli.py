@@ -64,7 +64,7 @@ FAULTS = [
     Fault("report-a-file", "a file of a run folder given as the run folder", "autofit report RUN/best.json", 2,
           "is a file; give the run folder that holds it"),
     Fault("data-out-a-file", "`autofit data --out` naming an existing file (a FileExistsError traceback)",
-          "autofit data train.jsonl --model tiny-llama --out FILE", 2, "is a file; give a folder"),
+          "autofit data train.jsonl --model tiny-llama --out FILE", 2, "is a regular file, not a folder"),
     Fault("dataset-gzip", "a gzip-compressed JSONL (called binary)", "autofit data train.jsonl.gz --model tiny-llama",
           2, "is gzip-compressed. Decompress it first"),
     Fault("dataset-utf16", "a UTF-16 dataset, as PowerShell's `>` writes (called binary)",
@@ -72,7 +72,8 @@ FAULTS = [
     Fault("dataset-one-token-samples", "a dataset whose every sample is one token (every probe `unsupported`, "
           "then exit 3 'nothing fits')", "autofit search --dataset one.jsonl", 2, "no sample has a token to train on"),
     Fault("probe-log-dir-a-file", "`probe --log-dir` naming a file (a FileExistsError traceback)",
-          "autofit probe --model tiny-llama --log-dir FILE", 2, "--log-dir: the probe logs' folder"),
+          "autofit probe --model tiny-llama --log-dir FILE", 2, "is a regular file, not a folder. Give the folder the "
+          "probe's log goes in"),
     Fault("model-folder-without-weights", "a model folder with a config.json and no weights (every probe "
           "crashed, then 'nothing fits' advised quantization)", "autofit search --model FOLDER", 2,
           "has a config.json but no weights"),
@@ -84,7 +85,7 @@ FAULTS = [
           "traceback, and a record appended to the user's file)", "autofit search --storage notes.journal", 2,
           "exists and is not an Optuna journal"),
     Fault("out-a-file", "--out naming an existing file (exit 4, 'Not a directory')", "autofit search --out FILE", 2,
-          "is a file; give the folder run folders go in"),
+          "is a regular file, not a folder. Give the folder run folders go in"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
           "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,

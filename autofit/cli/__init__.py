@@ -7,15 +7,14 @@ what a command decides lives in the library (`session.py` for `search`).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import textwrap
-import threading
 from collections.abc import Callable
 
 from ..errors import AutofitError
 from . import data, env, export, probe, regress, report, search
-from .common import EXIT_CODES, attach_values, check_shared_flags, drop_stdout, err
+from .common import EXIT_CODES, attach_values, check_shared_flags, err
+from .streams import CANNOT_WRITE, Guarded, guarded, lost_output
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -50,25 +49,39 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit code (argparse's own exits, --help and a refused flag, stay
+    SystemExit). A failed write to stdout or stderr never stops the work (streams.py): a reader that went
+    away (`| head`) leaves the code the command's own; output lost to a full disk or a closed stream turns
+    a success into exit 4."""
+    with guarded() as (out, _):
+        try:
+            return _lost_output(out, _run(argv))
+        except SystemExit as e:  # --help, --version (0), or a flag argparse refuses (2, its message printed)
+            raise SystemExit(_lost_output(out, e.code if isinstance(e.code, int) else 2)) from None
+
+
+def _lost_output(out: Guarded, code: int) -> int:
+    out.flush()
+    lost = lost_output(out)
+    if lost is not None and code == 0:
+        err(lost)
+        return CANNOT_WRITE
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(attach_values(parser, sys.argv[1:] if argv is None else list(argv)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     func: Callable[[argparse.Namespace], int] = args.func
-    if threading.current_thread() is threading.main_thread():
-        # a plain kill, a job runner's timeout, a cancelled CI job: stopped as Ctrl-C stops it (the probe's
-        # process group stopped, the study kept, the resume command printed), not killed mid-write
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_shared_flags(args)
         return func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM, SIGHUP, SIGQUIT (_entry.py): the probes are stopped first
         print("\nautofit: interrupted; child processes stopped.", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # stdout's reader went away after the work was done (`| head`)
-        drop_stdout()
-        return 0
     except AutofitError as e:
         for line in str(e).splitlines():
             err(line)

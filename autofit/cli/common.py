@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -38,14 +37,6 @@ exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexp
 
 def console() -> Any:
     return Console(stderr=False, highlight=False, soft_wrap=True)
-
-
-def drop_stdout() -> None:
-    """The reader of stdout went away (`autofit search | head`): what is left to print goes nowhere, as
-    with any Unix tool, and the work goes on (a search still ends with its run folder complete)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def err(msg: str) -> None:
@@ -137,9 +128,21 @@ def probe_settings(args: argparse.Namespace) -> ProbeSettings:
                          train_steps=getattr(args, "train_steps", None))
 
 
+PATH_FLAGS = {"model": ("--model", "a preset, a model folder, a config.json or a hub id"),
+              "space": ("--space", "a shipped space or a YAML file"),
+              "dataset": ("--dataset", "a dataset file or folder"),
+              "out": ("--out", "a folder"), "resume": ("--resume", "a run folder made by `autofit search`"),
+              "storage": ("--storage", "a database URL or a .journal file"),
+              "log_dir": ("--log-dir", "a folder"), "run": ("RUN", "a run folder made by `autofit search`"),
+              "path": ("PATH", "a dataset file or folder")}
+"""Flags that take a path (or a name): an empty value (`--out "$DIR"` with DIR unset) is refused, never
+read as the flag's default or the current folder."""
+
+
 def check_shared_flags(args: argparse.Namespace) -> None:
     """The ranges of the shared flags, all problems at once (flags a command lacks are skipped)."""
-    problems = []
+    problems = [f"{flag}: an empty value; give {what}." for dest, (flag, what) in PATH_FLAGS.items()
+                if isinstance(getattr(args, dest, None), str) and not getattr(args, dest).strip()]
     if getattr(args, "warmup_steps", WARMUP_STEPS) < WARMUP_STEPS:
         problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first step).")
     if getattr(args, "timed_steps", TIMED_STEPS) < TIMED_STEPS:
@@ -155,6 +158,10 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
     if getattr(args, "probe_timeout", 1) <= 0:  # --timeout on probe, --probe-timeout on search and regress
         problems.append(f"{getattr(args, 'timeout_flag', '--probe-timeout')}: give a positive number of seconds.")
+    standby = getattr(args, "standby", None)
+    if standby is not None and standby < 0:
+        problems.append(f"--standby: {standby} is negative; give how many probe processes import ahead of need "
+                        "(0 for none).")
     if getattr(args, "confirm", 0) < 0:
         problems.append(f"--confirm: {args.confirm} is negative; give how many of the best fits to measure "
                         "again (0 for none, default 1).")

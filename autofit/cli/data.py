@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ..data import TextMode, summarize
 from ..errors import CannotWrite, UsageError, gather
-from ..models import resolve_model
+from ..paths import output_folder, shown, source
+from ..session import model_source
 from .common import add_data_flags, data_fields, warn
 
 DATA_EPILOG = """\
@@ -32,23 +34,26 @@ exit codes: 0 summarized, 2 usage error (a missing, empty, binary file or no usa
 """
 
 
+GIVE = "Give a JSONL, CSV, text or parquet file, or a folder saved with datasets.save_to_disk."
+
+
 def default_out(path: str) -> Path:
     """./autofit-data/<name>-<8 hex of the path>: one folder per dataset, reused across calls."""
     resolved = str(Path(path).expanduser().resolve())
-    return Path("autofit-data") / f"{Path(path).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}"
+    return Path("autofit-data") / f"{Path(path).name}-{hashlib.sha256(os.fsencode(resolved)).hexdigest()[:8]}"
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    model, lengths = gather(lambda: resolve_model(args.model, weights=False), lambda: _lengths(args.max_length))
+    model, lengths, _ = gather(lambda: model_source(args.model, weights=False), lambda: _lengths(args.max_length),
+                               lambda: source(Path(args.path).expanduser(), "PATH", GIVE))
     out = Path(args.out) if args.out else default_out(args.path)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out: {out} is a file; give a folder (created if missing) for lengths.png, "
-                         "data.json and the caches.")
+    output_folder(out, "--out" if args.out else "autofit data", "Give a folder (created if missing) for "
+                  "lengths.png, data.json and the caches with --out.")
     try:
         summary = summarize(args.path, model, out, *data_fields(args), TextMode(args.text_mode),
                             lengths, flag="PATH")
     except OSError as e:
-        raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {out} "
+        raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {shown(out)} "
                           f"({e.strerror or e}); give a writable folder with --out.") from None
     if summary.data.bad.count:
         warn(f"{args.path}: {summary.data.bad.summary()}")

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError, gather
-from ..models import PRESET_HELP, PRESETS, resolve_model
+from ..models import PRESET_HELP, PRESETS
+from ..paths import output_folder
 from ..report import probe_summary
 from ..runner import Runner, writable_logs
+from ..session import model_source
 from ..spec import KEYS, TrialConfig, parse_sets
 from ..target import resolve_targets
 from .common import add_data_flags, add_probe_flags, add_target_flags, console, dataset_ref, probe_settings
@@ -21,7 +23,7 @@ from .common import add_data_flags, add_probe_flags, add_target_flags, console, 
 def cmd_probe(args: argparse.Namespace) -> int:
     spans = {"gpus": args.gpus} if args.gpus > 1 else {}  # --gpus N, unless --set gpus says otherwise
     cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping({**spans, **parse_sets(args.set or [])}),
-                                      lambda: resolve_model(args.model),
+                                      lambda: model_source(args.model),
                                       lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom,
                                                               args.gpus),
                                       lambda: dataset_ref(args))
@@ -38,6 +40,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
                         else f"max_length (default {cfg.max_length}; set it with --set max_length=N)")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
+    output_folder(log_dir, "--log-dir" if args.log_dir else "runs/probes", "Give the folder the probe's log goes in "
+                  "(created if missing) with --log-dir.")
     writable_logs(log_dir.resolve(), "--log-dir" if args.log_dir else "")
     if not args.json:
         print(f"probing {model.ref} on {target.describe()} ...", file=sys.stderr)

@@ -4,30 +4,32 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from shlex import quote
 from typing import Any
 
 from .. import locks
 from ..errors import CannotWrite
+from ..paths import shown
 from ..report import nothing_fits_message, write_outputs
 from ..result import ProbeResult
 from ..rundir import SEARCH_LOCK
-from ..session import open_run_study
-from ..study import stop_reason_of, study_rows, untried_of
+from ..session import open_run_study, unstarted
+from ..study import finished, stop_reason_of, study_rows, untried_of
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
+    if not locks.holder(run_dir / SEARCH_LOCK) and (spec := unstarted(run_dir)) is not None:
+        _write(run_dir, spec.to_dict(), [], [], "", {}, None, True)
+        print(f"not finished: the search was stopped before its first probe (its study was not made yet); nothing "
+              f"was measured. Continue with: autofit search --resume {shown(run_dir)}")
+        return 0
     spec, study = open_run_study(run_dir)
     while True:
         rows, timeline = study_rows(study)
         searching = locks.holder(run_dir / SEARCH_LOCK)
-        unfinished = not searching and not stop_reason_of(study) and bool(rows)
-        try:
-            best = write_outputs(run_dir, spec.to_dict(), rows, timeline, stop_reason_of(study), untried_of(study),
-                                 searching, unfinished)
-        except OSError as e:
-            raise CannotWrite(f"RUN: cannot write the outputs in {run_dir} ({e.strerror or e}).") from None
+        reason = stop_reason_of(study)
+        unfinished = not searching and not finished(reason)
+        best = _write(run_dir, spec.to_dict(), rows, timeline, reason, untried_of(study), searching, unfinished)
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
             break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
     print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
@@ -36,13 +38,23 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"in progress: a search is running in this folder ({searching}); these are its best so far, and "
               "it rewrites them when it ends")
     elif unfinished:
-        print(f"not finished: the study records no end (its search was killed, or the folder copied while it "
-              f"ran); these are the results so far. Continue with: autofit search --resume {quote(str(run_dir))}")
+        why = "its search was interrupted" if reason else ("the study records no end (its search was killed, or the "
+                                                           "folder copied while it ran)")
+        print(f"not finished: {why}; these are the results so far. Continue with: autofit search --resume "
+              f"{shown(run_dir)}")
     elif not best:  # what export and regress sent the user here to learn
         why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows], spec.targets[0].memory_limit_bytes,
                                    stop_reason_of(study))
         print(f"no best.json: {why}")
     return 0
+
+
+def _write(run_dir: Path, *outputs: Any) -> dict[str, Any] | None:
+    """report.write_outputs, a refused write said as exit 4."""
+    try:
+        return write_outputs(run_dir, *outputs)
+    except OSError as e:  # a full or read-only disk, most often; whatever it is, the study is intact
+        raise CannotWrite(f"RUN: cannot write the outputs in {shown(run_dir)} ({e.strerror or e}).") from None
 
 
 def add_parser(sub: Any, fmt: Any) -> None:

@@ -11,7 +11,6 @@ import sys
 from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
-from shlex import quote
 from typing import TYPE_CHECKING, Any
 
 from rich import box
@@ -21,12 +20,24 @@ from rich.table import Table
 
 from .. import locks
 from ..errors import UsageError
+from ..paths import shown
 from ..policy import Policy
 from ..protocol import TRAIN_TOKENS
 from ..report import config_brief, untried_line
-from ..rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK
+from ..rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK, RunDir
 from ..search import Event
-from ..session import Mode, SearchRequest, Session, Summary, busy_gpus, nothing_fits, plan, start, summarize
+from ..session import (
+    Mode,
+    SearchRequest,
+    Session,
+    StartInterrupted,
+    Summary,
+    busy_gpus,
+    nothing_fits,
+    plan,
+    start,
+    summarize,
+)
 from ..session import run as run_search
 from ..space import shipped_spaces
 from ..units import bare_seconds, format_duration, format_size
@@ -36,7 +47,6 @@ from .common import (
     add_probe_flags,
     add_target_flags,
     data_fields,
-    drop_stdout,
     probe_settings,
     warn,
 )
@@ -83,13 +93,13 @@ class Progress:
             columns.insert(4, "predicted")
         if wide and len(self.workers) > 1:
             columns.append("worker")
-        shown = [dict(zip(COLUMNS, row)) for row in self.rows[-25:]]
-        widths = {c: max([len(c)] + [len(r[c]) for r in shown]) for c in columns}
+        visible = [dict(zip(COLUMNS, row)) for row in self.rows[-25:]]
+        widths = {c: max([len(c)] + [len(r[c]) for r in visible]) for c in columns}
         widths["config"] = max(20, self.console.width - sum(widths[c] + 3 for c in columns if c != "config") - 3)
         for col in columns:
             t.add_column(col, no_wrap=True, overflow="ellipsis", min_width=widths[col], max_width=widths[col],
                          justify="right" if col in ("#", "tok/s", "peak", "predicted") else "left")
-        for r in shown:
+        for r in visible:
             t.add_row(*(r[c] for c in columns))
         return t
 
@@ -112,11 +122,8 @@ class Progress:
         if self.live is not None:
             self.live.update(self._table())
         else:
-            try:
-                print(f"#{row[0]:>3} {row[2]:<11} {tps:>9} tok/s  peak {peak:>9} (pred {row[5]})  {row[1]}  "
-                      f"[left {format_duration(e.seconds_left)}]", flush=True)
-            except BrokenPipeError:
-                drop_stdout()
+            print(f"#{row[0]:>3} {row[2]:<11} {tps:>9} tok/s  peak {peak:>9} (pred {row[5]})  {row[1]}  "
+                  f"[left {format_duration(e.seconds_left)}]", flush=True)
 
 
 def request(args: argparse.Namespace) -> SearchRequest:
@@ -147,10 +154,15 @@ def cmd_search(args: argparse.Namespace) -> int:
             if regressing:  # it measures the winner: two measurers on one machine measure each other's load
                 raise UsageError(f"--resume: autofit regress is measuring {session.run_dir} ({regressing}); resume "
                                  "when it has finished.")
-        session, study = start(session)
-        if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
-            hold(session)
-        return _search(args, session, study)
+        try:
+            session, study = start(session)
+            if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
+                hold(session)
+            return _search(args, session, study)
+        except StartInterrupted as e:  # while the run folder was made
+            return _interrupted(e.session)
+        except KeyboardInterrupt:  # while the outputs of a search were written, or before it began
+            return _interrupted(session)
 
 
 def _searching(session: Session, who: str) -> None:
@@ -178,14 +190,23 @@ def _search(args: argparse.Namespace, session: Session, study: optuna.Study) -> 
                           "notes": list(session.notes),
                           "nothing_fits": str(failure) if failure else None}, indent=1))
     if interrupted:
-        print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
-              f"{quote(str(session.run_dir))}", file=sys.stderr)
-        return 130
+        return _interrupted(session)
     if failure is not None:
         raise failure
     if not args.json:
         print(_closing(summary))
     return 0
+
+
+def _interrupted(session: Session) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP: the probes are stopped, what was measured is in the study; the command that
+    continues it, where the run folder has its spec (a search stopped before it wrote one left nothing)."""
+    if RunDir(session.run_dir).spec.exists():
+        print(f"autofit: interrupted; the study is saved. Continue with: autofit search --resume "
+              f"{shown(session.run_dir)}", file=sys.stderr)
+    else:
+        print("autofit: interrupted before the run folder was made; nothing was measured.", file=sys.stderr)
+    return 130
 
 
 def _short_budget(budget: str | None) -> list[str]:
@@ -213,7 +234,7 @@ def _closing(s: Summary) -> str:
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
             + f"\nreport: {s.run_dir / 'report.md'}\n"
-            f"next:   autofit export {quote(str(s.run_dir))} --format hf-trainer -o train.py")
+            f"next:   autofit export {shown(s.run_dir)} --format hf-trainer -o train.py")
 
 
 SEARCH_EPILOG = """\

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import write_atomic
 from .loading import Sample, SampleSet
 from .tokenizer import RejectedChats, TextTokenizer
 
@@ -72,12 +72,6 @@ def length_table(data: SampleSet, tok: TextTokenizer, cache_dir: str | Path | No
         raise RejectedChats(rejected, len(data.samples))
     table = LengthTable(tuple(lengths), data.content_hash, tok.identity, tok.approximate, tok.note)
     if path is not None:
-        _write_atomic(path, json.dumps(table.to_dict()))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(table.to_dict()))
     return table
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

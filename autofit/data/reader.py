@@ -18,11 +18,13 @@ with its line number (row number for parquet and folders).
 """
 
 import csv
+import errno
 import hashlib
 import io
 import json
 import os
 import re
+import stat
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -67,9 +69,7 @@ class DatasetSource:
 def read_dataset(path, text_field="text", messages_field="messages", text_mode="auto"):
     """Read `path` into a DatasetSource, or raise DatasetError."""
     path = os.path.expanduser(str(path))
-    if not os.path.exists(path):
-        raise DatasetError(f"no such file or folder: {path}. Give a .jsonl file, a text file, a CSV file, "
-                           "a folder saved with datasets.save_to_disk, or a parquet file.")
+    check_path(path)
     kind = source_kind(path)
     if kind in ("arrow", "parquet"):
         digest, rows = arrow_rows(path, kind)
@@ -103,6 +103,29 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
     if not samples:
         raise NoUsableRows(f"{path} has no usable row", bad)
     return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
+
+
+GIVE = ("Give a .jsonl file, a text file, a CSV file, a folder saved with datasets.save_to_disk, or a parquet "
+        "file.")
+PATH_PROBLEMS = {errno.ENOENT: "no such file or folder: {path}", errno.ENOTDIR: "no such file or folder: {path}",
+                 errno.ELOOP: "{path} is a symbolic link loop (or a chain of links too long to follow)",
+                 errno.ENAMETOOLONG: "{path} is a name too long for the file system",
+                 errno.EACCES: "cannot read {path} (permission denied)"}
+KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+         stat.S_IFSOCK: "a socket"}
+
+
+def check_path(path):
+    """A regular file or a folder, or a DatasetError saying what is there instead: a FIFO or a device is
+    never read (a read of /dev/zero or of a pipe nobody writes to would not end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        said = PATH_PROBLEMS.get(e.errno, "cannot read {path} ({why})").format(path=path, why=e.strerror)
+        raise DatasetError(f"{said}. {GIVE}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise DatasetError(f"{path} is {KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a file of "
+                           f"samples. {GIVE}")
 
 
 def source_kind(path):
@@ -253,7 +276,8 @@ def arrow_rows(path, kind):
     if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(os.path.join(path, "train")):
         path = os.path.join(path, "train")  # a DatasetDict saved with save_to_disk: its train split only
     suffix = ".arrow" if kind == "arrow" else ".parquet"
-    files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix)),
+    files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                    if f.endswith(suffix) and os.path.isfile(os.path.join(d, f))),  # no FIFO, device, dead link
                    key=lambda f: f.split(os.sep)) if os.path.isdir(path) else [path]
     if not files:
         raise DatasetError(f"folder {path} has no .arrow or .parquet files; give a folder saved with "

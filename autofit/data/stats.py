@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..files import save_figure
 from .lengths import LengthTable
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9, 100.0)
@@ -118,8 +119,10 @@ def histogram_png(table: LengthTable, path: str | Path, cuts: Sequence[int] = ()
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, out)
+    finally:
+        plt.close(fig)
     return out
 
 

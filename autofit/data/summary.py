@@ -3,18 +3,18 @@ a JSON-ready summary. The CLI only parses flags and prints `text`."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..files import write_json
 from ..models import ModelSource
 from .lengths import LengthTable, length_table
 from .loading import SampleSet, TextMode, load_samples
 from .reference import DatasetRef
 from .stats import LengthStats, format_stats, histogram_png, length_stats
-from .tokenizer import tokenizer_for
+from .tokenizer import RejectedChats, tokenizer_for
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,16 @@ def summarize(path: str | Path, model: ModelSource, out_dir: str | Path | None =
     a bad input's message names."""
     data = load_samples(path, text_field, messages_field, text_mode, flag=flag)
     tok = tokenizer_for(model, data, out_dir)
-    table = length_table(data, tok, out_dir)
+    try:
+        table = length_table(data, tok, out_dir)
+    except RejectedChats as e:  # said of the flag (or argument) that named the file
+        raise RejectedChats(e.rejected, e.total, flag) from None
     positions = model.config.get("max_position_embeddings")
     stats = length_stats(table, int(positions) if positions else None, max_lengths)
+    if tok.chat_note and any(sample.is_chat for sample in data.samples):
+        stats = replace(stats, notes=(*stats.notes, tok.chat_note))
     png = histogram_png(table, Path(out_dir) / "lengths.png", stats.candidates) if out_dir else None
     summary = DataSummary(data, table, stats, png, DatasetRef.of(data, text_field, messages_field))
     if out_dir:
-        (Path(out_dir) / "data.json").write_text(json.dumps(summary.to_dict(), indent=1) + "\n")
+        write_json(Path(out_dir) / "data.json", summary.to_dict())
     return summary

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..files import write_atomic
 from ..models import ModelSource
 from .loading import Sample, SampleSet
 
@@ -36,6 +37,8 @@ class TextTokenizer:
     encode_batch: Callable[[list[str]], list[list[int]]]
     chat_template: Callable[[Sample], str] | None = None
     note: str = ""
+    chat_note: str = ""
+    """What is said of chats where there is no chat template to render them (`PLAIN_CHAT` instead)."""
 
     def render(self, sample: Sample) -> str:
         if not sample.is_chat:
@@ -60,17 +63,18 @@ class TextTokenizer:
 class RejectedChats(UsageError):
     """Chats the model's template rejects: the samples, why, and of how many (exit 2)."""
 
-    def __init__(self, rejected: list[tuple[Sample, Exception]], total: int) -> None:
+    def __init__(self, rejected: list[tuple[Sample, Exception]], total: int, flag: str = "--dataset") -> None:
         self.rejected = rejected
-        super().__init__(rejected_chats(rejected, total))
+        self.total = total
+        super().__init__(rejected_chats(rejected, total, flag))
 
 
-def rejected_chats(rejected: list[tuple[Sample, Exception]], total: int) -> str:
+def rejected_chats(rejected: list[tuple[Sample, Exception]], total: int, flag: str = "--dataset") -> str:
     lines = [str(s.line) for s, _ in rejected[:5] if s.line is not None]
     where = f" (line {', '.join(lines)}{', ...' if len(rejected) > len(lines) else ''})" if lines else ""
     error = rejected[0][1]
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"--dataset: the model's chat template rejects {len(rejected)} of {total} chats{where}: {first}. "
+    return (f"{flag}: the model's chat template rejects {len(rejected)} of {total} chats{where}: {first}. "
             "Fix or remove those rows, or give --model a tokenizer whose chat template accepts them.")
 
 
@@ -104,7 +108,8 @@ def model_tokenizer(ref: str) -> TextTokenizer:
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [list(x) for x in tok(texts, add_special_tokens=True)["input_ids"]]
-    return TextTokenizer(ident, False, int(pad), encode_batch, template, "the model's own tokenizer")
+    return TextTokenizer(ident, False, int(pad), encode_batch, template, "the model's own tokenizer",
+                         "" if template else plain_chat_note(f"{ref}'s tokenizer"))
 
 
 def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | None = None) -> TextTokenizer:
@@ -113,20 +118,28 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
 
     key = hashlib.sha256(f"{data.content_hash}|{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"standin-bpe-{key}.json" if cache_dir else None
-    if path is not None and path.is_file():
-        tok = Tokenizer.from_file(str(path))
+    if path is not None and path.is_file():  # read and written as text: tokenizers takes no path that is not UTF-8
+        tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
     else:
         tok = _train_bpe([render_plain_chat(s) if s.is_chat else s.text or "" for s in data.samples],
                          vocab_size)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tok.save(str(path))
+            write_atomic(path, tok.to_str())  # whole or not at all: a cut cache would be read next time
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts)]
     note = (f"lengths are approximate: the model is a shape preset without a tokenizer; a byte-level BPE "
             f"trained on the dataset to {tok.get_vocab_size()} tokens (asked {vocab_size}) stands in")
-    return TextTokenizer(f"standin-bpe-{key}", True, tok.token_to_id("<pad>"), encode_batch, None, note)
+    return TextTokenizer(f"standin-bpe-{key}", True, tok.token_to_id("<pad>"), encode_batch, None, note,
+                         plain_chat_note("the stand-in tokenizer"))
+
+
+def plain_chat_note(whose: str) -> str:
+    """The note for chats rendered without a chat template: a format the user did not choose, said once."""
+    return (f"{whose} has no chat template: chats are rendered as plain text, each message as <|role|> and its "
+            "content on lines of their own (the probes and the exported recipe do the same); give --model a "
+            "tokenizer with a chat template to measure the format it trains with")
 
 
 def _train_bpe(texts: list[str], vocab_size: int) -> Any:

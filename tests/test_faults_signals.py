@@ -1,0 +1,135 @@
+"""The fault suite, signals: what a job runner, a closed terminal or a plain kill sends a command (SIGHUP,
+SIGTERM, SIGQUIT, SIGKILL, SIGPIPE), met by real `autofit` processes. A search's first probe hangs (the
+probe child is tests/fake_child.py), so every signal lands before a probe has ended: the folder is left
+consistent, `autofit report` says the search did not finish, and the resume command is printed where the
+process could print it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, fake_env
+from faults import Fault
+
+FAULTS = [
+    Fault("search-hup-first-probe", "SIGHUP (the terminal closed) while the first probe runs, in a run folder whose "
+          "name is not UTF-8 (exit 129 without a word; report said 'Nothing fits')",
+          "autofit search ... (SIGHUP); autofit report RUN", 130, "Continue with: autofit search --resume $'",
+          nothing_lost=True),
+    Fault("search-quit-first-probe", "SIGQUIT while the first probe runs (a core dump, a trial left running)",
+          "autofit search ... (SIGQUIT)", 130, "Continue with: autofit search --resume", nothing_lost=True),
+    Fault("search-kill-9-first-probe", "kill -9 of a search before its first probe ended, then `autofit report` "
+          "(said 'Nothing fits')", "kill -9 <autofit search>; autofit report RUN", 0,
+          "not finished: the study records no end", nothing_lost=True),
+    Fault("probe-hup", "SIGHUP while `autofit probe` measures (exit 129, its child left to the parent-death "
+          "signal)", "autofit probe ... (SIGHUP)", 130, "autofit: interrupted; child processes stopped"),
+    Fault("probe-sigpipe", "SIGPIPE sent by a job runner while `autofit probe` measures: ignored, as Python sets it "
+          "(a command that restored its default would die there), then SIGTERM", "autofit probe ... (SIGPIPE, then SIGTERM)", 130,
+          "autofit: interrupted; child processes stopped"),
+    Fault("data-hup-starting", "SIGHUP while `autofit data` starts (exit 129 without a word)",
+          "autofit data train.jsonl --model tiny-llama (SIGHUP)", 130, "autofit: interrupted"),
+]
+
+STOPS = (signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)
+
+
+def _default_signals() -> None:
+    """The child starts with the signals' default actions, as from a terminal or a job runner (a test run in
+    the background inherits SIGINT and SIGQUIT ignored, which autofit would keep ignored)."""
+    for signum in STOPS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _start(*args: str, cwd: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **fake_env("hang"), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "autofit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, cwd=cwd, preexec_fn=_default_signals)
+
+
+def _wait_for(pattern: str, where: Path, seconds: float = 120) -> Path:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = next(where.glob(pattern), None)
+        if found is not None and found.read_text().strip():
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"nothing matched {pattern} in {where}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+SEARCH_SIGNALS = {"search-hup-first-probe": signal.SIGHUP, "search-quit-first-probe": signal.SIGQUIT,
+                  "search-kill-9-first-probe": signal.SIGKILL}
+
+
+@pytest.mark.parametrize("fault_id", list(SEARCH_SIGNALS))
+def test_a_search_stopped_before_its_first_probe_ended_says_it_did_not_finish(tmp_path: Path, fault_id: str) -> None:
+    fault = next(f for f in FAULTS if f.id == fault_id)
+    out = tmp_path / (os.fsdecode(b"caf\xe9") if fault_id == "search-hup-first-probe" else "runs")
+    search = _start("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "5m", "--out", os.fsdecode(out),
+                    cwd=tmp_path)
+    child = int(_wait_for("*/logs/fake-child.pid", out).read_text())  # the first probe is running
+    run = next(out.iterdir())
+    search.send_signal(SEARCH_SIGNALS[fault_id])
+    _, err_bytes = search.communicate(timeout=120)
+    err = err_bytes.decode("utf-8", "replace")
+    assert "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:  # the probe child ends with its search
+        time.sleep(0.1)
+    assert _gone(child)
+    if fault.exit_code == 130:
+        assert search.returncode == 130 and fault.message in err, err
+        word = err.split("--resume ", 1)[1].split()[0]  # a shell word that bash reads back as the folder
+        found = subprocess.run(["bash", "-c", f"cat {word}/spec.yaml"], capture_output=True, check=False)
+        assert found.returncode == 0 and found.stdout == (run / "spec.yaml").read_bytes(), found.stderr
+    report = subprocess.run([sys.executable, "-m", "autofit", "report", os.fsencode(run)], capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120, check=False)
+    said = report.stdout.decode("utf-8", "replace")  # the folder's name, as the file system has it
+    assert report.returncode == 0 and "not finished" in said, report.stderr
+    text = (run / "report.md").read_text(encoding="utf-8")
+    assert "Nothing fits" not in text and "## No fit yet" in text and "**not finished**" in text
+    if fault.exit_code == 0:
+        assert fault.message in said
+
+
+@pytest.mark.parametrize("fault_id", ["probe-hup", "probe-sigpipe"])
+def test_a_probe_stopped_by_a_signal_stops_its_child_and_exits_130(tmp_path: Path, fault_id: str) -> None:
+    fault = next(f for f in FAULTS if f.id == fault_id)
+    probe = _start("probe", "--model", "tiny-llama", "--device", "cpu", "--log-dir", str(tmp_path), cwd=tmp_path)
+    child = int(_wait_for("fake-child.pid", tmp_path).read_text())
+    if fault_id == "probe-sigpipe":  # no reader is gone: nothing to stop; the probe goes on
+        probe.send_signal(signal.SIGPIPE)
+        time.sleep(1)
+        assert probe.poll() is None and not _gone(child)
+    probe.send_signal(signal.SIGHUP if fault_id == "probe-hup" else signal.SIGTERM)
+    _, err = probe.communicate(timeout=60)
+    assert probe.returncode == fault.exit_code and fault.message in err.decode(), err
+    assert "Traceback" not in err.decode()
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)
+
+
+def test_data_hung_up_while_it_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    fault = next(f for f in FAULTS if f.id == "data-hup-starting")
+    (tmp_path / "train.jsonl").write_text('{"text": "a b c d"}\n')
+    data = _start("data", str(tmp_path / "train.jsonl"), "--model", "tiny-llama", cwd=tmp_path)
+    time.sleep(0.5)  # importing: the command's own handlers are set first thing
+    data.send_signal(signal.SIGHUP)
+    _, err = data.communicate(timeout=60)
+    assert data.returncode == fault.exit_code and fault.message in err.decode(), err
+    assert "Traceback" not in err.decode()
