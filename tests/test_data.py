@@ -181,21 +181,32 @@ def test_files_that_are_not_rows_say_what_they_are(tmp_path: Path, name: str, co
         load_samples(_write(tmp_path, name, content))
 
 
-def _rejecting_tokenizer(tmp_path: Path):
-    """A tokenizer folder whose chat template raises when roles do not alternate, loaded as autofit does."""
+ALTERNATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+             "{{ m['content'] }}{% endfor %}")
+"""A chat template that raises when roles do not alternate."""
+
+
+def _tokenizer_folder(tmp_path: Path, template: str | None) -> Path:
+    """A model folder with a real tokenizer (a word-level one) and tiny-llama's config.json, no weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from autofit.data.tokenizer import model_tokenizer
 
     inner = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>")
-    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
-                         "{{ m['content'] }}{% endfor %}")
+    if template is not None:
+        tok.chat_template = template
     tok.save_pretrained(tmp_path / "tok")
-    return model_tokenizer(str(tmp_path / "tok"))
+    (tmp_path / "tok" / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
+    return tmp_path / "tok"
+
+
+def _rejecting_tokenizer(tmp_path: Path):
+    """A tokenizer folder whose chat template raises when roles do not alternate, loaded as autofit does."""
+    from autofit.data.tokenizer import model_tokenizer
+
+    return model_tokenizer(str(_tokenizer_folder(tmp_path, ALTERNATE)))
 
 
 def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path: Path) -> None:
@@ -208,6 +219,25 @@ def test_a_chat_template_that_rejects_rows_is_a_usage_error_naming_them(tmp_path
                                          r"must alternate.*Fix or remove those rows"):
         text.encode(data.samples)
     assert len(text.encode(data.samples[::2])) == 2
+
+
+def test_chats_rendered_without_a_template_are_said_so_and_errors_name_the_argument(tmp_path: Path) -> None:
+    """A real tokenizer without a chat template rendered chats in the plain format without a word; and
+    `autofit data PATH`'s template errors named --dataset, a flag it does not have."""
+    from autofit.data import summarize
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    chats = _write(tmp_path, "c.jsonl", "\n".join(json.dumps(r) for r in (good, bad)))
+    plain = resolve_model(str(_tokenizer_folder(tmp_path / "plain", None)), weights=False)
+    said = summarize(chats, plain, flag="PATH")
+    assert any("has no chat template: chats are rendered as plain text" in n for n in said.stats.notes)
+    assert "has no chat template" in said.text
+    texts = _write(tmp_path, "t.jsonl", json.dumps({"text": "hi there"}))
+    assert not any("chat template" in n for n in summarize(texts, plain).stats.notes)  # no chat: nothing to say
+    templated = resolve_model(str(_tokenizer_folder(tmp_path / "templated", ALTERNATE)), weights=False)
+    with pytest.raises(UsageError, match=r"^PATH: the model's chat template rejects 1 of 2 chats"):
+        summarize(chats, templated, flag="PATH")
 
 
 def test_the_content_hash_of_an_unchanged_file_is_the_one_stored_runs_hold(tmp_path: Path) -> None:
