@@ -383,15 +383,21 @@ def bench_dataset(folder: Path) -> Path:
 
 
 def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: int | None = None,
-               model: Path | None = None) -> dict[str, Any]:
+               model: Path | None = None, dataset: Path | None = None,
+               patch: Callable[[str], str] | None = None) -> dict[str, Any]:
     """Export `run_dir`'s winner (hf-trainer), run it `steps` steps (from `model`'s weights, else the run's
-    model); its summary (tokens/s, peak, losses)."""
+    model) on `dataset` (default: the bench's random words); its summary (tokens/s, peak, losses). `patch`
+    rewrites the exported script first (data_parity.py: where the export lags the probe's step rule)."""
     script = work / "train.py"
-    proc = autofit_cli("export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
+    export = ["export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force"]
+    proc = autofit_cli(*export, *(["--dataset", str(dataset)] if dataset and (run_dir / "data").is_dir() else []),
+                       timeout=600)
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
-    cmd = [sys.executable, str(script), "--dataset", str(bench_dataset(work)), "--output-dir", str(work / "out"),
-           "--max-steps", str(steps)]
+    if patch is not None:
+        script.write_text(patch(script.read_text()))
+    cmd = [sys.executable, str(script), "--dataset", str(dataset or bench_dataset(work)), "--output-dir",
+           str(work / "out"), "--max-steps", str(steps)]
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
     if model is not None:
@@ -425,10 +431,24 @@ import importlib.util, sys
 spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
 recipe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recipe)
+getattr(recipe, "load_torch", lambda: None)()  # scripts that import torch only once their input is checked
 recipe.build_model(None).save_pretrained(sys.argv[2])
 recipe.load_tokenizer(None).save_pretrained(sys.argv[2])
 """
 """The exported script's own preset (random weights) and stand-in tokenizer, saved: a folder its --model reads."""
+
+SAVE_DATA_PRESET = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+getattr(recipe, "load_torch", lambda: None)()  # scripts that import torch only once their input is checked
+_, _, tokenizer = recipe.encoder(None, recipe.read_samples(sys.argv[3]))
+recipe.build_model(None).save_pretrained(sys.argv[2])
+tokenizer.save_pretrained(sys.argv[2])
+"""
+"""A data recipe's preset and the data's stand-in tokenizer (a BPE trained on the dataset, as the search
+measured lengths with), saved: a folder its --model reads."""
 
 MERGE = """
 import sys
@@ -441,27 +461,36 @@ AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[3])
 """A saved model with a trained adapter merged into its weights."""
 
 
-def warm_base(run_dir: Path, work: Path, steps: int, gpu: int | None) -> tuple[Path | None, dict[str, Any]]:
+def warm_base(run_dir: Path, work: Path, steps: int, gpu: int | None, changes: dict[str, Any] = STOCK,
+              dataset: Path | None = None,
+              patch: Callable[[str], str] | None = None) -> tuple[Path | None, dict[str, Any]]:
     """The preset trained `steps` steps by the stock-kernel recipe, its adapter merged into the weights: a
     base whose loss has come down from ln(vocab) to where the data holds it, standing in for pretrained
     weights. From random weights the loss falls 3x in 20 steps, and a kernel recipe one step ahead of the
     stock one differs by several percent at a step without training anything else; fine-tuning starts
     from a trained model, where a kernel that computes a different loss shows as a lasting offset.
-    The random preset is saved first, so that the warm-up and the merge read the very same weights."""
+    The random preset is saved first, so that the warm-up and the merge read the very same weights.
+    data_parity.py: the run's winner with `changes` trains on `dataset` (a run searched with --dataset),
+    the preset saved with the data's stand-in tokenizer; `patch` as run_recipe's."""
     folder = work / "warm"
     folder.mkdir()
-    copy = variant_copy(run_dir, work, "warm", STOCK)
+    copy = variant_copy(run_dir, work, "warm", changes)
     script, preset, base = folder / "train.py", folder / "preset", folder / "base"
 
     def helper(code: str, *args: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                               check=False, timeout=1800, env=bench_env(gpu))
 
-    made = autofit_cli("export", str(copy), "--format", "hf-trainer", "-o", str(script), "--force", timeout=600)
-    saved = helper(SAVE_PRESET, script, preset) if made.returncode == 0 else made
+    made = autofit_cli("export", str(copy), "--format", "hf-trainer", "-o", str(script), "--force",
+                       *(["--dataset", str(dataset)] if dataset else []), timeout=600)
+    if made.returncode != 0:
+        saved = made
+    else:
+        saved = helper(SAVE_PRESET, script, preset) if dataset is None else helper(SAVE_DATA_PRESET, script, preset,
+                                                                                   dataset)
     if saved.returncode != 0:
         return None, {"steps": steps, "error": saved.stderr[-1500:]}
-    run = run_recipe(copy, folder, steps, None, gpu, preset)
+    run = run_recipe(copy, folder, steps, None, gpu, preset, dataset, patch)
     summary = {"steps": steps, "losses": run.get("losses"), "rc": run.get("rc")}
     if run.get("rc") != 0:
         return None, {**summary, "error": run.get("stderr_tail") or run.get("error")}
