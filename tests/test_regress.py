@@ -132,20 +132,20 @@ NIGHTS = Path(__file__).parent / "data" / "regress-history-nights.jsonl"
 nights, a recovery, a single bad night, a slowdown beyond twice the tolerance, a heavier peak."""
 
 
-def tonight(check: dict[str, Any]) -> regress.Measured:
-    """A recorded check's runs as tonight's."""
-    return regress.Measured(True, statistics.median(check["runs"]), max(check["peaks"]), "fit", "",
-                            tuple(check["runs"]), tuple(check["peaks"]))
+def recorded(check: dict[str, Any]) -> tuple[BestEntry, regress.Measured]:
+    """A recorded check's baseline, and its runs as tonight's: what `decide` takes."""
+    base = BestEntry(check["name"], TrialConfig.from_dict(check["config"]), check["baseline_tokens_per_s"],
+                     check["baseline_peak_bytes"])
+    return base, regress.Measured(True, check["tokens_per_s"], check["peak_bytes"], "fit", "", tuple(check["runs"]),
+                                  tuple(check["peaks"]))
 
 
 def replay(records: list[dict[str, Any]], rule: Rule) -> list[str]:
     """Each night's verdict from its own runs and the nights before it."""
     out = []
     for i, entry in enumerate(records):
-        check = entry["checks"][0]
-        base = BestEntry(check["name"], TrialConfig.from_dict(check["config"]), check["baseline_tokens_per_s"],
-                         check["baseline_peak_bytes"])
-        out.append(regress.decide(base, records[:i], tonight(check), Tolerance(0.07, 0.03), rule).status.value)
+        base, tonight = recorded(entry["checks"][0])
+        out.append(regress.decide(base, records[:i], tonight, Tolerance(0.07, 0.03), rule).status.value)
     return out
 
 
@@ -599,11 +599,8 @@ def decided(run: Path, check: dict[str, Any]) -> str:
     """The verdict the rule gives on the recorded figures of `check` (a first check, the tolerances of
     the --json file): what the command must have printed and recorded, whatever today's timings."""
     doc = json.loads((run / "r.json").read_text())
-    base = BestEntry(check["name"], TrialConfig.from_dict(check["config"]), check["baseline_tokens_per_s"],
-                     check["baseline_peak_bytes"])
-    m = regress.Measured(True, check["tokens_per_s"], check["peak_bytes"], "fit", "", tuple(check["runs"]),
-                         tuple(check["peaks"]))
-    return regress.decide(base, [], m, Tolerance(doc["tolerance"], doc["memory_tolerance"]),
+    base, tonight = recorded(check)
+    return regress.decide(base, [], tonight, Tolerance(doc["tolerance"], doc["memory_tolerance"]),
                           Rule(**doc["rule"])).status.value
 
 
