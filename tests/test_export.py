@@ -18,9 +18,12 @@ from test_regress import BASE, write_run
 
 from autofit.cli import main
 from autofit.errors import UsageError
-from autofit.export import FORMATS, export_run
+from autofit.data import DatasetRef, load_samples
+from autofit.export import FORMATS, SCRIPTS, export_run
 from autofit.export.common import check_fields
 from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY
+from autofit.models import resolve_model
+from autofit.spec import TrialConfig
 
 DATA = ROOT / "tests" / "data" / "tiny.jsonl"
 
@@ -148,7 +151,7 @@ def test_bad_export_input_exits_2(tmp_path: Path) -> None:
         (["export", str(run), "--format", "deepspeed"],
          "--format: 'deepspeed' is not known; expected one of hf-trainer, trl, axolotl, llama-factory."),
         (["export", str(run), "--format", "axolotl", "-o", str(tmp_path / "no" / "dir" / "t.yaml")],
-         f"-o: cannot write {tmp_path / 'no' / 'dir' / 't.yaml'} (No such file or directory); give a writable path."),
+         f"-o: the folder {tmp_path / 'no' / 'dir'} does not exist. Give a file path in a folder that exists."),
     ]
     for args, message in cases:
         proc = run_cli(*args)
@@ -187,6 +190,8 @@ def test_a_written_script_keeps_the_permissions_of_the_file_it_replaces(tmp_path
     for force in (False, True):  # a folder is named as one, not offered --force (which then failed)
         with pytest.raises(UsageError, match=r"is a folder; give a file path such as .*train\.py"):
             write_recipe("print(1)\n", tmp_path, force=force, executable=True)
+    write_recipe("print(1)\n", Path(os.devnull), force=False, executable=True)  # a device: written into, kept
+    assert Path(os.devnull).is_char_device() and Path(os.devnull).stat().st_mode & 0o777 == 0o666
 
 
 def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_path: Path) -> None:
@@ -300,3 +305,61 @@ def test_a_4bit_preset_recipe_quantizes_random_weights_built_in_host_memory(tiny
     assert done.returncode == 0, done.stderr[-3000:]
     summary = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("recipe-summary ")]
     assert summary and json.loads(summary[-1].split(" ", 1)[1])["steps"] == 3
+
+
+ODD = {"method": ("lora", "full"), "precision": ("bf16", "fp16", "fp32"), "quantization": ("none", "8bit", "nf4"),
+       "optimizer": ("adamw_torch_fused", "paged_adamw_8bit", "adafactor", "sgd"),
+       "attn_implementation": ("sdpa", "eager", "flex_attention", "flash_attention_2"), "liger": (False, True),
+       "torch_compile": (False, True), "expandable_segments": (False, True),
+       "gradient_checkpointing": ("off", "on", "every_3", "on+offload"), "lora_targets": ("q_proj", "all-linear"),
+       "micro_batch_size": (1, 3, 8), "global_batch": (1, 3, 16), "max_length": (8, 4096), "gpus": (1, 2, 4),
+       "engine": ("none", "fsdp2", "zero2", "zero3"), "cpu_offload": ("off", "optimizer", "all"),
+       "reshard_after_forward": (True, False)}
+"""Values of every key, extremes among them: the winners of the sweep below are drawn from them."""
+
+
+def odd_winners(n: int) -> list[TrialConfig]:
+    """`n` valid configs drawn at random (seeded) from ODD: each of the four formats must render them all."""
+    import random
+
+    rng, out = random.Random(28), []
+    while len(out) < n:
+        try:
+            out.append(TrialConfig.from_dict({k: rng.choice(v) for k, v in ODD.items()}))
+        except UsageError:  # a combination the spec refuses (an engine on one GPU without offload, ...)
+            continue
+    return out
+
+
+def test_every_format_renders_odd_winners_as_text_its_tool_reads(tmp_path: Path) -> None:
+    """24 winners drawn over every key, on a run whose model folder and dataset have names with a newline and
+    a byte that is not UTF-8 (and a text field named with quotes and a backslash): each recipe is UTF-8 text, a
+    script compiles (its docstring whole), a YAML and its companions parse, every comment is one line."""
+    model = tmp_path / os.fsdecode(b"my\nmodel-\xff")
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(resolve_model("tiny-llama").config))
+    (model / "model.safetensors").write_bytes(b"")  # read by no one here: its name makes the folder a model
+    data = tmp_path / os.fsdecode(b"d\xff.jsonl")
+    data.write_bytes(DATA.read_bytes())
+    source, dataset = resolve_model(str(model)).to_dict(), DatasetRef.of(load_samples(data)).to_dict()
+    elsewhere = {**dataset, "path": str(tmp_path / "gone" / os.fsdecode(b"\xfe.jsonl")), "text_field": 'a"""b\\'}
+    for i, cfg in enumerate(odd_winners(24)):
+        run = write_run(tmp_path / f"run{i}", config=cfg.to_dict())
+        spec = yaml.safe_load((run / "spec.yaml").read_text())
+        spec["model"] = source
+        if i % 2:  # half of them searched on a dataset, with the measured batching: here, or not here with
+            spec["dataset"] = elsewhere if i % 4 == 1 else dataset  # a field name that could end a docstring
+        (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+        for fmt in FORMATS:
+            r = export_run(run, fmt)
+            raw = r.text.encode("utf-8")  # no lone surrogate: the file can be written, Python can read it
+            assert all(not line.startswith(b"#") or b"\xff" not in line for line in raw.splitlines()), fmt
+            if fmt in SCRIPTS:
+                doc = ast.get_docstring(ast.parse(raw)) or ""  # it compiles, and says what it was given
+                assert "'a\"\"\"b\\'" in doc if spec.get("dataset") is elsewhere else "Fine-tune" in doc, fmt
+            else:
+                yaml.safe_load(r.text)
+            for name, text in r.companions.items():
+                (json.loads if name.endswith(".json") else yaml.safe_load)(text)
+            # the newline in the model's name did not end a comment
+            assert not any(line.startswith("model-") for line in r.text.splitlines()), fmt

@@ -5,19 +5,28 @@ message required; where a row says nothing is lost, the run folder is compared b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from conftest import ROOT, run_cli
-from faults import Fault, read_only_folder
+from faults import Fault, full_disk, read_only_folder
+from test_export import DATA
+from test_regress import BASE, write_run
 
+from autofit.data import DatasetRef, load_samples
+from autofit.export import export_run
 from autofit.models import PRESETS
+from autofit.paths import shown
+
+D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
 
 BNB_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
@@ -271,7 +280,7 @@ EXTRA: dict[str, Callable[[Path, Path, subprocess.CompletedProcess[str]], None]]
 
 def test_every_fault_has_a_setup_and_a_check() -> None:
     ids = [f.id for f in FAULTS]
-    assert len(set(ids)) == len(ids) and set(ids) == set(ARGS) | set(DATASETS) | OWN_TEST
+    assert len(set(ids)) == len(ids) and set(ids) == set(ARGS) | set(DATASETS) | OWN_TEST | set(WRITTEN_SETUP)
     assert set(EXTRA) <= set(ids) and all(str(ROOT) not in f.command for f in FAULTS)
 
 
@@ -285,3 +294,292 @@ def test_a_read_only_run_folder_is_exit_4_naming_it(tiny_run: Path, tmp_path: Pa
     assert fault.message in proc.stderr and "Traceback" not in proc.stderr and str(run) in proc.stderr
     if fault_id.startswith("regress"):  # the job's --json file says why
         assert fault.message in json.loads((tmp_path / "r.json").read_text())["error"]
+
+
+# ----------------------------------------------------------------------------- export's paths, its disk, the
+# recipes' own flags and odd data: on run folders written as a search leaves them (no search is run), recipes
+# of tiny-llama trained for one step where the fault needs training at all
+
+WRITTEN = [
+    Fault("export-full-disk", "the disk fills up under `export -o` (exit 2, and a 0-byte file left that made the "
+          "retry say 'already exists'); with a DeepSpeed JSON beside it, neither is left",
+          "autofit export RUN -o FULL/train.py", 4, "nothing was written. Free space"),
+    Fault("export-stdout-full", "the recipe printed to a standard output that takes nothing (an OSError "
+          "traceback, exit 1)", "autofit export RUN > /dev/full", 4, "cannot write standard output"),
+    Fault("export-output-symlink-loop", "-o naming a symlink loop (a RuntimeError traceback)",
+          "autofit export RUN -o loop", 2, "is a symbolic link loop"),
+    Fault("export-output-name-too-long", "-o with a name too long for the file system (an OSError traceback)",
+          "autofit export RUN -o xxx...x.py", 2, "is a name too long for the file system"),
+    Fault("export-dataset-path-not-utf8", "a run's dataset whose name is not UTF-8 (-o: a UnicodeEncodeError "
+          "traceback; to stdout: a script Python refuses to run)", "autofit export RUN -o $'t\\xff.py'", 0,
+          "wrote $'"),
+    Fault("export-dataset-fifo", "--dataset naming a FIFO", "autofit export RUN --dataset FIFO", 2,
+          "is a FIFO (named pipe), not a file or a folder"),
+    Fault("export-dataset-name-too-long", "--dataset with a name too long for the file system (an OSError "
+          "traceback)", "autofit export RUN --dataset xxx...x.jsonl", 2, "is a name too long for the file system"),
+    Fault("export-winner-not-a-fit", "a best.json whose winner's outcome is not a fit (exported, exit 0)",
+          "autofit export RUN", 2, "not a fit", nothing_lost=True),
+    Fault("export-dataset-changed", "the run's dataset changed since the search (exported silently)",
+          "autofit export RUN", 2, "dataset changed since the run", nothing_lost=True),
+    Fault("export-dataset-gone", "the run's dataset is not where the search read it (exported silently)",
+          "autofit export RUN", 0, "autofit: warning: the run's dataset", nothing_lost=True),
+    Fault("export-field-cache-full-disk", "the field-name cache on a full disk (a partial temporary file left "
+          "at each export)", "AUTOFIT_CACHE=FULL autofit export RUN", 0, "wrote "),
+    Fault("script-output-dir-is-a-file", "an exported script given --output-dir naming a file (a "
+          "FileExistsError traceback after training)", "python train.py --output-dir FILE", 2,
+          "--output-dir: FILE exists and is not a folder"),
+    Fault("script-output-dir-full-disk", "an exported script's --output-dir on a full disk (a traceback when "
+          "the model was saved, after training)", "python train.py --output-dir FULL/out", 4,
+          "--output-dir: cannot write in"),
+    Fault("script-dataset-below-one-step", "an exported script on a dataset of one block (tokens/s counted 8 "
+          "blocks a step: 8x too high)", "python train.py --dataset one-block.jsonl", 0,
+          "gives 1 block where one optimizer step trains 8"),
+    Fault("script-data-one-long-row", "a data run's TRL script on one row longer than max_length (the cut and "
+          "the step it does not fill were not said)",
+          "python train_trl.py --dataset one.jsonl", 0, "cut to it as in the search"),
+    Fault("script-data-one-token-rows", "a data run's script on rows of one token each (trained on nothing, "
+          "exit 0, 0 tokens/s)", "python train.py --dataset a.jsonl", 2, "no sample has a token to train on"),
+    Fault("script-dataset-empty", "an exported script given an empty dataset (named no file)",
+          "python train.py --dataset empty.jsonl", 2, "--dataset: empty.jsonl holds no text"),
+    Fault("script-dataset-device", "an exported script given a device as its dataset (read /dev/zero for ever)",
+          "python train.py --dataset /dev/zero", 2, "--dataset: /dev/zero is a device"),
+    Fault("script-emulate-negative", "an exported script given --emulate-memory-gib -3 (a CUDA error on a GPU)",
+          "python train.py --emulate-memory-gib -3", 2, "--emulate-memory-gib: -3.0 is not a memory size"),
+]
+FAULTS += WRITTEN
+
+
+def written_run(tmp: Path, **changes: Any) -> Path:
+    """A run folder as a search leaves it (written, not searched): tiny-llama, fp32, 64 tokens a sequence,
+    micro-batch 2 of a global batch of 8 (accumulation 4)."""
+    cfg = BASE.config.replace(**{"precision": "fp32", "max_length": 64, "micro_batch_size": 2, "global_batch": 8,
+                                 **changes})
+    return write_run(tmp / "run", config=cfg.to_dict())
+
+
+def data_run(tmp: Path, data: Path = D1) -> Path:
+    """A written run searched on `data` (its DatasetRef in spec.yaml, as the search stores it)."""
+    run = written_run(tmp, batching="pad_longest")
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(data)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return run
+
+
+def recipe(run: Path, fmt: str = "hf-trainer") -> Path:
+    script = run.parent / ("train_trl.py" if fmt == "trl" else "train.py")
+    script.write_text(export_run(run, fmt).text)
+    return script
+
+
+def train(script: Path, dataset: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The exported script for one optimizer step, in its own folder."""
+    return subprocess.run([sys.executable, str(script), "--dataset", dataset, "--max-steps", "1", *args],
+                          check=False, capture_output=True, text=True, cwd=script.parent, timeout=300)
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recipe-summary ")]
+    return json.loads(line.split(" ", 1)[1])
+
+
+def symlink_loop(where: Path) -> Path:
+    (where / "loop-a").symlink_to(where / "loop-b")
+    (where / "loop-b").symlink_to(where / "loop-a")
+    return where / "loop-a"
+
+
+TOO_LONG = "x" * 300
+"""A name longer than any Linux file system takes (255 bytes)."""
+
+Command = Callable[[], subprocess.CompletedProcess[str]]
+
+
+def _export_full_disk(tmp: Path) -> Command:
+    run, zero = written_run(tmp), written_run(tmp / "zero", gpus=2, engine="zero2", micro_batch_size=1)
+
+    def command() -> subprocess.CompletedProcess[str]:
+        with full_disk(tmp / "disk", "1m") as disk:
+            proc = run_cli("export", str(run), "-o", str(disk / "train.py"))
+            assert sorted(p.name for p in disk.iterdir()) == ["filler"], "a file or a temporary file was left"
+            # a recipe with a DeepSpeed JSON beside it, one page free: the recipe fits, the JSON does not
+            os.truncate(disk / "filler", (disk / "filler").stat().st_size - 4096)
+            both = run_cli("export", str(zero), "--format", "axolotl", "-o", str(disk / "a.yaml"))
+            assert both.returncode == 4 and "ds_config.json" in both.stderr, both.stderr
+            assert sorted(p.name for p in disk.iterdir()) == ["filler"], "half of the export was left"
+            (disk / "filler").unlink()  # space freed: the retry writes the recipe, no 'already exists'
+            again = run_cli("export", str(run), "-o", str(disk / "train.py"))
+            assert again.returncode == 0 and (disk / "train.py").read_text().startswith("#!/usr/bin/env python3")
+        return proc
+    return command
+
+
+def _stdout_full(tmp: Path) -> Command:
+    run = written_run(tmp)
+
+    def command() -> subprocess.CompletedProcess[str]:
+        with open("/dev/full", "w") as full:  # noqa: PTH123  a device, not a path of ours
+            proc = subprocess.run([sys.executable, "-m", "autofit", "export", str(run)], stdout=full,
+                                  stderr=subprocess.PIPE, text=True, check=False, cwd=ROOT, timeout=300)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "", proc.stderr)
+    return command
+
+
+def _dataset_not_utf8(tmp: Path) -> Command:
+    data = tmp / os.fsdecode(b"d\xff.jsonl")
+    data.write_bytes(D1.read_bytes())
+    run, out = data_run(tmp, data), tmp / os.fsdecode(b"t\xff.py")
+
+    def command() -> subprocess.CompletedProcess[str]:
+        piped = run_cli("export", str(run))
+        assert piped.returncode == 0, piped.stderr
+        compile(piped.stdout, "train.py", "exec")  # Python runs UTF-8 source only: the name is written escaped
+        assert shown(data.resolve()) in piped.stdout  # in the comments as a shell reads it back ($'...\xff...')
+        proc = run_cli("export", str(run), "-o", str(out))
+        assert proc.stderr == f"wrote {shown(out)}\n"
+        compile(out.read_bytes(), "train.py", "exec")
+        return proc
+    return command
+
+
+def _dataset_changed(tmp: Path) -> Command:
+    data = tmp / "d.jsonl"
+    data.write_bytes(D1.read_bytes())
+    run = data_run(tmp, data)
+    data.write_text(data.read_text().replace("the", "a"))
+    return lambda: run_cli("export", str(run), "--format", "axolotl", "-o", str(tmp / "a.yaml"))
+
+
+def _dataset_gone(tmp: Path) -> Command:
+    data = tmp / "d.jsonl"
+    data.write_bytes(D1.read_bytes())
+    run = data_run(tmp, data)
+    data.unlink()
+
+    def command() -> subprocess.CompletedProcess[str]:
+        proc = run_cli("export", str(run), "--format", "axolotl")
+        assert f"{data} is not here" in proc.stderr and "export with --dataset PATH" in proc.stderr
+        assert yaml.safe_load(proc.stdout)["datasets"][0]["path"] == str(data)  # named where the search read it
+        return proc
+    return command
+
+
+def _not_a_fit(tmp: Path) -> Command:
+    run = written_run(tmp)
+    best = json.loads((run / "best.json").read_text())
+    (run / "best.json").write_text(json.dumps({**best, "outcome": "oom"}))
+
+    def command() -> subprocess.CompletedProcess[str]:
+        proc = run_cli("export", str(run), "-o", str(tmp / "train.py"))
+        assert f"`autofit report {run}`" in proc.stderr and not (tmp / "train.py").exists()
+        return proc
+    return command
+
+
+def _cache_full_disk(tmp: Path) -> Command:
+    run = written_run(tmp)
+
+    def command() -> subprocess.CompletedProcess[str]:
+        with full_disk(tmp / "disk", "1m", lambda d: (d / "cache").mkdir()) as disk:
+            proc = run_cli("export", str(run), "-o", str(tmp / "train.py"), env={"AUTOFIT_CACHE": str(disk / "cache")})
+            assert list((disk / "cache").iterdir()) == []  # not cached, and no scrap of the attempt
+        return proc
+    return command
+
+
+def _output_dir_full_disk(tmp: Path) -> Command:
+    script = recipe(written_run(tmp))
+
+    def command() -> subprocess.CompletedProcess[str]:
+        with full_disk(tmp / "disk", "1m") as disk:
+            proc = train(script, str(DATA), "--output-dir", str(disk / "out"))
+        assert "stand-in tokenizer" not in proc.stderr  # said before anything was loaded
+        return proc
+    return command
+
+
+def _below_one_step(tmp: Path) -> Command:
+    """One block of 64 tokens where a step trains 8: the summary counts the one block the step trained."""
+    (tmp / "one-block.jsonl").write_text(json.dumps({"text": "x" * 70}) + "\n")  # 70 bytes + <eos>: one block
+    script = recipe(written_run(tmp))
+
+    def command() -> subprocess.CompletedProcess[str]:
+        proc = train(script, "one-block.jsonl", "--output-dir", "out")
+        got = summary(proc)
+        assert got["steps"] == 1 and got["steady_tokens"] == 64 and got["below_one_step"] is True, got
+        return proc
+    return command
+
+
+def _one_long_row(tmp: Path) -> Command:
+    (tmp / "one.jsonl").write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(400))}) + "\n")
+    script = recipe(data_run(tmp), "trl")
+
+    def command() -> subprocess.CompletedProcess[str]:
+        proc = train(script, "one.jsonl", "--output-dir", "out")
+        got = summary(proc)
+        assert got["steady_tokens"] == 63 and got["below_one_step"] is True, got  # 64 tokens, 63 with a label
+        assert "samples longer than MAX_LENGTH (64 tokens): 1 of 1" in proc.stderr
+        return proc
+    return command
+
+
+def _script(dataset: str, *args: str, files: dict[str, str] | None = None,
+            data: bool = False) -> Callable[[Path], Command]:
+    """The recipe of a written run (searched on D1 where `data`) given `--dataset dataset` and `args`, with
+    `files` (name: content) written beside it."""
+    def setup(tmp: Path) -> Command:
+        for name, content in (files or {}).items():
+            (tmp / name).write_text(content)
+        script = recipe(data_run(tmp) if data else written_run(tmp))
+
+        def command() -> subprocess.CompletedProcess[str]:
+            proc = train(script, dataset, *args)
+            assert data or "stand-in tokenizer" not in proc.stderr  # said before anything was loaded
+            return proc
+        return command
+    return setup
+
+
+def _fifo(tmp: Path) -> Command:
+    os.mkfifo(tmp / "fifo")
+    run = data_run(tmp)
+    return lambda: run_cli("export", str(run), "--dataset", str(tmp / "fifo"))
+
+
+WRITTEN_SETUP: dict[str, Callable[[Path], Command]] = {
+    "export-full-disk": _export_full_disk,
+    "export-stdout-full": _stdout_full,
+    "export-output-symlink-loop": lambda tmp: lambda: run_cli("export", str(written_run(tmp)), "-o",
+                                                              str(symlink_loop(tmp))),
+    "export-output-name-too-long": lambda tmp: lambda: run_cli("export", str(written_run(tmp)), "-o",
+                                                               str(tmp / TOO_LONG)),
+    "export-dataset-path-not-utf8": _dataset_not_utf8,
+    "export-dataset-fifo": _fifo,
+    "export-dataset-name-too-long": lambda tmp: lambda: run_cli("export", str(data_run(tmp)), "--dataset",
+                                                                str(tmp / f"{TOO_LONG}.jsonl")),
+    "export-winner-not-a-fit": _not_a_fit,
+    "export-dataset-changed": _dataset_changed,
+    "export-dataset-gone": _dataset_gone,
+    "export-field-cache-full-disk": _cache_full_disk,
+    "script-output-dir-is-a-file": _script(str(DATA), "--output-dir", "FILE", files={"FILE": "not a folder\n"}),
+    "script-output-dir-full-disk": _output_dir_full_disk,
+    "script-dataset-below-one-step": _below_one_step,
+    "script-data-one-long-row": _one_long_row,
+    "script-data-one-token-rows": _script("a.jsonl", files={"a.jsonl": '{"text": "a"}\n' * 10}, data=True),
+    "script-dataset-empty": _script("empty.jsonl", files={"empty.jsonl": ""}),
+    "script-dataset-device": _script("/dev/zero"),
+    "script-emulate-negative": _script(str(DATA), "--emulate-memory-gib", "-3"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", WRITTEN, ids=[f.id for f in WRITTEN])
+def test_written_run_fault(fault: Fault, tmp_path: Path) -> None:
+    command = WRITTEN_SETUP[fault.id](tmp_path)
+    before = snapshot(tmp_path / "run")
+    proc = command()
+    assert proc.returncode == fault.exit_code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert fault.message in proc.stderr and "Traceback" not in proc.stderr
+    if fault.nothing_lost:
+        assert snapshot(tmp_path / "run") == before

@@ -24,9 +24,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if searching:
         print(f"autofit: warning: a search is running in {args.run} ({searching}); this exports the best found so "
               "far (best.json as `autofit report` last wrote it), which the search may still beat", file=sys.stderr)
+    for note in rendered.notes:
+        print(f"autofit: warning: {note}", file=sys.stderr)
     for item in rendered.unexpressed:
         print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
-    if not args.output or args.output == "-":
+    if not args.output or args.output == "-":  # a stdout that cannot take it is exit 4 (cli/streams.py)
         sys.stdout.write(rendered.text)
         for line in stdout_notes(rendered):
             print(f"autofit: {line}", file=sys.stderr)
@@ -58,9 +60,11 @@ def add_parser(sub: Any, fmt: Any) -> None:
                             beside -o (an existing one with other content needs --force), and the launch
                             command (torchrun, axolotl --launcher torchrun, accelerate launch) is printed
 
-                            exit codes: 0 written, 2 usage error (not a run folder, a corrupt best.json,
-                            an existing -o without --force, an -o path that cannot be written, a --dataset
-                            that is missing or not the measured content)
+                            exit codes: 0 written, 2 usage error (not a run folder, a corrupt best.json or
+                            one whose winner is not a fit, an existing -o without --force, an -o in a folder
+                            that does not exist, a run's dataset that changed since the search, a --dataset
+                            that is missing or not the measured content), 4 cannot write (a full disk, a
+                            read-only folder: nothing is written, not even an empty file)
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")

@@ -38,7 +38,10 @@ def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendere
     format, run folder or dataset is a UsageError."""
     if fmt not in RENDERERS:
         raise UsageError(f"--format: {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
-    return RENDERERS[fmt](load_run(run, dataset))
+    loaded = load_run(run, dataset)
+    rendered = RENDERERS[fmt](loaded)
+    rendered.notes = [*loaded.notes, *rendered.notes]
+    return rendered
 
 
 __all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",

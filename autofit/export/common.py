@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..data import stored_dataset
-from ..errors import UsageError
+from ..data import DatasetRef, RefState, stored_dataset
+from ..errors import CannotWrite, UsageError
+from ..files import cannot_write, write_atomic
+from ..paths import input_file, output_file, readable, shown, source
 from ..rundir import RunDir, read_spec
 from ..spec import TrialConfig
 from ..units import format_size
@@ -72,9 +75,11 @@ def read_best(run_dir: Path) -> Best:
     """best.json, checked entry by entry; a missing, corrupt or malformed file is a UsageError that names
     it and says how to get a good one (`autofit report RUN` rebuilds it from the study)."""
     path = run_dir / BEST
-    if not path.is_file():
-        raise UsageError(missing_best(run_dir))
     remedy = f"`autofit report {run_dir}` rewrites it from the study."
+    if not path.is_file():
+        if path.is_symlink() or path.exists():  # a folder, a FIFO, a symlink loop in its place: said as such
+            input_file(path, "RUN", remedy)
+        raise UsageError(missing_best(run_dir))
     doc = read_json_object(path, "the winner", remedy)
     runners_up = doc.get("runners_up", [])
     if not isinstance(runners_up, list):
@@ -158,6 +163,8 @@ class ExportRun:
     env: dict[str, Any]
     dataset: dict[str, Any] | None = None
     """The run's `DatasetRef` (spec.yaml) when it was searched with --dataset."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know of the export (a dataset that is not where the search read it)."""
 
     @property
     def weights_ref(self) -> str:
@@ -189,10 +196,10 @@ class ExportRun:
             f"Driver {self.env.get('driver') or '-'}, CUDA {self.env.get('cuda_driver') or '-'}; {vers}.",
             (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {format_size(self.best['peak_memory_bytes'])} "
              + (f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."
-                if self.dataset is None else f"(trained tokens/s on {self.dataset.get('path')}, batching "
+                if self.dataset is None else f"(trained tokens/s on {shown(self.dataset.get('path', ''))}, batching "
                 f"{self.config.batching}, max_length {self.config.max_length}).")),
             self.repeats(),
-            f"Model: {self.model['ref']} ({self.model['kind']})" + (
+            f"Model: {shown(self.model['ref'])} ({self.model['kind']})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
                 if self.model["kind"] in ("preset", "config") else ""),
         ]
@@ -207,6 +214,8 @@ class Rendered:
     """Files the recipe names by a bare file name (a DeepSpeed JSON, an accelerate config), written beside it."""
     launch: str = ""
     """How to start the recipe on several GPUs, with `{recipe}` for its file; '' for one GPU."""
+    notes: list[str] = field(default_factory=list)
+    """What to tell the user on stderr beside the recipe (`ExportRun.notes`)."""
 
     def launch_for(self, recipe: str) -> str:
         return self.launch.format(recipe=recipe)
@@ -214,14 +223,48 @@ class Rendered:
 
 def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
     """The run's winner; `dataset`: where the run's dataset is now, if it moved (the same content:
-    `DatasetRef.found`), so the recipe names the file that is there. Without it the stored path is
-    written as it is (the file need not be on this machine)."""
+    `DatasetRef.found`), so the recipe names the file that is there. Without it the stored file is read
+    again where it is: changed content is a UsageError; a file that is not here (on another machine, or
+    moved) is written as stored, with a note saying so."""
     run_dir = Path(run)
     spec = read_spec(run_dir)
     best = read_best(run_dir)
-    ref = stored_dataset(spec, dataset, "the winner was measured on") if dataset else None
+    outcome = best.doc.get("outcome", "fit")
+    if outcome != "fit":
+        raise UsageError(f"RUN: {shown(best.path)} records a winner whose outcome is {outcome!r}, not a fit: it "
+                         "never trained within the limit, so there is no measured recipe to export. Run `autofit "
+                         f"report {shown(run_dir)}` to rebuild best.json from the study's fits; where none fits, "
+                         "search again with the options its report suggests.")
+    notes: list[str] = []
+    if dataset:
+        ref = stored_dataset(spec, dataset_path(dataset), "the winner was measured on")
+        stored = ref.to_dict() if ref else None
+    else:
+        stored = spec.get("dataset")
+        notes += check_stored_dataset(stored) if stored else []
     return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir),
-                     ref.to_dict() if ref else spec.get("dataset"))
+                     stored, notes)
+
+
+def dataset_path(path: str) -> str:
+    """--dataset as given, where it is a file or a folder (a save_to_disk dataset) or nothing yet
+    (`DatasetRef.found` says what is missing); a FIFO or a device (a read that may never end), a symlink
+    loop or a name too long is a UsageError naming it."""
+    source(os.path.expanduser(path), "--dataset", "Give the dataset file the run was measured on.")
+    return path
+
+
+def check_stored_dataset(stored: dict[str, Any]) -> list[str]:
+    """The run's dataset read again where the search found it: the notes to give (none where it is the
+    same); changed content is a UsageError (the recipe would train on data that was not measured)."""
+    ref = DatasetRef.from_dict(stored)
+    state, _ = ref.load()
+    if state is RefState.MISSING:
+        return [f"the run's dataset {shown(ref.path)} is not here (moved, or on another machine): the recipe names "
+                "it where the search read it. If it moved, export with --dataset PATH (its content is checked)."]
+    if state is RefState.CHANGED:
+        ref.found(None, "the winner was measured on", "the recipe trains on the file it names: with --dataset PATH, ")
+    return []
 
 
 @dataclass(frozen=True)
@@ -259,19 +302,63 @@ def data_form(dataset: dict[str, Any]) -> DataForm:
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:
     """Write a recipe to -o; an existing file is kept unless `force` (a recipe may have been edited)."""
-    if out.is_dir():
-        raise UsageError(f"-o: {out} is a folder; give a file path such as {out / 'train.py'}.")
-    if out.exists() and not force:
-        raise UsageError(f"-o: {out} already exists; pass --force to overwrite it, or give another path.")
+    write_files({out: text}, force, executable=out if executable else None)
+
+
+def checked_output(out: Path) -> Path:
+    """An -o path (or a file beside it) the file system can take: its folder exists, the name fits, no
+    symlink loop; not a folder. A FIFO or a device (-o /dev/stdout) is written into as asked."""
     try:
-        existed = out.exists()
-        out.write_text(text)
-        if executable and out.is_file():  # never a device (-o /dev/null) or another special file
-            # a new script is executable for all; an overwritten one keeps its permissions, gaining x where r
-            mode = out.stat().st_mode & 0o7777
-            out.chmod(mode | (mode & 0o444) >> 2 if existed else 0o755)
+        folder = out.is_dir()
+    except OSError:  # a name too long: output_file says so
+        folder = False
+    if folder:
+        raise UsageError(f"-o: {shown(out)} is a folder; give a file path such as {shown(out / 'train.py')}.")
+    return output_file(out, "-o", "Give a file path in a folder that exists.")
+
+
+def write_files(texts: dict[Path, str], force: bool, executable: Path | None = None) -> None:
+    """Write every file whole or none of them: each goes to a hidden file beside its place (whole or not at
+    all: files.write_atomic), and only once all are there are they renamed into place. A full disk while the
+    second is written leaves neither, and no empty file that a retry would call existing. An existing regular
+    file is kept unless `force`; `executable`: the script among them (a new one 0755, an overwritten one keeps
+    its permissions, gaining x where it has r). A FIFO or a device is written into, never replaced."""
+    paths = [checked_output(p) for p in texts]
+    existing = [p for p in paths if p.is_file()]
+    if existing and not force:
+        raise UsageError(f"-o: {shown(existing[0])} already exists; pass --force to overwrite it, or give another path.")
+    special = [p for p in paths if p.exists() and not p.is_file()]  # /dev/null, /dev/stdout, a FIFO
+    staged: list[tuple[Path, Path]] = []
+    current = paths[0]
+    try:
+        for current in (p for p in paths if p not in special):
+            hidden = current.with_name(f".{current.name[:200]}.{os.getpid()}.export")
+            write_atomic(hidden, texts[current])
+            staged.append((hidden, current))
+            mode = _mode(current, current == executable)
+            if mode is not None:
+                os.chmod(hidden, mode)
+        for current in special:  # a stream that takes no more (-o /dev/full) stops it before any rename
+            write_atomic(current, texts[current])
+        for hidden, current in staged:
+            os.replace(hidden, current)
     except OSError as e:
-        raise UsageError(f"-o: cannot write {out} ({e.strerror}); give a writable path.") from None
+        for hidden, _ in staged:
+            hidden.unlink(missing_ok=True)
+        if cannot_write(e):
+            raise CannotWrite(f"-o: cannot write {shown(current)} ({e.strerror or e}); nothing was written. Free "
+                              "space or give a writable folder, and export again.") from None
+        raise UsageError(f"-o: cannot write {shown(current)} ({e.strerror or e}); give a writable path.") from None
+
+
+def _mode(path: Path, executable: bool) -> int | None:
+    """The permissions to give: an overwritten file keeps its own (a script gaining x where it has r); a new
+    script is executable for all; None: a new file as `open` would make it."""
+    try:
+        old = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o755 if executable else None
+    return old | (old & 0o444) >> 2 if executable else old
 
 
 def with_engine(rendered: Rendered, companions: dict[str, str], launch: str) -> Rendered:
@@ -284,25 +371,26 @@ def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool,
     launch it). Nothing is written when a file is in the way: an existing -o needs `force`, and so does an
     existing companion with other content (one with the same content, from another format's export, is kept).
     The run's own records are never overwritten, --force or not."""
-    beside = {out.parent / name: text for name, text in rendered.companions.items()}
-    records = [p for p in (out, *beside) if RunDir(run_dir).owns(p)]
+    beside = {checked_output(out.parent / name): text for name, text in rendered.companions.items()}
+    records = [p for p in (checked_output(out), *beside) if RunDir(run_dir).owns(p)]
     if records:
-        raise UsageError(f"-o: {records[0]} is one of the run's own records (its study, spec, winner or logs); "
-                         f"writing the recipe there would destroy what was measured. Give a path outside "
-                         f"{run_dir}/, or a new file name in it such as {run_dir / 'train.py'}.")
+        raise UsageError(f"-o: {shown(records[0])} is one of the run's own records (its study, spec, winner or "
+                         "logs); writing the recipe there would destroy what was measured. Give a path outside "
+                         f"{shown(run_dir)}/, or a new file name in it such as {shown(run_dir / 'train.py')}.")
     in_the_way = [p for p, text in beside.items() if p.exists() and not force and _content(p) != text]
     if in_the_way:
-        raise UsageError([f"-o: {p} already exists with other content (the recipe {out} names it, so it is "
-                          "written beside it); pass --force to overwrite it, or give -o in another folder."
+        raise UsageError([f"-o: {shown(p)} already exists with other content (the recipe {shown(out)} names it, so "
+                          "it is written beside it); pass --force to overwrite it, or give -o in another folder."
                           for p in in_the_way])
-    write_recipe(rendered.text, out, force, executable)  # first: an existing or unwritable -o stops it all
-    for path, text in beside.items():
-        write_recipe(text, path, force=True, executable=False)
-    lines = [f"wrote {p}" for p in (out, *beside)]
+    if out.is_file() and not force:  # an existing -o stops it all, before any companion is written
+        raise UsageError(f"-o: {shown(out)} already exists; pass --force to overwrite it, or give another path.")
+    new = {p: text for p, text in beside.items() if _content(p) != text}  # one with the same content is kept
+    write_files({out: rendered.text, **new}, force=True, executable=out if executable else None)
+    lines = [f"wrote {shown(p)}" for p in (out, *beside)]
     if rendered.launch:
         here = out.parent.resolve() == Path.cwd().resolve()
-        recipe = str(out) if here or not beside else out.name
-        cd = "" if here or not beside else f"cd {out.parent} && "  # companions are named relative to it
+        recipe = shown(out) if here or not beside else shown(out.name)
+        cd = "" if here or not beside else f"cd {shown(out.parent)} && "  # companions are named relative to it
         lines.append(f"launch: {cd}{rendered.launch_for(recipe)}")
     return lines
 
@@ -352,7 +440,14 @@ class _DropNotice(logging.Filter):
 
 
 def comment_block(lines: list[str], prefix: str = "# ") -> str:
-    return "\n".join(prefix + ln for ln in lines)
+    """Comment lines, each kept on its line: a control character (a newline in a folder's name) is written as
+    its escape, and so is a byte that is not UTF-8 (a recipe must be UTF-8 text to run)."""
+    return "\n".join(prefix + one_line(ln) for ln in lines)
+
+
+def one_line(text: str) -> str:
+    """`text` without line breaks or other control characters (their escapes instead), as UTF-8 text."""
+    return readable("".join(ch if ch == "\t" or ord(ch) >= 32 else ch.encode("unicode_escape").decode() for ch in text))
 
 
 def yaml_recipe(r: ExportRun, body: dict[str, Any], allowed: set[str], intro: list[str],

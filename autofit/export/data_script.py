@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 
 from ..data import reader
+from .common import one_line
 
 DATA_SETTINGS = '''
 # The data the search measured on, and how it was batched.
@@ -167,43 +168,52 @@ def batches(ids, pad):
     return [{"input_ids": x} for x in ids], pad_rows, {"train_sampling_strategy": sampling}
 
 
-def trained_tokens(model):
-    """Counts label-bearing tokens of every forward (the probe's objective); returns a reader that resets."""
-    seen = [0]
-
-    def hook(module, args, kwargs):
-        labels = kwargs.get("labels")
-        if labels is not None:
-            seen[0] += int((labels[..., 1:] != -100).sum())
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def take():
-        n, seen[0] = seen[0], 0
-        return n
-    return take
-
-
 def prepare_data():
     """Arguments, the dataset's token ids (truncated to MAX_LENGTH), and the adapted model."""
     a = arguments()
-    check_kernels()
     samples = read_samples(a.dataset)  # a bad file fails here, before anything is loaded
+    load_torch()
+    check_kernels()
     emulate(a.emulate_memory_gib)
     encode, pad, tokenizer = encoder(a.model, samples)
-    ids = [x[:MAX_LENGTH] for x in encode(samples)]
+    ids = truncated(a.dataset, encode(samples))
     return a, ids, pad, tokenizer, adapt(build_model(a.model))
+
+
+def truncated(path, ids):
+    """Each sample cut to MAX_LENGTH, as the search measured it (saying how much is cut); a dataset whose every
+    sample is one token has nothing to train on (each token is learnt from the ones before it)."""
+    if max(len(x) for x in ids) < 2:
+        fail(f"--dataset: {path}: no sample has a token to train on (all {len(ids)} are one token long or "
+             "empty; each token is learnt from the ones before it); give longer samples")
+    long = [len(x) for x in ids if len(x) > MAX_LENGTH]
+    if long:
+        cut = sum(n - MAX_LENGTH for n in long) / sum(len(x) for x in ids)
+        print(f"note: samples longer than MAX_LENGTH ({MAX_LENGTH} tokens): {len(long)} of {len(ids)}, cut to it as "
+              f"in the search; {cut:.1%} of the tokens are not trained", file=sys.stderr)
+    return [x[:MAX_LENGTH] for x in ids]
+
+
+def data_below_one_step(ids, pad, per_device, accumulation, world_size):
+    """`below_one_step` on the rows BATCHING makes of the data (TRL packs into the same bins)."""
+    rows, _, changes = batches(ids, pad)
+    per_device = changes.get("per_device_train_batch_size", per_device)
+    return below_one_step(len(rows), per_device * accumulation * world_size,
+                          "sample" if BATCHING in ("pad_max", "pad_longest", "group_by_length") else "row")
 '''
 
 HF_DATA_MAIN = '''
 
 def main():
+    a, ids, pad, _, model = prepare_data()  # first: a bad argument or dataset is said before the imports
     from transformers import Trainer, TrainingArguments
 
-    a, ids, pad, _, model = prepare_data()
     data, collator, changes = batches(ids, pad)
     args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, **changes, "max_steps": a.max_steps})
+    short = data_below_one_step(ids, pad, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                args.world_size)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
-                      callbacks=[throughput_callback(trained_tokens(model))])
+                      callbacks=[throughput_callback(token_counter(model), short)])
 '''
 
 
@@ -231,22 +241,25 @@ def dataset_fields(dataset: dict[str, object]) -> str:
 def data_header(header: str, batching: str, dataset: dict[str, object]) -> str:
     """The script's docstring says how this recipe batches (the packed-blocks paragraph replaced)."""
     assert PACKED_DOC in header  # script_parts.HEADER and this module move together
-    return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching, fields=dataset_fields(dataset)))
+    fields = one_line(dataset_fields(dataset)).replace("\\", "\\\\").replace('"', '\\"')  # in the docstring
+    return header.replace(PACKED_DOC, DATA_DOC.format(batching=batching, fields=fields))
 
 
 TRL_DATA_MAIN = '''
 
 def main():
+    # Tokenized and truncated as the search measured; TRL then batches as TRL_BATCHING says.
+    a, ids, pad, tokenizer, model = prepare_data()  # first: a bad argument or dataset is said before the imports
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    # Tokenized and truncated as the search measured; TRL then batches as TRL_BATCHING says.
-    a, ids, pad, tokenizer, model = prepare_data()
     data = Dataset.from_dict({"input_ids": ids})
     config = SFTConfig(output_dir=a.output_dir, **{**TRAINING_ARGS, **TRL_BATCHING, "max_steps": a.max_steps},
                        dataset_text_field="text")
+    short = data_below_one_step(ids, pad, config.per_device_train_batch_size, config.gradient_accumulation_steps,
+                                config.world_size)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[throughput_callback(trained_tokens(model))])
+                         callbacks=[throughput_callback(token_counter(model), short)])
 '''
 
 

@@ -13,14 +13,13 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import os
 import re
-import tempfile
 from importlib import util
 from pathlib import Path
 from typing import Any
 
 from ..envinfo import cache_dir, package_versions
+from ..files import write_json
 from .common import quiet_bitsandbytes
 
 LIBRARIES = ("transformers", "peft", "trl", "accelerate")
@@ -109,9 +108,7 @@ def installed_fields() -> dict[str, set[str]]:
     fields = _read_installed()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump({"versions": v, "fields": fields}, f)
-        os.replace(f.name, path)
+        write_json(path, {"versions": v, "fields": fields})  # whole or not at all: a full disk leaves no scrap
     except OSError:
         pass  # not cached: the next export reads them again
     return {k: set(n) for k, n in fields.items()}

@@ -11,16 +11,15 @@ from .script_parts import BLOCK_HELPERS, HELPERS, TAIL, check_fsdp_fields, check
 MAIN = '''
 
 def main():
+    a, tokenizer, blocks, model = prepare()  # first: a bad argument or dataset is said before the imports
     from transformers import Trainer, TrainingArguments
 
-    a, tokenizer, blocks, model = prepare()
     data = [{"input_ids": b, "labels": list(b), "attention_mask": [1] * len(b)} for b in blocks]
     args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})
-    # the whole group's tokens: every rank trains its micro-batches of each optimizer step
-    tokens_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps * MAX_LENGTH
-                       * args.world_size)
+    short = below_one_step(len(blocks), args.per_device_train_batch_size * args.gradient_accumulation_steps
+                           * args.world_size, "block")
     trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[throughput_callback(tokens_per_step)])
+                      callbacks=[throughput_callback(token_counter(model, trained=False), short)])
 '''
 
 

@@ -5,10 +5,12 @@ They are text: the recipes must run without autofit installed.
 
 from __future__ import annotations
 
+import errno
 import pprint
 from typing import Any
 
 from .. import distributed, recipe
+from ..files import WRITE_FAILURES
 from .common import ExportRun, check_fields, comment_block
 from .fields import versions
 from .multi_gpu import script_doc
@@ -25,10 +27,12 @@ measured this configuration (its speed and memory hold for exactly that).
 """
 
 import argparse
+import errno
 import gc
 import json
 import logging
 import os
+import stat
 import statistics
 import sys
 import tempfile
@@ -41,7 +45,7 @@ for _key, _value in {environment!r}.items():
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
-import torch
+torch = None  # imported by load_torch() once the arguments and the dataset are checked
 '''
 
 SETTINGS = '''
@@ -60,6 +64,8 @@ KBIT_PREPARATION = {kbit}
 '''
 
 HELPERS = '''
+WRITE_FAILURES = {write_failures}  # autofit's own list (files.py): a disk or folder that takes no writes
+
 
 def byte_tokenizer():
     """A stand-in tokenizer: one token per UTF-8 byte, plus <eos>. For measuring, not for models."""
@@ -97,10 +103,20 @@ def tokenizer_of(model_ref):
              "folder that holds the tokenizer's files too (tokenizer.json or tokenizer.model)")
 
 
-def fail(message):
-    """A problem with the input: one line naming the file, exit 2 (no traceback)."""
+def load_torch():
+    """Import torch (seconds) only once the arguments and the dataset are checked, so that a mistake in them
+    is said at once; every function here uses the module's name `torch`."""
+    global torch
+    import torch as imported
+
+    torch = imported
+
+
+def fail(message, code=2):
+    """A problem with the input: one line naming the file, exit 2 (no traceback); 4 for a folder that cannot
+    be written (a full or read-only disk)."""
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def rank_device():
@@ -184,9 +200,42 @@ def steady_throughput(tokens, times, warmup=2):
             "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates)}
 
 
-def throughput_callback(tokens_per_step):
-    """Prints tokens/s and peak memory per optimizer step, and a summary at the end. `tokens_per_step`:
-    a number, or a function giving the tokens of the step that just ended."""
+def token_counter(model, trained=True):
+    """Counts the tokens of every forward pass, as the probe counted them: the label-bearing ones
+    (`trained`, on data) or every token of the full blocks; returns a reader that resets the count. A
+    step counts what it really trained: the short last step of an epoch, a dataset smaller than a step."""
+    seen = [0]
+
+    def hook(module, args, kwargs):
+        if trained:
+            labels = kwargs.get("labels")
+            seen[0] += int((labels[..., 1:] != -100).sum()) if labels is not None else 0
+        else:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            seen[0] += ids.numel() if ids is not None else 0
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def take():
+        n, seen[0] = seen[0], 0
+        return n
+    return take
+
+
+def below_one_step(rows, step_rows, unit):
+    """Whether the data holds fewer rows (`unit`s) than one optimizer step trains over every rank
+    (`step_rows`); says so, since each step then trains fewer tokens than the measured configuration."""
+    if rows >= step_rows:
+        return False
+    print(f"note: --dataset gives {rows} {unit}{'' if rows == 1 else 's'} where one optimizer step trains "
+          f"{step_rows}: each step trains what there is, so its tokens/s and peak are not the measured "
+          "configuration's (the summary counts the tokens trained)", file=sys.stderr)
+    return True
+
+
+def throughput_callback(tokens_per_step, below_one_step=False):
+    """Prints tokens/s and peak memory per optimizer step, and a summary at the end. `tokens_per_step`: a
+    function giving the tokens (on this rank) of the step that just ended (`token_counter`);
+    `below_one_step`: the dataset is smaller than one step (said in the summary)."""
     from transformers import TrainerCallback
 
     class Throughput(TrainerCallback):
@@ -205,11 +254,8 @@ def throughput_callback(tokens_per_step):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
-            if callable(tokens_per_step):  # this rank's tokens; the rate is the whole group's
-                tokens = all_ranks(tokens_per_step(), args.device) if args.world_size > 1 else tokens_per_step()
-            else:
-                tokens = tokens_per_step
-            self.tokens.append(tokens)
+            # this rank's tokens; the rate is the whole group's
+            self.tokens.append(all_ranks(tokens_per_step(), args.device) if args.world_size > 1 else tokens_per_step())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -221,7 +267,7 @@ def throughput_callback(tokens_per_step):
             from accelerate.state import AcceleratorState
 
             summary = {"steps": len(self.times), **steady_throughput(self.tokens, self.times),
-                       "losses": self.losses, "world_size": args.world_size,
+                       "losses": self.losses, "world_size": args.world_size, "below_one_step": below_one_step,
                        # what Trainer really ran: FSDP, DEEPSPEED, MULTI_GPU (DDP), NO, ...
                        "distributed_type": str(AcceleratorState().distributed_type.value),
                        "sharded_parameters": sharded_parameters(model)}
@@ -258,7 +304,8 @@ def arguments():
                    help="folder or hub id (default: the measured model%s)" % (
                        "; the measured preset has random weights" if MODEL_CONFIG else ""))
     p.add_argument("--dataset", required=True, help=DATASET_HELP)
-    p.add_argument("--output-dir", default="autofit-out")
+    p.add_argument("--output-dir", default="autofit-out",
+                   help="folder for the trained adapter or model, made (and written to) before training")
     p.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
     p.add_argument("--emulate-memory-gib", type=float,
                    help="cap this process's GPU memory (check the recipe for a smaller card on a bigger one)")
@@ -267,7 +314,28 @@ def arguments():
         p.error("--model is required")
     if a.max_steps < 1:
         p.error(f"--max-steps: {a.max_steps} is not a number of optimizer steps; give 1 or more")
+    if a.emulate_memory_gib is not None and not 0 < a.emulate_memory_gib < float("inf"):
+        p.error(f"--emulate-memory-gib: {a.emulate_memory_gib} is not a memory size; give GiB above 0, such as 24")
+    output_folder(a.output_dir)
     return a
+
+
+def output_folder(path):
+    """--output-dir made now, and written to once, so that a file in its place, a read-only or full disk
+    says so before training, not in a traceback when the model is saved at the end."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+    except FileExistsError:
+        what = "exists and is not a folder" if os.path.exists(path) else "is a symbolic link that leads nowhere"
+        fail(f"--output-dir: {path} {what}; give a folder for the trained model")
+    except OSError as e:
+        if e.errno in WRITE_FAILURES:
+            fail(f"--output-dir: cannot write in {path} ({e.strerror}); give a writable folder", code=4)
+        fail(f"--output-dir: {path}: {e.strerror}; give a folder for the trained model")
 
 
 def check_kernels():
@@ -295,14 +363,22 @@ def emulate(limit_gib):
         torch.cuda.set_per_process_memory_fraction((limit_gib * 2**30 - outside) / total)
 '''
 
+HELPERS = HELPERS.replace("{write_failures}", "{" + ", ".join(f"errno.{errno.errorcode[e]}"
+                                                                for e in sorted(WRITE_FAILURES)) + "}")
+
 BLOCK_HELPERS = '''
 
 DATASET_HELP = "JSONL with a 'text' field, or a text file"
 
 
 def read_texts(path):
-    """The texts of --dataset: the "text" field of each JSONL line, or a whole text file."""
+    """The texts of --dataset: the "text" field of each JSONL line, or a whole text file (a pipe too:
+    <(zcat data.jsonl.gz)); a device is refused (/dev/zero would be read for ever)."""
     try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            fail(f'--dataset: {path} is a device, not a file; give a JSONL file with a "text" field per line, '
+                 "or a text file")
         with open(path, encoding="utf-8") as f:
             if path.lower().endswith((".jsonl", ".json", ".ndjson")):
                 return [text_of(path, n, line) for n, line in enumerate(f, 1) if line.strip()]
@@ -327,7 +403,7 @@ def text_of(path, n, line):
     return row["text"]
 
 
-def packed_blocks(texts, tokenizer, length):
+def packed_blocks(path, texts, tokenizer, length):
     """Token ids of all texts, joined with <eos> and cut into full blocks of `length`."""
     ids = []
     for text in texts:
@@ -335,18 +411,21 @@ def packed_blocks(texts, tokenizer, length):
         ids.append(tokenizer.eos_token_id)
     n = len(ids) // length
     if n == 0:
-        fail(f"--dataset holds {len(ids)} tokens, fewer than one block of {length}; give more text")
+        fail(f"--dataset: {path} holds {len(ids)} tokens, fewer than one block of {length}; give more text")
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def prepare():
     """Arguments, tokenizer, the dataset packed into full blocks, and the adapted model."""
     a = arguments()
-    check_kernels()
     texts = read_texts(a.dataset)  # a bad file fails here, before anything is loaded
+    if not any(t.strip() for t in texts):
+        fail(f'--dataset: {a.dataset} holds no text; give a JSONL file with a "text" field per line, or a text file')
+    load_torch()
+    check_kernels()
     emulate(a.emulate_memory_gib)
     tokenizer = load_tokenizer(a.model)
-    blocks = packed_blocks(texts, tokenizer, MAX_LENGTH)
+    blocks = packed_blocks(a.dataset, texts, tokenizer, MAX_LENGTH)
     return a, tokenizer, blocks, adapt(build_model(a.model))
 '''
 

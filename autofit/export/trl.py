@@ -18,12 +18,12 @@ TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "
 MAIN = '''
 
 def main():
+    # Tokenized and packed the same way as the Trainer recipe; TRL's own "wrapped" packing then
+    # keeps these full MAX_LENGTH blocks as they are.
+    a, tokenizer, blocks, model = prepare()  # first: a bad argument or dataset is said before the imports
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    # Tokenized and packed the same way as the Trainer recipe; TRL's own "wrapped" packing then
-    # keeps these full MAX_LENGTH blocks as they are.
-    a, tokenizer, blocks, model = prepare()
     data = Dataset.from_dict({"input_ids": blocks})
     config = SFTConfig(
         output_dir=a.output_dir,
@@ -34,11 +34,10 @@ def main():
         padding_free=False,
         dataset_text_field="text",
     )
-    # the whole group's tokens: every rank trains its micro-batches of each optimizer step
-    tokens_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps * MAX_LENGTH
-                       * config.world_size)
+    short = below_one_step(len(blocks), config.per_device_train_batch_size * config.gradient_accumulation_steps
+                           * config.world_size, "block")
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[throughput_callback(tokens_per_step)])
+                         callbacks=[throughput_callback(token_counter(model, trained=False), short)])
 '''
 
 
