@@ -93,8 +93,24 @@ def test_probe_flags_are_declared_once_with_the_protocol_defaults() -> None:
 def test_a_timeout_of_zero_names_the_flag_the_command_has(cmd: str, flag: str) -> None:
     from autofit.cli.common import check_shared_flags
 
-    with pytest.raises(UsageError, match=f"^{flag}: give a positive number of seconds"):
-        check_shared_flags(build_parser().parse_args([cmd, "--model", "tiny-llama", flag, "0"]))
+    for value in ("0", "nan", "inf"):  # nan passed a `<= 0` check, and no probe ever timed out
+        with pytest.raises(UsageError, match=f"^{flag}: give a positive, finite number of seconds"):
+            check_shared_flags(build_parser().parse_args([cmd, "--model", "tiny-llama", f"{flag}={value}"]))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--seed=-1"], "--seed: -1 is not from 0 to 4294967295"),  # a ValueError traceback from the sampler
+    (["--seed", str(2**32)], "--seed: 4294967296 is not from 0"),
+    (["--standby=-1"], "--standby: -1 is not from 0 to 8"),  # accepted
+    (["--standby", "1000000"], "--standby: 1000000 is not from 0 to 8"),  # a million processes importing torch
+    (["--storage", "s.journal", "--study-name", ""], "--study-name: an empty value"),
+    (["--out", ""], "--out: an empty value; give a folder"),  # run folders went into the current folder
+])
+def test_numbers_and_names_at_their_extremes_are_refused(flags: list[str], message: str) -> None:
+    from autofit.cli.common import check_shared_flags
+
+    with pytest.raises(UsageError, match=f"^{message}"):
+        check_shared_flags(build_parser().parse_args(["search", "--model", "tiny-llama", *flags]))
 
 
 def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -61,8 +61,6 @@ FAULTS = [
           "autofit probe --log-dir LOOP", 2, "is a symbolic link loop"),
     Fault("data-out-fifo", "`autofit data --out` naming a FIFO (said 'is a file')",
           "autofit data train.jsonl --model tiny-llama --out FIFO", 2, "is a FIFO (named pipe), not a folder"),
-    Fault("standby-negative", "a negative --standby (accepted)", "autofit search --standby -1", 2,
-          "--standby: -1 is negative"),
     Fault("run-folder-not-utf8", "a run folder whose name is not UTF-8 (a UnicodeEncodeError writing report.md; "
           "a resume hint one cannot paste)", "autofit search --out $'caf\\xe9' --json; autofit report RUN", 3,
           "Report: $'", nothing_lost=True),
@@ -121,7 +119,6 @@ ARGS: dict[str, tuple[str, Callable[[Path], list[str]]]] = {
     "log-dir-loop": ("--log-dir", lambda tmp: [*PROBE, "--log-dir", str(_loop(tmp))]),
     "data-out-fifo": ("--out", lambda tmp: ["data", str(_train(tmp)), "--model", "tiny-llama", "--out",
                                             str(_fifo(tmp))]),
-    "standby-negative": ("--standby", lambda tmp: [*SEARCH, "--standby", "-1"]),
 }
 ROWS = [f for f in FAULTS if f.id in ARGS]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -128,14 +129,16 @@ def probe_settings(args: argparse.Namespace) -> ProbeSettings:
                          train_steps=getattr(args, "train_steps", None))
 
 
+MAX_STANDBY = 8
+"""Most probe processes importing ahead of need, per worker (the default is 2 on a GPU, 1 on the CPU)."""
 PATH_FLAGS = {"model": ("--model", "a preset, a model folder, a config.json or a hub id"),
               "space": ("--space", "a shipped space or a YAML file"),
               "dataset": ("--dataset", "a dataset file or folder"),
               "out": ("--out", "a folder"), "resume": ("--resume", "a run folder made by `autofit search`"),
               "storage": ("--storage", "a database URL or a .journal file"),
               "log_dir": ("--log-dir", "a folder"), "run": ("RUN", "a run folder made by `autofit search`"),
-              "path": ("PATH", "a dataset file or folder")}
-"""Flags that take a path (or a name): an empty value (`--out "$DIR"` with DIR unset) is refused, never
+              "path": ("PATH", "a dataset file or folder"), "study_name": ("--study-name", "a name for the study")}
+"""Flags that take a path or a name: an empty value (`--out "$DIR"` with DIR unset) is refused, never
 read as the flag's default or the current folder."""
 
 
@@ -156,12 +159,16 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         problems.append("--train-tokens and --train-steps both give the planned training length; give one.")
     if getattr(args, "max_probe_accumulation", 0) < 0:
         problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
-    if getattr(args, "probe_timeout", 1) <= 0:  # --timeout on probe, --probe-timeout on search and regress
-        problems.append(f"{getattr(args, 'timeout_flag', '--probe-timeout')}: give a positive number of seconds.")
+    if not 0 < getattr(args, "probe_timeout", 1) < math.inf:  # --timeout on probe, --probe-timeout on search, regress
+        flag = getattr(args, "timeout_flag", "--probe-timeout")
+        problems.append(f"{flag}: give a positive, finite number of seconds.")
     standby = getattr(args, "standby", None)
-    if standby is not None and standby < 0:
-        problems.append(f"--standby: {standby} is negative; give how many probe processes import ahead of need "
-                        "(0 for none).")
+    if standby is not None and not 0 <= standby <= MAX_STANDBY:
+        problems.append(f"--standby: {standby} is not from 0 to {MAX_STANDBY}; give how many probe processes import "
+                        "ahead of need (each holds torch, transformers and peft in host memory; 0 for none).")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < 2**32:  # numpy's and Optuna's samplers take a 32-bit seed
+        problems.append(f"--seed: {seed} is not from 0 to {2**32 - 1}; give a sampler seed in that range.")
     if getattr(args, "confirm", 0) < 0:
         problems.append(f"--confirm: {args.confirm} is negative; give how many of the best fits to measure "
                         "again (0 for none, default 1).")
