@@ -83,7 +83,7 @@ def probe_summary(res: ProbeResult) -> str:
     if res.error_tail and not res.outcome.is_fit() and res.outcome is not Outcome.UNSUPPORTED:  # its reason is whole
         tail = res.error_tail.strip().splitlines()[-3:]
         lines.append("error tail   " + "\n             ".join(tail))
-    lines.append(f"log          {res.log_path}")
+    lines.append(f"log          {shown(res.log_path) if res.log_path else '-'}")
     return "\n".join(lines)
 
 

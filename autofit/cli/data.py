@@ -56,7 +56,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {shown(out)} "
                           f"({e.strerror or e}); give a writable folder with --out.") from None
     if summary.data.bad.count:
-        warn(f"{args.path}: {summary.data.bad.summary()}")
+        warn(f"{shown(args.path)}: {summary.data.bad.summary()}")
     print(json.dumps(summary.to_dict(), indent=1) if args.json else summary.text)
     return 0
 

@@ -32,7 +32,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         best = _write(run_dir, spec.to_dict(), rows, timeline, reason, untried_of(study), searching, unfinished)
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
             break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
-    print(f"rebuilt {run_dir / 'trials.jsonl'} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
+    print(f"rebuilt {shown(run_dir / 'trials.jsonl')} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
     if searching:  # the interim figures are not the search's result, and an export now would take them
         print(f"in progress: a search is running in this folder ({searching}); these are its best so far, and "

@@ -152,7 +152,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             hold(session)
             regressing = locks.holder(session.run_dir / REGRESS_LOCK)
             if regressing:  # it measures the winner: two measurers on one machine measure each other's load
-                raise UsageError(f"--resume: autofit regress is measuring {session.run_dir} ({regressing}); resume "
+                raise UsageError(f"--resume: autofit regress is measuring {shown(session.run_dir)} ({regressing}); resume "
                                  "when it has finished.")
         try:
             session, study = start(session)
@@ -167,9 +167,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def _searching(session: Session, who: str) -> None:
     if session.mode is Mode.JOIN:
-        raise UsageError(f"a worker of this study already runs in {session.run_dir} ({who}), joined from this "
+        raise UsageError(f"a worker of this study already runs in {shown(session.run_dir)} ({who}), joined from this "
                          "folder; start another worker from another folder, or give it another --out.")
-    raise UsageError(f"--resume: a search is running in {session.run_dir} ({who}); wait for it to end, or stop "
+    raise UsageError(f"--resume: a search is running in {shown(session.run_dir)} ({who}); wait for it to end, or stop "
                      "it (Ctrl-C) and resume then.")
 
 
@@ -223,7 +223,7 @@ def _opening(session: Session) -> str:
     verb = {Mode.NEW: "searching", Mode.RESUME: "resuming", Mode.JOIN: "joining"}[session.mode]
     return (f"autofit: {verb} {spec.model.ref} on {', '.join(t.describe() for t in spec.targets)}; "
             f"space {spec.space.name} ({len(spec.space.candidates())} configs); budget "
-            f"{format_duration(spec.budget_s)}; run folder {session.run_dir}")
+            f"{format_duration(spec.budget_s)}; run folder {shown(session.run_dir)}")
 
 
 def _closing(s: Summary) -> str:
@@ -233,7 +233,7 @@ def _closing(s: Summary) -> str:
             f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probe{'s' if len(s.rows) != 1 else ''}"
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
-            + f"\nreport: {s.run_dir / 'report.md'}\n"
+            + f"\nreport: {shown(s.run_dir / 'report.md')}\n"
             f"next:   autofit export {shown(s.run_dir)} --format hf-trainer -o train.py")
 
 

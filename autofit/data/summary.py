@@ -10,6 +10,7 @@ from typing import Any
 
 from ..files import write_json
 from ..models import ModelSource
+from ..paths import shown
 from .lengths import LengthTable, length_table
 from .loading import SampleSet, TextMode, load_samples
 from .reference import DatasetRef
@@ -27,8 +28,8 @@ class DataSummary:
 
     @property
     def text(self) -> str:
-        head = f"{self.data.path}: {len(self.data)} samples ({self.data.bad.summary()})"
-        pic = f"\nhistogram: {self.histogram}" if self.histogram else ""
+        head = f"{shown(self.data.path)}: {len(self.data)} samples ({self.data.bad.summary()})"
+        pic = f"\nhistogram: {shown(self.histogram)}" if self.histogram else ""
         return f"{head}\n{format_stats(self.stats)}{pic}"
 
     def to_dict(self) -> dict[str, Any]:
