@@ -231,6 +231,10 @@ def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Pat
     ('{"outcome":', "is not valid JSON (line 1 column 12: Expecting value)"),
     ("[1,2,3]", "holds a JSON list, not an object with the winner"),
     ('{"tokens_per_s": 5, "peak_memory_bytes": 9}', "the winner: config is missing or not an object"),
+    # fields beside the entry that the provenance reads (a ValueError, TypeError or AttributeError traceback)
+    ('{"extra": {"measurements": ["a"]}}', "extra.measurements is ['a'], expected a list of tokens/s"),
+    ('{"extra": [1]}', "extra is a JSON list, expected an object"),
+    ('{"target": {"memory_limit_bytes": "24GiB"}}', "target.memory_limit_bytes is '24GiB', expected a number"),
 ])
 def test_a_corrupt_best_json_is_a_usage_error_naming_it(tmp_path: Path, content: str, problem: str) -> None:
     run = write_run(tmp_path / "run")

@@ -164,6 +164,8 @@ def test_companions_are_written_beside_the_recipe_and_the_launch_is_said(tmp_pat
     assert not (tmp_path / "recipes" / "b.yaml").exists() and "edited" in (out.parent / DEEPSPEED_JSON).read_text()
     write_rendered(r, tmp_path / "recipes" / "b.yaml", force=True, executable=False, run_dir=run)
     assert "edited" not in (out.parent / DEEPSPEED_JSON).read_text()
+    with pytest.raises(UsageError, match=f"-o: .*{DEEPSPEED_JSON} is the name of the file the recipe names beside"):
+        write_rendered(r, out.parent / DEEPSPEED_JSON, force=True, executable=False, run_dir=run)  # one would be lost
     assert stdout_notes(r, "axolotl.yaml") == [
         f"the recipe names {DEEPSPEED_JSON}, written beside it only with -o: export again with -o FILE to get it",
         "launch: axolotl train axolotl.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"]

@@ -303,7 +303,7 @@ def test_a_read_only_run_folder_is_exit_4_naming_it(tiny_run: Path, tmp_path: Pa
 WRITTEN = [
     Fault("export-full-disk", "the disk fills up under `export -o` (exit 2, and a 0-byte file left that made the "
           "retry say 'already exists'); with a DeepSpeed JSON beside it, neither is left",
-          "autofit export RUN -o FULL/train.py", 4, "nothing was written. Free space"),
+          "autofit export RUN -o FULL/train.py", 4, "nothing was written: free space, and export again"),
     Fault("export-stdout-full", "the recipe printed to a standard output that takes nothing (an OSError "
           "traceback, exit 1)", "autofit export RUN > /dev/full", 4, "cannot write standard output"),
     Fault("export-output-symlink-loop", "-o naming a symlink loop (a RuntimeError traceback)",
@@ -334,6 +334,9 @@ WRITTEN = [
     Fault("script-dataset-below-one-step", "an exported script on a dataset of one block (tokens/s counted 8 "
           "blocks a step: 8x too high)", "python train.py --dataset one-block.jsonl", 0,
           "gives 1 block where one optimizer step trains 8"),
+    Fault("script-stdout-reader-gone", "an exported script whose stdout reader went away (`| head`): Trainer's "
+          "last log line raised BrokenPipeError and the trained model was not saved",
+          "python train.py --dataset data.jsonl | head -0", 0, "note: standard output takes no more"),
     Fault("script-data-one-long-row", "a data run's TRL script on one row longer than max_length (the cut and "
           "the step it does not fill were not said)",
           "python train_trl.py --dataset one.jsonl", 0, "cut to it as in the search"),
@@ -511,6 +514,21 @@ def _below_one_step(tmp: Path) -> Command:
     return command
 
 
+def _stdout_reader_gone(tmp: Path) -> Command:
+    script = recipe(written_run(tmp))
+
+    def command() -> subprocess.CompletedProcess[str]:
+        proc = subprocess.Popen([sys.executable, str(script), "--dataset", str(DATA), "--max-steps", "1",
+                                 "--output-dir", "out"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp)
+        assert proc.stdout is not None
+        proc.stdout.close()  # the reader is gone before the first line
+        _, err = proc.communicate(timeout=300)
+        assert (tmp / "out" / "adapter_config.json").is_file()  # trained and saved all the same
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+    return command
+
+
 def _one_long_row(tmp: Path) -> Command:
     (tmp / "one.jsonl").write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(400))}) + "\n")
     script = recipe(data_run(tmp), "trl")
@@ -565,6 +583,7 @@ WRITTEN_SETUP: dict[str, Callable[[Path], Command]] = {
     "script-output-dir-is-a-file": _script(str(DATA), "--output-dir", "FILE", files={"FILE": "not a folder\n"}),
     "script-output-dir-full-disk": _output_dir_full_disk,
     "script-dataset-below-one-step": _below_one_step,
+    "script-stdout-reader-gone": _stdout_reader_gone,
     "script-data-one-long-row": _one_long_row,
     "script-data-one-token-rows": _script("a.jsonl", files={"a.jsonl": '{"text": "a"}\n' * 10}, data=True),
     "script-dataset-empty": _script("empty.jsonl", files={"empty.jsonl": ""}),

@@ -6,23 +6,23 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
-from shlex import quote
 from typing import Any
 
 from .. import locks
 from ..errors import UsageError
 from ..export import SCRIPTS, export_run, stdout_notes, write_rendered
+from ..paths import shown
 from ..rundir import SEARCH_LOCK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     searching = locks.holder(Path(args.run) / SEARCH_LOCK)
     if searching and not (Path(args.run) / "best.json").is_file():
-        raise UsageError(f"RUN: a search is running in {args.run} ({searching}); it writes best.json when it ends. "
-                         f"`autofit report {quote(args.run)}` shows its best so far.")
+        raise UsageError(f"RUN: a search is running in {shown(args.run)} ({searching}); it writes best.json when it "
+                         f"ends. `autofit report {shown(args.run)}` shows its best so far.")
     rendered = export_run(args.run, args.format, args.dataset)
     if searching:
-        print(f"autofit: warning: a search is running in {args.run} ({searching}); this exports the best found so "
+        print(f"autofit: warning: a search is running in {shown(args.run)} ({searching}); this exports the best found so "
               "far (best.json as `autofit report` last wrote it), which the search may still beat", file=sys.stderr)
     for note in rendered.notes:
         print(f"autofit: warning: {note}", file=sys.stderr)

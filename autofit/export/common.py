@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -62,12 +63,12 @@ def read_json_object(path: Path, what: str, remedy: str) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except OSError as e:
-        raise UsageError(f"RUN: cannot read {path} ({e.strerror}).") from None
+        raise UsageError(f"RUN: cannot read {shown(path)} ({e.strerror}).") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else e.reason
-        raise UsageError(f"RUN: {path} is not valid JSON ({where}); {remedy}") from None
+        raise UsageError(f"RUN: {shown(path)} is not valid JSON ({where}); {remedy}") from None
     if not isinstance(doc, dict):
-        raise UsageError(f"RUN: {path} holds a JSON {type(doc).__name__}, not an object with {what}; {remedy}")
+        raise UsageError(f"RUN: {shown(path)} holds a JSON {type(doc).__name__}, not an object with {what}; {remedy}")
     return doc
 
 
@@ -75,7 +76,7 @@ def read_best(run_dir: Path) -> Best:
     """best.json, checked entry by entry; a missing, corrupt or malformed file is a UsageError that names
     it and says how to get a good one (`autofit report RUN` rebuilds it from the study)."""
     path = run_dir / BEST
-    remedy = f"`autofit report {run_dir}` rewrites it from the study."
+    remedy = f"`autofit report {shown(run_dir)}` rewrites it from the study."
     if not path.is_file():
         if path.is_symlink() or path.exists():  # a folder, a FIFO, a symlink loop in its place: said as such
             input_file(path, "RUN", remedy)
@@ -83,18 +84,37 @@ def read_best(run_dir: Path) -> Best:
     doc = read_json_object(path, "the winner", remedy)
     runners_up = doc.get("runners_up", [])
     if not isinstance(runners_up, list):
-        raise UsageError(f"RUN: {path}: runners_up is not a list; {remedy}")
+        raise UsageError(f"RUN: {shown(path)}: runners_up is not a list; {remedy}")
     raw = [doc, *runners_up]
     names = ["winner"] + [f"runner-up {i}" for i in range(1, len(raw))]
-    entries, problems = [], []
+    entries, problems = [], [f"RUN: {shown(path)}: {p}" for p in measured_where(doc)]
     for name, entry in zip(names, raw):
         try:
             entries.append(best_entry(name, entry))
         except UsageError as e:
-            problems += [f"RUN: {path}: the {name}: {p}" for p in e.problems]
+            problems += [f"RUN: {shown(path)}: the {name}: {p}" for p in e.problems]
     if problems:
         raise UsageError(problems + [f"RUN: {remedy}"])
     return Best(path, doc, tuple(entries))
+
+
+def measured_where(doc: dict[str, Any]) -> list[str]:
+    """What is wrong with the fields beside the winner's entry that a recipe's provenance and regress read:
+    where it was measured (`target`) and how often (`extra.measurements`)."""
+    problems = []
+    target = doc.get("target") or {}
+    if not isinstance(target, dict):
+        problems.append(f"target is a JSON {type(target).__name__}, expected an object")
+    elif target.get("memory_limit_bytes") is not None and not _positive(target["memory_limit_bytes"]):
+        problems.append(f"target.memory_limit_bytes is {target['memory_limit_bytes']!r}, expected a number of "
+                        "bytes or null")
+    extra = doc.get("extra") or {}
+    runs = extra.get("measurements") or [] if isinstance(extra, dict) else []
+    if not isinstance(extra, dict):
+        problems.append(f"extra is a JSON {type(extra).__name__}, expected an object")
+    elif not isinstance(runs, list) or not all(_positive(x) for x in runs):
+        problems.append(f"extra.measurements is {runs!r}, expected a list of tokens/s")
+    return problems
 
 
 def best_entry(name: str, entry: Any) -> BestEntry:
@@ -118,14 +138,14 @@ def missing_best(run_dir: Path) -> str:
     """Why there is no best.json, and what to do: a search stopped before writing it still has its fits."""
     fits = count_fits(run_dir / TRIALS)
     if fits:
-        return (f"RUN: {run_dir} has no {BEST}, but {TRIALS} records {fits} fitting probe(s): the search "
-                f"stopped before writing it. Run `autofit report {run_dir}` (it rebuilds {BEST} from the "
+        return (f"RUN: {shown(run_dir)} has no {BEST}, but {TRIALS} records {fits} fitting probe(s): the search "
+                f"stopped before writing it. Run `autofit report {shown(run_dir)}` (it rebuilds {BEST} from the "
                 "study), then run this command again.")
     if (run_dir / "study.db").exists() or (run_dir / "study.journal").exists():
-        return (f"RUN: {run_dir} has no {BEST}. Run `autofit report {run_dir}`: it rebuilds {BEST} from the "
+        return (f"RUN: {shown(run_dir)} has no {BEST}. Run `autofit report {shown(run_dir)}`: it rebuilds {BEST} from the "
                 "study if any probe fitted, and says why none did otherwise.")
-    return (f"RUN: {run_dir} has no fitting probe (no {BEST}), so there is nothing to use; run "
-            f"`autofit report {run_dir}` to see why, or search with more options.")
+    return (f"RUN: {shown(run_dir)} has no fitting probe (no {BEST}), so there is nothing to use; run "
+            f"`autofit report {shown(run_dir)}` to see why, or search with more options.")
 
 
 def count_fits(trials: Path) -> int:
@@ -182,7 +202,7 @@ class ExportRun:
 
     def provenance(self) -> list[str]:
         """Comment lines: run id, GPU, limit, versions, measured tokens/s and peak."""
-        t = self.best.get("target", {})
+        t = self.best.get("target") or {}
         gpu = t.get("gpu_name") or "CPU (no GPU)"
         limit = t.get("memory_limit_bytes")
         lim = f"{format_size(limit)} memory limit" if limit else "no memory limit"
@@ -231,10 +251,10 @@ def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
     best = read_best(run_dir)
     outcome = best.doc.get("outcome", "fit")
     if outcome != "fit":
-        raise UsageError(f"RUN: {shown(best.path)} records a winner whose outcome is {outcome!r}, not a fit: it "
-                         "never trained within the limit, so there is no measured recipe to export. Run `autofit "
-                         f"report {shown(run_dir)}` to rebuild best.json from the study's fits; where none fits, "
-                         "search again with the options its report suggests.")
+        raise UsageError(f"RUN: {shown(best.path)} records a winner whose outcome is {outcome!r}, not a fit: it did "
+                         "not train to the end within the limit, so there is no measured recipe to export. Run "
+                         f"`autofit report {shown(run_dir)}` to rebuild best.json from the study's fits; where none "
+                         "fits, search again with the options its report suggests.")
     notes: list[str] = []
     if dataset:
         ref = stored_dataset(spec, dataset_path(dataset), "the winner was measured on")
@@ -346,8 +366,9 @@ def write_files(texts: dict[Path, str], force: bool, executable: Path | None = N
         for hidden, _ in staged:
             hidden.unlink(missing_ok=True)
         if cannot_write(e):
-            raise CannotWrite(f"-o: cannot write {shown(current)} ({e.strerror or e}); nothing was written. Free "
-                              "space or give a writable folder, and export again.") from None
+            remedy = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "give a writable folder"
+            raise CannotWrite(f"-o: cannot write {shown(current)} ({e.strerror or e}); nothing was written: "
+                              f"{remedy}, and export again.") from None
         raise UsageError(f"-o: cannot write {shown(current)} ({e.strerror or e}); give a writable path.") from None
 
 
@@ -372,6 +393,9 @@ def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool,
     existing companion with other content (one with the same content, from another format's export, is kept).
     The run's own records are never overwritten, --force or not."""
     beside = {checked_output(out.parent / name): text for name, text in rendered.companions.items()}
+    if out.name in rendered.companions:
+        raise UsageError(f"-o: {shown(out)} is the name of the file the recipe names beside it; give the recipe "
+                         "another name.")
     records = [p for p in (checked_output(out), *beside) if RunDir(run_dir).owns(p)]
     if records:
         raise UsageError(f"-o: {shown(records[0])} is one of the run's own records (its study, spec, winner or "

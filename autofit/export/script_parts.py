@@ -317,7 +317,41 @@ def arguments():
     if a.emulate_memory_gib is not None and not 0 < a.emulate_memory_gib < float("inf"):
         p.error(f"--emulate-memory-gib: {a.emulate_memory_gib} is not a memory size; give GiB above 0, such as 24")
     output_folder(a.output_dir)
+    guard_stdout()
     return a
+
+
+def guard_stdout():
+    """What is printed on stdout (the summary, Trainer's logs) must never lose the training: a reader that went
+    away (`| head`) or a full disk under a log file made the last print raise, and the model was not saved.
+    A failed write sends stdout to /dev/null from then on, and says so once on stderr."""
+    real = sys.stdout
+
+    class Guarded:
+        def write(self, text):
+            try:
+                return real.write(text)
+            except OSError as e:
+                self.lost(e)
+                return len(text)
+
+        def flush(self):
+            try:
+                real.flush()
+            except OSError as e:
+                self.lost(e)
+
+        def lost(self, e):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, real.fileno())  # what is still buffered, and all that follows, goes nowhere
+            os.close(devnull)
+            print(f"note: standard output takes no more ({e.strerror}); the training goes on", file=sys.stderr)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    if real is not None:
+        sys.stdout = Guarded()
 
 
 def output_folder(path):
@@ -432,7 +466,7 @@ def prepare():
 
 def settings(r: ExportRun, max_steps: int = 1000) -> str:
     cfg = r.config
-    on_cpu = r.best.get("target", {}).get("device") == "cpu"
+    on_cpu = (r.best.get("target") or {}).get("device") == "cpu"
     args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps)
     args["logging_steps"] = 10
 
