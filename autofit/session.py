@@ -143,6 +143,7 @@ def _resumed(req: SearchRequest) -> Session:
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
     if spec.dataset is not None and req.dataset:  # the measured file moved: the same content, found at its new place
+        source(Path(req.dataset).expanduser(), "--dataset", "Give the file the run was measured on.")
         spec = spec.replace(dataset=spec.dataset.found(req.dataset, "the run was measured on"))
     elif spec.dataset is not None:
         check_dataset(spec.dataset, "--resume")

@@ -39,6 +39,8 @@ FAULTS = [
           "autofit search --resume NAME_TOO_LONG", 2, "is a name too long for the file system"),
     Fault("resume-fifo", "--resume of a FIFO (said 'no such folder')", "autofit search --resume FIFO", 2,
           "is a FIFO (named pipe), not a folder"),
+    Fault("resume-dataset-fifo", "--resume of a run on a dataset, with --dataset naming a FIFO (the read waited "
+          "forever)", "autofit search --resume RUN --dataset FIFO", 2, "is a FIFO (named pipe), not a file or a folder"),
     Fault("report-loop", "`autofit report` of a symlink loop (said 'no such folder')", "autofit report LOOP", 2,
           "is a symbolic link loop"),
     Fault("report-spec-fifo", "a run folder whose spec.yaml is a FIFO (the read waited forever)", "autofit report RUN",
@@ -86,8 +88,18 @@ def _run_with_fifo_spec(tmp: Path) -> Path:
     return tmp / "run"
 
 
+def _run_on_data(tmp: Path) -> Path:
+    """A complete run folder searched on a dataset, in seconds: nothing fits a 1 MiB limit (exit 3)."""
+    proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--device", "cpu",
+                           "--memory-limit", "1MiB", "--dataset", str(_train(tmp)), "--out", str(tmp / "runs")],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+                          check=False)
+    assert proc.returncode == 3, proc.stderr
+    return next((tmp / "runs").iterdir())
+
+
 def _train(tmp: Path) -> Path:
-    (tmp / "train.jsonl").write_text('{"text": "a b c d"}\n')
+    (tmp / "train.jsonl").write_text('{"text": "a b c d"}\n{"text": "e f g h i"}\n')
     return tmp / "train.jsonl"
 
 
@@ -104,6 +116,8 @@ ARGS: dict[str, tuple[str, Callable[[Path], list[str]]]] = {
     "out-empty": ("--out", lambda tmp: [*SEARCH, "--out", ""]),
     "resume-name-too-long": ("--resume", lambda tmp: ["search", "--resume", str(tmp / TOO_LONG / "run")]),
     "resume-fifo": ("--resume", lambda tmp: ["search", "--resume", str(_fifo(tmp))]),
+    "resume-dataset-fifo": ("--dataset", lambda tmp: ["search", "--resume", str(_run_on_data(tmp)), "--dataset",
+                                                      str(_fifo(tmp))]),
     "report-loop": ("RUN", lambda tmp: ["report", str(_loop(tmp))]),
     "report-spec-fifo": ("RUN", lambda tmp: ["report", str(_run_with_fifo_spec(tmp))]),
     "model-name-too-long": ("--model", lambda tmp: [*PROBE, "--model", str(tmp / TOO_LONG), "--log-dir",
