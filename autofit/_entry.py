@@ -46,10 +46,16 @@ def main() -> int:
     try:
         from .cli import main as cli_main
 
-        return cli_main()  # which says more of an interruption while a command runs
+        code = cli_main()  # which says more of an interruption while a command runs
     except KeyboardInterrupt:
         try:
             print("\nautofit: interrupted", file=sys.stderr)
         except OSError:  # a terminal that closed (SIGHUP): nowhere to say it
             pass
-        return 130
+        code = 130
+    # The command has ended: a signal from now on, while the interpreter shuts down (its threads, its atexit
+    # handlers; Python puts the default actions back as it finalizes, except where a signal is ignored),
+    # would only replace the command's exit code with the signal's (129, 143).
+    for signum in (signal.SIGINT, *STOPS):
+        signal.signal(signum, signal.SIG_IGN)
+    return code

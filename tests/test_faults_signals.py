@@ -27,6 +27,9 @@ FAULTS = [
     Fault("search-kill-9-first-probe", "kill -9 of a search before its first probe ended, then `autofit report` "
           "(said 'Nothing fits')", "kill -9 <autofit search>; autofit report RUN", 0,
           "not finished: the study records no end", nothing_lost=True),
+    Fault("search-hup-after-its-end", "SIGHUP just after a search has said its result, while the interpreter "
+          "shuts down (killed by the signal: exit 129 replaced the search's own code)",
+          "autofit search --memory-limit 1MiB (SIGHUP after its last line)", 3, "Nothing was probed"),
     Fault("probe-hup", "SIGHUP while `autofit probe` measures (exit 129, its child left to the parent-death "
           "signal)", "autofit probe ... (SIGHUP)", 130, "autofit: interrupted; child processes stopped"),
     Fault("probe-sigpipe", "SIGPIPE sent by a job runner while `autofit probe` measures: ignored, as Python sets it "
@@ -103,6 +106,24 @@ def test_a_search_stopped_before_its_first_probe_ended_says_it_did_not_finish(tm
     assert "Nothing fits" not in text and "## No fit yet" in text and "**not finished**" in text
     if fault.exit_code == 0:
         assert fault.message in said
+
+
+def test_a_signal_after_the_command_has_ended_leaves_its_exit_code(tmp_path: Path) -> None:
+    """Python puts the default actions back as it finalizes: a signal then killed the process, and the
+    job runner saw 129 instead of the search's 3."""
+    fault = next(f for f in FAULTS if f.id == "search-hup-after-its-end")
+    search = _start("search", "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "1MiB", "--out",
+                    str(tmp_path), cwd=tmp_path)
+    assert search.stderr is not None
+    said = b""
+    while b"Report: " not in said:  # its last line: the work is done, the interpreter shuts down
+        line = search.stderr.readline()
+        assert line, said
+        said += line
+    search.send_signal(signal.SIGHUP)
+    search.communicate(timeout=60)
+    assert fault.message in said.decode()
+    assert search.returncode in (fault.exit_code, 130), search.returncode  # 130: the signal beat its last return
 
 
 @pytest.mark.parametrize("fault_id", ["probe-hup", "probe-sigpipe"])
