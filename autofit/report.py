@@ -244,7 +244,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
         (run_dir / "best.json").unlink(missing_ok=True)
     where = _describe_target(target)
     plot_scatter(results, limit, usable, run_dir / "throughput_vs_memory.png",
-                 f"{spec['model']['ref']} on {where}")
+                 readable(f"{spec['model']['ref']} on {where}"))  # a model path that is not UTF-8: no glyph for it
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     write_atomic(run_dir / "report.md",
                  readable(report_markdown(spec, rows, results, best, limit, usable, stop_reason,

@@ -15,6 +15,8 @@ import pytest
 from conftest import ROOT
 from faults import Fault
 
+from autofit.models import PRESETS
+
 SEARCH = ("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "1m")
 PROBE = ("probe", "--model", "tiny-llama", "--device", "cpu")
 
@@ -63,8 +65,9 @@ FAULTS = [
           "autofit probe --log-dir LOOP", 2, "is a symbolic link loop"),
     Fault("data-out-fifo", "`autofit data --out` naming a FIFO (said 'is a file')",
           "autofit data train.jsonl --model tiny-llama --out FIFO", 2, "is a FIFO (named pipe), not a folder"),
-    Fault("run-folder-not-utf8", "a run folder whose name is not UTF-8 (a UnicodeEncodeError writing report.md; "
-          "a resume hint one cannot paste)", "autofit search --out $'caf\\xe9' --json; autofit report RUN", 3,
+    Fault("run-folder-not-utf8", "a model and a run folder whose names are not UTF-8 (a traceback drawing the plot's "
+          "title; paths printed as Python's 'caf\\udce9', which no shell reads back)",
+          "autofit search --model $'caf\\xe9'/config.json --out $'caf\\xe9' --json; autofit report RUN", 3,
           "Report: $'", nothing_lost=True),
 ]
 
@@ -156,19 +159,21 @@ def test_a_path_a_file_system_can_hold_is_refused_naming_its_flag(tmp_path: Path
 
 def test_a_run_folder_named_in_bytes_that_are_not_utf8_is_written_and_named_so_a_shell_finds_it(
         tmp_path: Path) -> None:
-    """The run folder's name comes from --out: its report.md is written (UTF-8 text), the JSON
+    """The run folder's name comes from --out: its report.md is written (UTF-8 text, the byte as \\xe9), the JSON
     names it in Python's form (a lone surrogate, which json.loads and os.fsencode turn back into the bytes),
     and every command printed for it is a shell word that bash reads back as the folder."""
     fault = next(f for f in FAULTS if f.id == "run-folder-not-utf8")
     out = tmp_path / os.fsdecode(b"caf\xe9")
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))  # its path is in the plot's title
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--device", "cpu",
-                           "--memory-limit", "1MiB", "--out", os.fsencode(out), "--json"], capture_output=True,
-                          env=env, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-m", "autofit", "search", "--model", os.fsencode(out / "config.json"),
+                           "--device", "cpu", "--memory-limit", "1MiB", "--out", os.fsencode(out), "--json"],
+                          capture_output=True, env=env, timeout=120, check=False)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == fault.exit_code and fault.message in err and "Traceback" not in err, err
     run = Path(json.loads(proc.stdout)["run_dir"])
-    assert run.parent == out and (run / "report.md").read_text(encoding="utf-8").startswith("# autofit report")
+    assert run.parent == out and "caf\\xe9/config.json" in (run / "report.md").read_text(encoding="utf-8")
     word = err.split("Report: ", 1)[1].split()[0]  # $'.../caf\xe9/<run id>/report.md'
     found = subprocess.run(["bash", "-c", f"cat {word}"], capture_output=True, check=False)
     assert found.returncode == 0 and found.stdout == (run / "report.md").read_bytes()
