@@ -11,10 +11,10 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from ..errors import AutofitError
+from ..errors import AutofitError, CannotWrite
 from . import data, env, export, probe, regress, report, search
 from .common import EXIT_CODES, attach_values, check_shared_flags, err
-from .streams import CANNOT_WRITE, Guarded, guarded, lost_output
+from .streams import Guarded, guarded, lost_output
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -65,7 +65,7 @@ def _lost_output(out: Guarded, code: int) -> int:
     lost = lost_output(out)
     if lost is not None and code == 0:
         err(lost)
-        return CANNOT_WRITE
+        return CannotWrite.exit_code
     return code
 
 

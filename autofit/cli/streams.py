@@ -18,9 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-CANNOT_WRITE = 4
-"""The exit code of output that could not be written (errors.CannotWrite's)."""
-
 
 class Guarded:
     """A text stream whose failed writes are dropped and remembered, never raised. Everything but
@@ -119,4 +116,5 @@ def lost_output(out: Guarded) -> str | None:
     if out.error is None:
         return None
     why = "it is closed" if out.error.errno == errno.EBADF else (out.error.strerror or str(out.error))
-    return f"cannot write standard output ({why}); the command ran to its end, but what it printed is lost; give a writable file or pipe."
+    return (f"cannot write standard output ({why}); the command ran to its end, but what it printed is lost; "
+            "give a writable file or pipe.")
