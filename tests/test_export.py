@@ -367,3 +367,34 @@ def test_every_format_renders_odd_winners_as_text_its_tool_reads(tmp_path: Path)
                 (json.loads if name.endswith(".json") else yaml.safe_load)(text)
             # the newline in the model's name did not end a comment
             assert not any(line.startswith("model-") for line in r.text.splitlines()), fmt
+
+
+def test_the_recipes_follow_the_probes_step_rule_on_data(tmp_path: Path) -> None:
+    """One effective batch (data.batching.step_shape): a packed step takes the accumulation the probe's plan
+    gave (rows hold what fits: here 1 micro-step where ceil(16 / 2) would train 8x the samples), in every
+    format; padding_free flattens micro_batch_size samples a row, the probe's own seeded groups."""
+    import random
+
+    from autofit.data import Batching, plan
+    from autofit.export.data_script import DATA_HELPERS
+
+    packed = write_run(tmp_path / "packed", config=BASE.config.replace(batching="packed", micro_batch_size=2,
+                                                                      global_batch=16).to_dict(),
+                       extra={"gradient_accumulation_steps": 1, "samples_per_step": 15.5})
+    spec = yaml.safe_load((packed / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of(load_samples(DATA)).to_dict()
+    (packed / "spec.yaml").write_text(yaml.safe_dump(spec))
+    for fmt in SCRIPTS:
+        text = export_run(packed, fmt).text
+        assert "'gradient_accumulation_steps': 1," in text and "(15.5 (on average" in text, fmt
+    assert yaml.safe_load(export_run(packed, "axolotl").text)["gradient_accumulation_steps"] == 1
+    assert yaml.safe_load(export_run(packed, "llama-factory").text)["gradient_accumulation_steps"] == 1
+    random_tokens = write_run(tmp_path / "blocks", extra={"gradient_accumulation_steps": 1})  # no dataset: the config's
+    assert f"'gradient_accumulation_steps': {BASE.config.gradient_accumulation_steps}," in export_run(
+        random_tokens, "hf-trainer").text
+    space: dict = {"MICRO_BATCH_SIZE": 3, "SEED": 0}
+    exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
+    lengths = [random.Random(i).randint(2, 90) for i in range(50)]
+    rows = space["flattened_rows"]([[7] * n for n in lengths])
+    probe = plan(Batching.PADDING_FREE, lengths, 64, 3, seed=0)
+    assert [tuple(r) for r in rows] == [b.samples for b in probe.batches]

@@ -34,7 +34,7 @@ def render(r: ExportRun) -> Rendered:
         "sample_packing": True,  # full max_length blocks, as measured
         "pad_to_sequence_len": True,
         "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_accumulation_steps": r.accumulation,
         "max_steps": 1000,
         "optimizer": cfg.optimizer,
         "learning_rate": learning_rate(cfg),

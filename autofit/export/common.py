@@ -111,9 +111,14 @@ def measured_where(doc: dict[str, Any]) -> list[str]:
     extra = doc.get("extra") or {}
     runs = extra.get("measurements") or [] if isinstance(extra, dict) else []
     if not isinstance(extra, dict):
-        problems.append(f"extra is a JSON {type(extra).__name__}, expected an object")
-    elif not isinstance(runs, list) or not all(_positive(x) for x in runs):
+        return [*problems, f"extra is a JSON {type(extra).__name__}, expected an object"]
+    if not isinstance(runs, list) or not all(_positive(x) for x in runs):
         problems.append(f"extra.measurements is {runs!r}, expected a list of tokens/s")
+    steps = extra.get("gradient_accumulation_steps")
+    if steps is not None and not (_positive(steps) and isinstance(steps, int)):
+        problems.append(f"extra.gradient_accumulation_steps is {steps!r}, expected an integer >= 1")
+    if extra.get("samples_per_step") is not None and not _positive(extra["samples_per_step"]):
+        problems.append(f"extra.samples_per_step is {extra['samples_per_step']!r}, expected a positive number")
     return problems
 
 
@@ -185,6 +190,22 @@ class ExportRun:
     """The run's `DatasetRef` (spec.yaml) when it was searched with --dataset."""
     notes: list[str] = field(default_factory=list)
     """What the user should know of the export (a dataset that is not where the search read it)."""
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-steps per optimizer step as the probe trained them: on data, the plan decides a packed step's
+        (rows hold however many samples fit: `data.batching.step_shape`, kept in best.json's extra); else, and
+        for a run stored before the probe reported it, the config's."""
+        measured = (self.best.get("extra") or {}).get("gradient_accumulation_steps")
+        return measured if self.dataset is not None and measured else self.config.gradient_accumulation_steps
+
+    @property
+    def step_samples(self) -> str:
+        """Samples one optimizer step trains, as the probe counted them (its plan's mean, on data)."""
+        measured = (self.best.get("extra") or {}).get("samples_per_step")
+        if self.dataset is None or not measured or self.accumulation == self.config.gradient_accumulation_steps:
+            return f"{self.config.effective_batch}"
+        return f"{measured:,.1f}".removesuffix(".0") + " (on average: packed rows hold what fits)"
 
     @property
     def weights_ref(self) -> str:

@@ -6,10 +6,12 @@ Text, as with script_parts: the recipe runs without autofit. What it reproduces 
   stand-in (a byte-level BPE trained with `tokenizers` on the dataset to the preset's vocabulary);
 - pad_max / pad_longest: rows padded to MAX_LENGTH / to the longest of the micro-batch, shuffled;
   group_by_length: Trainer's `train_sampling_strategy="group_by_length"`;
-- padding_free: a seeded shuffle cut greedily into token budgets of MICRO_BATCH_SIZE x MAX_LENGTH,
-  each budget one row through transformers' `DataCollatorWithFlattening`;
+- padding_free: a seeded shuffle cut into groups of MICRO_BATCH_SIZE samples, each group one row through
+  transformers' `DataCollatorWithFlattening`;
 - packed: best-fit-decreasing bins of MAX_LENGTH, MICRO_BATCH_SIZE rows a micro-batch, positions
-  restarting per sample and no attention mask (the boundaries are kept).
+  restarting per sample and no attention mask (the boundaries are kept), at the accumulation the probe's
+  plan gave (`ExportRun.accumulation`: rows hold however many samples fit, so the global batch of samples
+  takes fewer of them than ceil(global_batch / micro_batch_size)).
 The throughput line counts trained tokens (label-bearing, non-pad) as the probe did.
 """
 
@@ -119,20 +121,14 @@ def best_fit_decreasing(lengths, capacity):
     return bins
 
 
-def token_budgets(ids, budget):
-    """A seeded shuffle cut greedily into groups of at most `budget` tokens (padding_free)."""
+def flattened_rows(ids):
+    """padding_free as the probe planned it: a seeded shuffle cut into groups of MICRO_BATCH_SIZE samples, each
+    group flattened into one row (transformers' DataCollatorWithFlattening)."""
     import random
 
     order = list(range(len(ids)))
     random.Random(SEED).shuffle(order)
-    groups, used = [[]], 0
-    for i in order:
-        if used + len(ids[i]) > budget and groups[-1]:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += len(ids[i])
-    return groups
+    return [order[i:i + MICRO_BATCH_SIZE] for i in range(0, len(order), MICRO_BATCH_SIZE)]
 
 
 def packed_row(group, ids, pad):
@@ -151,7 +147,7 @@ def batches(ids, pad):
 
     if BATCHING == "padding_free":
         flatten = DataCollatorWithFlattening(return_tensors="pt")
-        data = [[{"input_ids": ids[i]} for i in g] for g in token_budgets(ids, MICRO_BATCH_SIZE * MAX_LENGTH)]
+        data = [[{"input_ids": ids[i]} for i in g] for g in flattened_rows(ids)]
         return data, lambda features: flatten(features[0]), {"per_device_train_batch_size": 1,
                                                             "train_sampling_strategy": "sequential"}
     if BATCHING == "packed":
@@ -271,11 +267,12 @@ def trl_batching(batching: str, micro_batch_size: int, max_length: int) -> tuple
     if batching in ("pad_longest", "group_by_length"):
         sampling = {"train_sampling_strategy": "group_by_length"} if batching == "group_by_length" else {}
         return {"max_length": max_length, "packing": False, "padding_free": False, **sampling}, []
-    if batching == "padding_free":  # TRL's padding_free batches by sample count; a token budget is bfd packing
+    if batching == "padding_free":
         return ({"max_length": micro_batch_size * max_length, "packing": True, "packing_strategy": "bfd",
                  "per_device_train_batch_size": 1},
-                [("padding_free's token budget as TRL bfd packing into one row of micro_batch_size x max_length "
-                 "(best-fit-decreasing order, not the measured seeded shuffle)")])
+                [("padding_free as TRL bfd packing into one row of up to micro_batch_size x max_length tokens: the "
+                  "probe flattened micro_batch_size samples a row in a seeded order, so a row here holds more "
+                  "samples (best-fit-decreasing)")])
     return ({"max_length": max_length, "packing": True, "packing_strategy": "bfd"},
             [("packed as TRL lays bfd bins out: flattened into one row per micro-batch (the probe measured "
              "max_length rows)")])

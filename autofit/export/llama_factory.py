@@ -37,7 +37,7 @@ def render(r: ExportRun) -> Rendered:
         "cutoff_len": cfg.max_length,
         "packing": True,  # full cutoff_len blocks, as measured
         "per_device_train_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_accumulation_steps": r.accumulation,
         "learning_rate": learning_rate(cfg),
         "max_steps": 1000,
         "bf16": cfg.precision == "bf16",

@@ -467,7 +467,7 @@ def prepare():
 def settings(r: ExportRun, max_steps: int = 1000) -> str:
     cfg = r.config
     on_cpu = (r.best.get("target") or {}).get("device") == "cpu"
-    args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps)
+    args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps, gradient_accumulation_steps=r.accumulation)
     args["logging_steps"] = 10
 
     def fmt(obj: Any) -> str:
@@ -477,7 +477,7 @@ def settings(r: ExportRun, max_steps: int = 1000) -> str:
         model=r.model["ref"] if r.model["kind"] not in ("preset", "config") else None,
         model_config=fmt(r.model["config"]) if r.model["kind"] in ("preset", "config") else "None",
         max_length=cfg.max_length, dtype=recipe.weights_dtype(cfg), attn=cfg.attn_implementation,
-        effective=cfg.effective_batch, training_args=fmt(args), lora=fmt(recipe.lora_arguments(cfg)),
+        effective=r.step_samples, training_args=fmt(args), lora=fmt(recipe.lora_arguments(cfg)),
         quant=fmt(recipe.quantization_arguments(cfg)), kbit=fmt(recipe.kbit_preparation(cfg)))
 
 
