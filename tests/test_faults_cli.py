@@ -273,6 +273,9 @@ def test_a_search_piped_into_head_runs_to_its_end(tmp_path: Path) -> None:
 
 
 def _finished(study_db: Path) -> list[tuple[int, str]]:
+    trials = study_db.parent / "trials.jsonl"
+    if not (trials.is_file() and trials.stat().st_size):  # no probe told yet: the study may still be being made,
+        return []  # and opening it then races its search to write the schema (an IntegrityError in either)
     spec = yaml.safe_load((study_db.parent / "spec.yaml").read_text())
     try:
         study = open_study(f"sqlite:///{study_db}", spec["study_name"], create=False, seed=0)
