@@ -7,6 +7,7 @@ process could print it."""
 from __future__ import annotations
 
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fake_env
+from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env
 from faults import Fault
 
 FAULTS = [
@@ -30,6 +31,9 @@ FAULTS = [
     Fault("search-hup-after-its-end", "SIGHUP just after a search has said its result, while the interpreter "
           "shuts down (killed by the signal: exit 129 replaced the search's own code)",
           "autofit search --memory-limit 1MiB (SIGHUP after its last line)", 3, "Nothing was probed"),
+    Fault("search-nohup-terminal-closed", "a search under `nohup` whose terminal closed (every write fails with EIO: "
+          "a traceback, exit 1, the search stopped)", "nohup autofit search ... (terminal closed)", 3,
+          "## Nothing fits", nothing_lost=True),
     Fault("probe-hup", "SIGHUP while `autofit probe` measures (exit 129, its child left to the parent-death "
           "signal)", "autofit probe ... (SIGHUP)", 130, "autofit: interrupted; child processes stopped"),
     Fault("probe-sigpipe", "SIGPIPE sent by a job runner while `autofit probe` measures: ignored, as Python sets it "
@@ -124,6 +128,28 @@ def test_a_signal_after_the_command_has_ended_leaves_its_exit_code(tmp_path: Pat
     search.communicate(timeout=60)
     assert fault.message in said.decode()
     assert search.returncode in (fault.exit_code, 130), search.returncode  # 130: the signal beat its last return
+
+
+def test_a_search_whose_terminal_closed_runs_to_its_end_under_nohup(tmp_path: Path) -> None:
+    """`nohup` ignores SIGHUP, so the search outlives its terminal; every write to the terminal then fails
+    (EIO). Every probe runs out of memory (the fake child), so the search ends, with its own exit 3."""
+    fault = next(f for f in FAULTS if f.id == "search-nohup-terminal-closed")
+    master, terminal = pty.openpty()
+    env = {**os.environ, **fake_env("cuda_oom"), "PYTHONPATH": str(ROOT)}
+
+    def nohup() -> None:
+        _default_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
+                               SEARCH_SPACE, "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "1m",
+                               "--out", str(tmp_path)], stdin=terminal, stdout=terminal, stderr=terminal, env=env,
+                              preexec_fn=nohup)
+    os.close(terminal)
+    os.close(master)  # the terminal is gone before the search says a word
+    assert search.wait(timeout=300) == fault.exit_code
+    run = next(tmp_path.iterdir())
+    assert fault.message in (run / "report.md").read_text() and (run / "trials.jsonl").read_text().strip()
 
 
 @pytest.mark.parametrize("fault_id", ["probe-hup", "probe-sigpipe"])
