@@ -37,7 +37,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed.
     An OSError (a full disk) leaves no temporary file and the old `path` as it was. An existing target
     that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is written into as asked, never replaced."""
-    target = Path(path)
+    target = Path(os.path.realpath(path))  # a link is written through: `latest.json` -> a dated report stays a link
     if _special(target):
         with open(target, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -63,7 +63,7 @@ def write_json(path: str | os.PathLike[str], doc: Any) -> None:
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> None:
     """A matplotlib figure saved whole or not at all (a disk that fills while it renders leaves no
     damaged image)."""
-    target = Path(path)
+    target = Path(os.path.realpath(path))
     if _special(target):
         fig.savefig(target, dpi=dpi)
         return

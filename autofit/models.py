@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import paths
 from .errors import UsageError
 
 _LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
@@ -191,6 +192,8 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
     if text in PRESETS:
         return ModelSource("preset", text, dict(PRESETS[text]))
     path = Path(text).expanduser()
+    # a FIFO or a device (a read that may never end), a symlink loop, a name too long: said before any read
+    paths.source(path, flag, f"Give a model folder, a config.json, a hub id or a preset ({', '.join(PRESETS)}).")
     if path.is_dir():
         cfg = path / "config.json"
         if not cfg.is_file():

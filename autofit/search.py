@@ -7,7 +7,6 @@ what is known and which configs still need a probe is knowledge.py's.
 
 from __future__ import annotations
 
-import errno
 import json
 import threading
 import time
@@ -16,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from shlex import quote
 from typing import Any
 
 import optuna
@@ -25,10 +23,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .data.shapes import shapes_of
 from .errors import CannotWrite
+from .files import cannot_write
 from .knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
 from .memory import Shape, beyond_reach, reach
 from .models import ModelSource
 from .objective import best_of
+from .paths import shown
 from .policy import Policy, edge_chooser
 from .protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS, Checks
 from .result import Outcome, ProbeResult
@@ -58,10 +58,9 @@ __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "op
            "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
 
 INTERRUPTED = "interrupted"
-INTERRUPTED_REASON = "interrupted (Ctrl-C or SIGTERM); continue with --resume"
+INTERRUPTED_REASON = "interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT); continue with --resume"
 """The stop reason an interrupted search records and reports."""
 NO_WINNER = "no remaining configuration can win"
-FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 
 @dataclass
@@ -179,12 +178,16 @@ class Search:
         try:
             return self._run()
         except (StorageInternalError, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in FULL:
+            if isinstance(e, OSError) and not cannot_write(e):
                 raise
             raise self._cannot_write(e) from None
 
     def _run(self) -> str:
-        study = self.prepare()
+        try:
+            study = self.prepare()
+        except KeyboardInterrupt:  # while stale trials were settled: the study still says why it ended
+            self._note_interrupted()
+            raise
         if self.unreachable:  # the prior is certain: no probe is started
             if self.s.local_storage:  # the study's end (a shared one's other workers may have larger cards)
                 record_stop_reason(study, self.unreachable)
@@ -230,12 +233,19 @@ class Search:
         if untried.get(Verdict.PROBE.value) and self.stop_reason.startswith(NO_WINNER):
             # reopened by the last repeat, with nothing new probed since, or no time to probe it
             self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried config(s) "
-                              f"could beat it: `autofit search --resume {quote(str(self.s.run_dir))} --budget 5m` probes them")
+                              f"could beat it: `autofit search --resume {shown(self.s.run_dir)} --budget 5m` probes them")
         if self.searched_on:
             self._finish_note(f"searched on after the best's repeat came in lower ({self.searched_on} untried "
                               f"config(s) could beat it then)")
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
+
+    def _note_interrupted(self) -> None:
+        try:
+            record_stop_reason(open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed),
+                               INTERRUPTED_REASON)
+        except Exception:  # noqa: BLE001 - no study yet, or one that cannot be written: report says "not finished"
+            pass
 
     def _probes_told(self, study: optuna.Study) -> int:
         """Configs measured so far."""
@@ -271,7 +281,7 @@ class Search:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return CannotWrite(f"cannot write the study ({self.s.storage}) or the run folder {self.s.run_dir}: "
                            f"{detail}. Every probe told before this is kept in the study; free space (or "
-                           f"fix the permissions), then continue with `autofit search --resume {quote(str(self.s.run_dir))}`.")
+                           f"fix the permissions), then continue with `autofit search --resume {shown(self.s.run_dir)}`.")
 
     def prepare(self) -> optuna.Study:
         """Open the study, settle what a killed search left RUNNING, and seed the common recipe."""
@@ -341,7 +351,7 @@ class Search:
             study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
             self._worker(study, target, runner)
         except BaseException as e:  # noqa: BLE001 - surfaced by run(); the other workers stop
-            writing = isinstance(e, StorageInternalError) or (isinstance(e, OSError) and e.errno in FULL)
+            writing = isinstance(e, StorageInternalError) or (isinstance(e, OSError) and cannot_write(e))
             self.errors.append(self._cannot_write(e) if writing else e)
             self.stop.set()
             if writing and study is not None:

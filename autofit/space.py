@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from . import paths
 from .errors import UsageError
 from .spec import KEYS, TrialConfig
 
@@ -213,6 +214,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 def load_space(ref: str | Path) -> Space:
     """A space by name (`lora`) or path (`my.yaml`)."""
     path = Path(ref)
+    paths.source(path, "--space", f"Give a YAML path or a shipped space ({', '.join(shipped_spaces())}).")
     if not path.suffix and not path.exists():
         path = SPACES_DIR / f"{ref}.yaml"
     if not path.is_file():

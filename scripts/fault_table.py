@@ -30,7 +30,8 @@ def main() -> int:
     for area, f in table:
         code = "-" if f.exit_code is None else str(f.exit_code)
         lost = "checked" if f.nothing_lost else ""
-        print(f"| {area} | {f.what} | `{f.command}` | {code} | {f.message} | {lost} |")
+        cells = [area, f.what, f"`{f.command}`", code, f.message, lost]
+        print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     print(f"\n{len(table)} faults and bad inputs tried, {len(table)} handled (each row is a test of the "
           "default suite).")
     return 0

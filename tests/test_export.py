@@ -17,8 +17,8 @@ from conftest import ROOT, run_cli
 from test_regress import BASE, write_run
 
 from autofit.cli import main
-from autofit.errors import UsageError
 from autofit.data import DatasetRef, load_samples
+from autofit.errors import UsageError
 from autofit.export import FORMATS, SCRIPTS, export_run
 from autofit.export.common import check_fields
 from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY

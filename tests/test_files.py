@@ -97,3 +97,11 @@ def test_a_device_or_fifo_target_is_written_into_never_replaced(tmp_path: Path) 
         assert fifo.is_fifo()
     finally:
         os.close(reader)
+
+
+def test_a_link_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
+    dated = tmp_path / "regress-2026-12-05.json"
+    dated.write_text("{}")
+    (tmp_path / "latest.json").symlink_to(dated.name)
+    files.write_json(tmp_path / "latest.json", {"verdict": "pass"})
+    assert (tmp_path / "latest.json").is_symlink() and json.loads(dated.read_text()) == {"verdict": "pass"}

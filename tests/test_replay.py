@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from optuna.trial import FrozenTrial
+from stored import probe_trial
 
 from autofit.errors import UsageError
 from autofit.knowledge import Knowledge, Verdict
@@ -16,7 +17,6 @@ from autofit.models import resolve_model
 from autofit.replay import Landscape, ReplayOutcome, ReplayRunner, SimClock, replay
 from autofit.result import Outcome
 from autofit.spec import TrialConfig
-from stored import probe_trial
 
 LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
 COMMITTED = sorted(LANDSCAPES.glob("*.json"))

@@ -32,7 +32,7 @@ EXIT_CODES = """\
 exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexpected error,
   2 usage error (a flag, a value or a file; nothing was run), 3 nothing fits,
   4 cannot write (a read-only or full disk, an unwritable storage; what was measured is kept),
-  130 interrupted (Ctrl-C or SIGTERM; a search continues with --resume)
+  130 interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT; a search continues with --resume)
 """
 
 

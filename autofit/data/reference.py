@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import paths
 from ..errors import UsageError
 from .loading import SampleSet, TextMode, load_samples
 
@@ -48,7 +49,10 @@ class DatasetRef:
     def load(self, path: str | None = None) -> tuple[RefState, SampleSet | None]:
         """Read the data again (from `path` if the file moved) and say whether it is the same."""
         where = str(Path(path).expanduser()) if path else self.path
-        if not Path(where).exists():
+        try:
+            if not Path(where).exists():
+                return RefState.MISSING, None
+        except OSError:  # a name too long for the file system: nothing the run measured is there
             return RefState.MISSING, None
         try:
             data = load_samples(where, self.text_field, self.messages_field, TextMode(self.text_mode))
@@ -59,7 +63,15 @@ class DatasetRef:
     def found(self, path: str | None = None, measured: str = "the run was measured on", note: str = "") -> DatasetRef:
         """This reference, read again (from `path` where the file moved): the same content, else a
         UsageError that says what changed and what to do (a changed file is not a regression)."""
+        if path:  # a FIFO, a device, a symlink loop, a name too long: said as such
+            paths.source(Path(path).expanduser(), "--dataset", "Give the file the run was measured on.")
         state, data = self.load(path)
+        if state is RefState.CHANGED and data is None:  # unreadable, not changed: its reader says why
+            try:
+                load_samples(str(Path(path).expanduser()) if path else self.path, self.text_field,
+                             self.messages_field, TextMode(self.text_mode))
+            except UsageError as e:
+                raise UsageError([f"--dataset: {p}" for p in e.problems]) from None
         if state is RefState.MISSING and path:
             raise UsageError(f"--dataset: no such file or folder: {path}. Give the file the run was measured on "
                              f"({self.path}) at its new place.")
