@@ -242,7 +242,7 @@ def test_merge_takes_the_worst_rank_and_names_the_root_cause() -> None:
     both = merge({0: fit, 1: ProbeResult(Outcome.FIT, cfg, tokens_per_s=90.0, peak_memory_bytes=7)}, 2, cfg, "")
     assert both.tokens_per_s == 190.0 and both.peak_memory_bytes == 7
     assert json.dumps(both.to_dict())  # the stored form
-    assert ranks_line(both) == "ranks        2: rank 0 fit 100 tokens/s 0 MiB; rank 1 fit 90 tokens/s 0 MiB"
+    assert ranks_line(both) == "ranks        2: rank 0 fit 100 tokens/s 5 B; rank 1 fit 90 tokens/s 7 B"
 
 
 def test_the_probe_help_says_how_gpus_and_gpu_differ() -> None:
