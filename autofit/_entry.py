@@ -44,7 +44,7 @@ def main() -> int:
     open_standard_fds()
     stop_on_signals()
     try:
-        from .cli import main as cli_main
+        from autofit.cli import main as cli_main
 
         code = cli_main()  # which says more of an interruption while a command runs
     except KeyboardInterrupt:

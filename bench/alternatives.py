@@ -23,8 +23,8 @@ import time
 
 from common import GIB, save
 
-from autofit.models import PRESETS
-from autofit.units import parse_size
+from autofit.config.models import PRESETS
+from autofit.core.units import parse_size
 
 
 class RandomTokens:

@@ -15,8 +15,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autofit.envinfo import collect  # noqa: E402
-from autofit.files import write_json  # noqa: E402
+from autofit.core.envinfo import collect  # noqa: E402
+from autofit.core.files import write_json  # noqa: E402
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
@@ -142,8 +142,8 @@ def interleaved(target: Any, model: Any, configs: dict[str, Any], n: int, keep: 
     importing ahead, held while a probe times its steps), in the order a, b, b, a, a, b, ... so that a
     steady drift of the machine over the minutes falls on every config alike. `keep(label, result)` gets
     each ProbeResult as it comes: an interrupted pass keeps what it measured."""
-    from autofit.report import config_brief
-    from autofit.runner import Runner
+    from autofit.probe.runner import Runner
+    from autofit.run.report.lines import config_brief
 
     order = list(configs.items())
     with Runner(target, Path(tempfile.mkdtemp(prefix="bench-runs-")), standby=1, max_probe_accumulation=max_acc,
@@ -169,7 +169,7 @@ def best_fits(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def figure_row(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config's entry in a headline table, before its runs: filled by `keep_run`."""
-    from autofit.report import config_brief
+    from autofit.run.report.lines import config_brief
 
     return {"config": cfg, "brief": config_brief(cfg), "runs": [], "figure": spread_figure([])}
 

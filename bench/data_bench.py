@@ -57,15 +57,15 @@ from common import (
     step_of,
 )
 
+from autofit.config.models import resolve_model
+from autofit.config.space import load_space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import resolve_targets
 from autofit.data import DatasetRef, load_samples
-from autofit.models import resolve_model
-from autofit.protocol import MAX_PROBE_ACCUMULATION
-from autofit.report import config_brief
-from autofit.result import ProbeResult
-from autofit.rundir import RunDir
-from autofit.space import load_space
-from autofit.spec import TrialConfig
-from autofit.target import resolve_targets
+from autofit.protocol.request import MAX_PROBE_ACCUMULATION
+from autofit.protocol.result import ProbeResult
+from autofit.run.report.lines import config_brief
+from autofit.run.rundir import RunDir
 
 SLICES = {"D1": REPO / "tests" / "data" / "d1-slice.jsonl", "D2": REPO / "tests" / "data" / "d2-slice.jsonl"}
 DATA_SPACE = """\

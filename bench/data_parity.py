@@ -39,9 +39,9 @@ from common import REPO, SMALL_FIXED, autofit_cli, best_fits, read_trials, save
 from data_bench import SLICES
 from kernels_bench import STOCK, curve_diff, run_recipe, variant_copy, warm_base
 
+from autofit.config.spec import KEYS
 from autofit.data.shapes import shapes_of
-from autofit.rundir import RunDir, load_spec
-from autofit.spec import KEYS
+from autofit.run.rundir import RunDir, load_spec
 
 STRATEGIES = ("pad_longest", "padding_free", "packed")
 PARITY = {**STOCK, "gradient_checkpointing": "on"}

@@ -19,14 +19,14 @@ from pathlib import Path
 
 from common import brief, out_dir, save
 
-from autofit.envinfo import package_versions
-from autofit.models import resolve_model
-from autofit.report import config_brief
-from autofit.runner import Runner
-from autofit.space import load_space
-from autofit.spec import TrialConfig
-from autofit.target import resolve_targets
-from autofit.units import parse_size
+from autofit.config.models import resolve_model
+from autofit.config.space import load_space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import resolve_targets
+from autofit.core.envinfo import package_versions
+from autofit.core.units import parse_size
+from autofit.probe.runner import Runner
+from autofit.run.report.lines import config_brief
 
 
 def cache_key(target_desc: str) -> str:

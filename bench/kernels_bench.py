@@ -57,12 +57,12 @@ from typing import Any
 
 from common import GIB, autofit_cli, bench_env, read_trials, save
 
+from autofit.config.models import PRESETS
 from autofit.data.correctness import FLOOR_FACTOR
-from autofit.kernels import TOLERANCES
-from autofit.memory import Shape
-from autofit.models import PRESETS
-from autofit.objective import best_of, speed
-from autofit.result import ProbeResult
+from autofit.estimate.memory import Shape
+from autofit.probe.child.kernels import TOLERANCES
+from autofit.protocol.result import ProbeResult
+from autofit.search.objective import best_of, speed
 
 H200_BF16_DENSE_TFLOPS = 989.4
 """NVIDIA's H200 SXM datasheet figure, dense (no sparsity)."""
@@ -178,7 +178,7 @@ def runnable_attention(device: str) -> list[str]:
     """sdpa always; flex_attention and flash_attention_2/3 where kernel_support says they run."""
     from types import SimpleNamespace
 
-    from autofit.kernels import kernel_support
+    from autofit.config.kernels import kernel_support
 
     wanted = ["sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
     return [a for a in wanted if a == "sdpa" or kernel_support(SimpleNamespace(attn_implementation=a), device) is None]
@@ -315,9 +315,9 @@ def run_profile(setup: Setup, model: str, limit: str, point: dict[str, Any], ste
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from autofit import recipe
-    from autofit.spec import KEYS, TrialConfig
-    from autofit.units import parse_size
+    from autofit.config import recipe
+    from autofit.config.spec import KEYS, TrialConfig
+    from autofit.core.units import parse_size
 
     settings = {**setup.common, **point}
     cfg = TrialConfig.from_mapping({k: v for k, v in settings.items() if k in KEYS})

@@ -26,11 +26,11 @@ from typing import Any
 
 from common import GIB
 
-from autofit.models import resolve_model
-from autofit.protocol import HEADROOM, usable_bytes
-from autofit.replay import Landscape
-from autofit.result import Outcome, ProbeResult
-from autofit.space import Space
+from autofit.config.models import resolve_model
+from autofit.config.space import Space
+from autofit.config.target import HEADROOM, usable_bytes
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.search.replay import Landscape
 
 HERE = Path(__file__).resolve().parent
 LANDSCAPES = HERE / "landscapes"

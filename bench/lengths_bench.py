@@ -17,8 +17,8 @@ from pathlib import Path
 from common import GIB, read_trials, save
 from search_bench import run_search, search_args
 
-from autofit.objective import best_of, best_per_length
-from autofit.result import ProbeResult
+from autofit.protocol.result import ProbeResult
+from autofit.search.objective import best_of, best_per_length
 
 REFERENCE = {4096: 12801, 2048: 13382, 1024: 13593}
 

@@ -30,12 +30,12 @@ from typing import Any
 
 from common import REPO, SMALL_FIXED, autofit_cli, figure_row, interleaved, keep_run, ratio_of_medians, save
 
-from autofit.models import resolve_model
-from autofit.protocol import MAX_PROBE_ACCUMULATION
-from autofit.report import config_brief
-from autofit.result import ProbeResult
-from autofit.spec import TrialConfig
-from autofit.target import resolve_targets
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.config.target import resolve_targets
+from autofit.protocol.request import MAX_PROBE_ACCUMULATION
+from autofit.protocol.result import ProbeResult
+from autofit.run.report.lines import config_brief
 
 COMMON = {"method": "lora", "max_length": 2048, "global_batch": 16, "lora_r": 16, "lora_alpha": 32,
           "lora_targets": "q_proj,v_proj", "precision": "bf16", "optimizer": "adamw_torch_fused",

@@ -39,7 +39,7 @@ from common import (  # also puts the checkout on sys.path
     save,
 )
 
-from autofit.spec import ENGINES, OFFLOADS_BY_ENGINE
+from autofit.config.spec import ENGINES, OFFLOADS_BY_ENGINE
 
 MICRO_BATCHES = (1, 2, 4, 8)
 COMMON = {"method": "full", "max_length": 2048, "global_batch": 16, "precision": "bf16",

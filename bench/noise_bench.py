@@ -28,14 +28,15 @@ from typing import Any
 
 from common import GIB, save
 
-from autofit.envinfo import gpus
-from autofit.models import resolve_model
-from autofit.probe.quiet import CONTROLS_ENV, CORES_ENV, one_thread_per_core
-from autofit.protocol import HEADROOM, TIMED_STEPS
-from autofit.runner import HOLD, Runner
-from autofit.spec import TrialConfig
-from autofit.target import Target
-from autofit.units import parse_size
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.config.target import HEADROOM, Target
+from autofit.core.envinfo import gpus
+from autofit.core.units import parse_size
+from autofit.probe.child.quiet import CONTROLS_ENV, CORES_ENV, one_thread_per_core
+from autofit.probe.runner import Runner
+from autofit.probe.standby import HOLD
+from autofit.protocol.request import TIMED_STEPS
 
 
 def parse() -> argparse.Namespace:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from common import GIB, brief, save
 
-from autofit.envinfo import gpus
-from autofit.models import resolve_model
-from autofit.runner import Runner
-from autofit.spec import TrialConfig
-from autofit.target import Target
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.config.target import Target
+from autofit.core.envinfo import gpus
+from autofit.probe.runner import Runner
 
 
 def main() -> None:

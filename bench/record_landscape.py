@@ -1,6 +1,6 @@
 """Record a landscape on the GPU: every config of a scenario's space probed once with the real Runner
 under the scenario's memory limit, one session, written as bench/landscapes/<scenario>.json
-(autofit/replay.py reads it) with the date, GPU, versions and this command.
+(autofit/search/replay.py reads it) with the date, GPU, versions and this command.
 
 Resumable: points already in the output file (or in --resume) are kept and not probed again, and
 the file is saved after each point, so a GPU machine taken away mid-recording loses nothing. A
@@ -29,15 +29,15 @@ from pathlib import Path
 from common import GIB, repo_relative
 from grid import cache_key
 
-from autofit.envinfo import collect
-from autofit.errors import UsageError
-from autofit.models import resolve_model
-from autofit.protocol import MAX_PROBE_ACCUMULATION
-from autofit.replay import Landscape
-from autofit.report import config_brief
-from autofit.runner import Runner
-from autofit.space import Space, load_space
-from autofit.target import Target, resolve_targets
+from autofit.config.models import resolve_model
+from autofit.config.space import Space, load_space
+from autofit.config.target import Target, resolve_targets
+from autofit.core.envinfo import collect
+from autofit.core.errors import UsageError
+from autofit.probe.runner import Runner
+from autofit.protocol.request import MAX_PROBE_ACCUMULATION
+from autofit.run.report.lines import config_brief
+from autofit.search.replay import Landscape
 
 HERE = Path(__file__).resolve().parent
 SCENARIOS = {  # bench/SCENARIOS.md: model preset, space, memory limit

@@ -1,6 +1,6 @@
 """Search policies judged on the recorded landscapes (bench/landscapes/*.json), on a simulated clock.
 
-For each landscape, policy and budget, 20 seeds of the real search (autofit/replay.py): the
+For each landscape, policy and budget, 20 seeds of the real search (autofit/search/replay.py): the
 winner's recorded tokens/s over the landscape's best (median and worst seed), the simulated time
 until a config within 97% of the best was probed (median; "-" where a seed never got there),
 probes, out-of-memory probes, seeds that searched on after the best's repeat came in lower
@@ -26,7 +26,7 @@ from typing import Any
 
 from common import save
 
-from autofit.replay import Landscape, ReplayOutcome, replay
+from autofit.search.replay import Landscape, ReplayOutcome, replay
 
 LANDSCAPES = Path(__file__).resolve().parent / "landscapes"
 UNTRIED_LABEL = {"probe": "open"}
@@ -88,7 +88,7 @@ def main() -> None:
                                 "landscape_date": land.date, "landscape_gpu": land.gpu, "policy": policy,
                                 "budget_s": budget, **s, "seed0_probes": runs[0].to_dict()["probed"],
                                 "runs": [{k: v for k, v in r.to_dict().items() if k != "probed"} for r in runs]})
-    note = "simulated clock: probes answered from recorded landscapes (autofit/replay.py)"
+    note = "simulated clock: probes answered from recorded landscapes (autofit/search/replay.py)"
     if a.jitter:
         note += "; repeats drawn uniformly within each point's recorded per-step tokens/s min and max"
     save(name, {"note": note, "jitter": a.jitter, "results": results})

@@ -36,15 +36,15 @@ from pathlib import Path
 from common import GIB, brief, in_repo, interleaved, out_dir, read_trials, repo_relative, save
 from search_bench import run_search, search_args
 
-from autofit.models import resolve_model
-from autofit.objective import ranked_fits
-from autofit.replay import Landscape
-from autofit.report import config_brief
-from autofit.result import ProbeResult
-from autofit.runner import Runner
-from autofit.space import load_space
-from autofit.spec import TrialConfig
-from autofit.target import resolve_targets
+from autofit.config.models import resolve_model
+from autofit.config.space import load_space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import resolve_targets
+from autofit.probe.runner import Runner
+from autofit.protocol.result import ProbeResult
+from autofit.run.report.lines import config_brief
+from autofit.search.objective import ranked_fits
+from autofit.search.replay import Landscape
 
 DEFAULT_SPACE, DEFAULT_LIMIT, DEFAULT_MODEL = "bench/spaces/s1-grid.yaml", "24GiB", "llama2-7b"
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from common import GIB, read_trials, save
 
-from autofit.search import study_rows
-from autofit.session import open_run_study
-from autofit.units import parse_size
+from autofit.core.units import parse_size
+from autofit.run.session import open_run_study
+from autofit.search.driver import study_rows
 
 
 def run_search(model: str, space: str, limit: str, budget: str, extra: list[str]) -> tuple[Path, float, dict]:

@@ -266,7 +266,7 @@ def autofit_probe(sc: dict[str, Any]) -> dict[str, Any]:
     """`autofit probe` of the scenario's winner in a fresh process, as a user runs it."""
     from common import autofit_cli, run_brief
 
-    from autofit.result import ProbeResult
+    from autofit.protocol.result import ProbeResult
 
     sets = [x for k, v in {**COMMON, "max_length": sc["max_length"], **sc["autofit"]}.items()
             for x in ("--set", f"{k}={v}")]
@@ -354,7 +354,7 @@ def main() -> None:
     import torch
     from common import save
 
-    from autofit.models import PRESETS
+    from autofit.config.models import PRESETS
 
     if not torch.cuda.is_available():
         sys.exit(NO_GPU)

@@ -15,7 +15,7 @@ import time
 
 from oom_text import CUDA_OOM, CUDA_OOM_CAPPED  # this folder is the script's first path
 
-from autofit.protocol import READY, TIMED_END, TIMED_START, die_with_parent
+from autofit.protocol.request import READY, TIMED_END, TIMED_START, die_with_parent
 
 die_with_parent()
 mode = os.environ.get("FAKE_MODE", "hang")

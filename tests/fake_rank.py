@@ -12,7 +12,7 @@ import time
 from oom_text import CUDA_OOM  # torchrun runs this file as a script: its folder is on sys.path
 
 if os.environ.get("RANK") != os.environ.get("FAKE_RANK", "1"):
-    from autofit.probe.ranks import rank_main
+    from autofit.probe.child.ranks import rank_main
 
     sys.exit(rank_main(sys.argv[2]))
 with open(sys.argv[2] + f".fake-rank-{os.environ['RANK']}.pid", "w") as f:
@@ -23,7 +23,7 @@ if mode == "raise":
 if mode == "oom":
     sys.stderr.write(CUDA_OOM)
     sys.exit(1)
-from autofit.protocol import die_with_parent  # noqa: E402
+from autofit.protocol.request import die_with_parent  # noqa: E402
 
 die_with_parent()  # tied to the launcher, as a real rank is first thing
 time.sleep(3600)  # hang

@@ -8,8 +8,8 @@ from typing import Any
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, create_trial
 
-from autofit.result import ProbeResult
-from autofit.spec import TrialConfig
+from autofit.config.spec import TrialConfig
+from autofit.protocol.result import ProbeResult
 
 
 def probe_trial(dimensions: dict[str, list[Any]], res: ProbeResult, number: int) -> FrozenTrial:

@@ -1,17 +1,7 @@
-"""The package's shape: layers that import only downward, no cycles, torch only on the probe side.
+"""The package's shape: each package is a layer, a module imports only its own layer or lower ones, never in
+a cycle, and torch only on the probe's child side.
 
-Layers, bottom to top (a module imports its own layer or lower ones, never a cycle):
-  0 foundation   errors, files, paths, protocol, units, result, envinfo, spec, models, signatures, objective
-  1 domain       space, memory, recipe, target, kills (evidence of the OOM killer), data (datasets,
-                 lengths, batching), kernels (what kernels can run, the correctness gate), distributed
-                 (the engines of a probe spanning several GPUs), group (its ranks judged as one)
-  2 run & probes rundir (the run folder), locks (who measures a run folder now), runner (the parent side of the process boundary), report,
-                 study (the Optuna study: rows, repeats), knowledge (what is known: pruning)
-  3 workflows    search (and its parts), regress, export
-  4 session      session (what `search` starts, resumes or joins)
-  5 interface    cli, __main__, _entry (the command's entry point)
-The probe side (autofit.probe*) runs in the child process: it imports layers 0-1 only, and no
-module imports it (the runner starts it as a command).
+This file holds the one copy of the layer list; each package's `__init__.py` says what it holds.
 """
 
 from __future__ import annotations
@@ -26,16 +16,22 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGE = ROOT / "autofit"
-LAYERS = {
-    0: ("errors", "files", "paths", "protocol", "units", "result", "envinfo", "spec", "models", "signatures", "objective"),
-    1: ("space", "memory", "effects", "recipe", "target", "kills", "data", "kernels", "distributed", "group"),
-    2: ("rundir", "locks", "runner", "report", "study", "knowledge", "policy"),
-    3: ("search", "regress", "export", "replay"),
-    4: ("session",),
-    5: ("cli", "__main__", "_entry"),
-}
-PROBE_SIDE = "probe"
-PROBE_MAY_IMPORT = 1
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),              # 0 errors and exit codes, units, files written whole, paths, versions
+    ("config",),            # 1 TrialConfig and its dimensions, spaces, models, targets, training arguments
+    ("protocol",),          # 2 what crosses the process boundary, and how an outcome is judged
+    ("data",),              # 3 datasets, lengths, batching plans
+    ("estimate",),          # 4 the memory model and the declared speed effects
+    ("probe",),             # 5 the parent side of a probe (the runner); its child side is below
+    ("search",),            # 6 the driver, knowledge, policy, study, objective, replay
+    ("run",),               # 7 the run folder, its locks, the session, the report, regress
+    ("export",),            # 8 recipes for the tools people use
+    ("cli", "__main__", "_entry"),  # 9 parsing, printing, exit codes
+)
+CHILD = "probe.child"
+"""The probe's child side: the only code that imports torch; it may import layers 0-4 and nothing of the
+runner, and no module imports it (the runner starts it as `python -m autofit.probe.child`)."""
+CHILD_MAY_IMPORT = 4
 
 
 def module_name(path: Path) -> str:
@@ -56,7 +52,8 @@ def imports(name: str, path: Path) -> set[str]:
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
             out |= {f"{base}.{a.name}" for a in node.names} if node.module is None else {base}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autofit"):
-            out.add(str(node.module))
+            mod = str(node.module)
+            out |= {f"{mod}.{a.name}" for a in node.names}  # `from autofit.run import locks`: the module locks
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("autofit")}
     known = modules()
@@ -70,35 +67,41 @@ def _owner(target: str, known: dict[str, Path]) -> str:
     return target
 
 
-def top(name: str) -> str:
-    """`autofit.cli.search` -> `cli`; `autofit.probe_memory` -> `probe` (the probe side)."""
-    first = name.split(".")[1] if "." in name else ""
-    return PROBE_SIDE if first.startswith(PROBE_SIDE) else first
+def child_side(name: str) -> bool:
+    return name == f"autofit.{CHILD}" or name.startswith(f"autofit.{CHILD}.")
 
 
 def layer(name: str) -> int | None:
     if name == "autofit":
         return 0
-    return next((n for n, names in LAYERS.items() if top(name) in names), None)
+    first = name.split(".")[1] if "." in name else ""
+    return next((n for n, names in enumerate(LAYERS) if first in names), None)
 
 
 def graph() -> dict[str, set[str]]:
     return {name: imports(name, path) for name, path in modules().items()}
 
 
-def test_every_module_has_a_layer() -> None:
-    missing = [m for m in modules() if top(m) != PROBE_SIDE and layer(m) is None]
-    assert not missing, f"add these modules to LAYERS (and to the layers in the README): {missing}"
+def test_every_module_sits_in_a_layer_package() -> None:
+    missing = [m for m in modules() if layer(m) is None]
+    assert not missing, f"put these modules in a layer's package (LAYERS): {missing}"
+    flat = [m for m in modules() if m.count(".") == 1 and m.split(".")[1] not in ("__main__", "_entry")
+            and not (PACKAGE / m.split(".")[1]).is_dir()]
+    assert not flat, f"a module beside the packages: {flat}; put it in the package of its layer"
 
 
 def test_no_module_imports_upward() -> None:
     upward = []
     for name, deps in graph().items():
-        mine = PROBE_MAY_IMPORT if top(name) == PROBE_SIDE else layer(name)
+        mine = CHILD_MAY_IMPORT if child_side(name) else layer(name)
         for dep in deps:
             theirs = layer(dep)
-            if top(dep) == PROBE_SIDE and top(name) != PROBE_SIDE:
-                upward.append(f"{name} imports the probe side ({dep}); start it as a process instead")
+            if child_side(dep) and child_side(name):
+                continue  # the child side's own modules
+            if child_side(dep):
+                upward.append(f"{name} imports the probe's child side ({dep}); start it as a process instead")
+            elif child_side(name) and not child_side(dep) and theirs == layer("autofit.probe"):
+                upward.append(f"{name} (the child side) imports the runner's side ({dep})")
             elif mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{name} (layer {mine}) imports {dep} (layer {theirs})")
     assert not upward, "\n".join(upward)
@@ -127,8 +130,8 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_importing_every_module_but_the_probe_side_imports_no_torch() -> None:
-    names = [m for m in modules() if top(m) != PROBE_SIDE and m != "autofit.__main__"]
+def test_importing_every_module_but_the_child_side_imports_no_torch() -> None:
+    names = [m for m in modules() if not child_side(m) and m != "autofit.__main__"]
     code = ("import importlib, json, sys\n"
             "heavy = ('torch', 'transformers.modeling_utils', 'peft', 'trl')\n"
             "for m in json.loads(sys.argv[1]):\n"
@@ -141,12 +144,14 @@ def test_importing_every_module_but_the_probe_side_imports_no_torch() -> None:
                           text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "", f"imported a training library: {proc.stdout}"
-    assert "autofit.export" in names and "autofit.session" in names and "autofit.cli.search" in names
+    assert "autofit.export" in names and "autofit.run.session" in names and "autofit.cli.search" in names
 
 
 def test_the_layer_check_can_fail(tmp_path: Path) -> None:
-    """The walker sees a deferred upward import (a module that reaches the CLI from inside a function)."""
+    """The walker sees a deferred upward import (a module that reaches the CLI from inside a function), and a
+    module of the runner's side seen from the child."""
     bad = tmp_path / "units.py"
-    bad.write_text("def f():\n    from .cli import main\n    from . import search\n")
-    assert imports("autofit.units", bad) == {"autofit.cli", "autofit.search"}
-    assert layer("autofit.units") < layer("autofit.cli")
+    bad.write_text("def f():\n    from ..cli import main\n    from autofit.search import driver\n")
+    assert imports("autofit.core.units", bad) == {"autofit.cli", "autofit.search.driver"}
+    assert layer("autofit.core.units") < layer("autofit.cli") and layer("autofit.search.driver") == 6
+    assert child_side("autofit.probe.child.measure") and not child_side("autofit.probe.runner")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from autofit.config.models import resolve_model
 from autofit.data import Batching, length_table, load_samples, plan, tokenizer_for
 from autofit.data.batching import BATCH_TOLERANCE, BatchPlan, StepShape, step_shape
 from autofit.data.shapes import TokenShapes
-from autofit.models import resolve_model
 
 DATA = ROOT / "tests" / "data"
 GLOBAL = 16

@@ -16,13 +16,21 @@ from rich.console import Console
 
 from autofit.cli import build_parser, main
 from autofit.cli.search import Progress, request
-from autofit.errors import UsageError
-from autofit.protocol import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
-from autofit.result import Outcome, ProbeResult
-from autofit.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
-from autofit.search import Event, EventKind, open_study
-from autofit.session import Mode, SearchRequest, check_storage, open_run_study, plan, space_dimensions, start
-from autofit.spec import TrialConfig
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
+from autofit.protocol.request import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.rundir import ProbeSettings, RunDir, RunSpec, load_spec, read_spec, write_spec
+from autofit.run.session import (
+    Mode,
+    SearchRequest,
+    check_storage,
+    open_run_study,
+    plan,
+    space_dimensions,
+    start,
+)
+from autofit.search.driver import Event, EventKind, open_study
 
 COMMANDS = ("search", "export", "regress", "report", "env", "probe")
 WITH_EXIT_CODES = ("search", "report", "env", "probe", "export", "regress")
@@ -119,7 +127,7 @@ def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys
 
 
 def test_importing_the_cli_does_not_import_torch() -> None:
-    code = "import sys, autofit.cli, autofit.session; print('torch' in sys.modules)"
+    code = "import sys, autofit.cli, autofit.run.session; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "False", out.stderr
@@ -319,7 +327,7 @@ def test_a_repeat_line_shows_its_own_figure_and_the_median(capsys: pytest.Captur
 
 
 def test_a_repeat_that_did_not_finish_is_shown_as_it_ended(capsys: pytest.CaptureFixture[str]) -> None:
-    from autofit.search import repeat_shown
+    from autofit.search.driver import repeat_shown
 
     cfg = TrialConfig.from_mapping({"micro_batch_size": 2})
     first = ProbeResult(Outcome.FIT, cfg.to_dict(), tokens_per_s=16349.0, extra={"measurements": [16349.0]})

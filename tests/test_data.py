@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autofit.config.models import PRESETS, resolve_model
+from autofit.core.errors import UsageError
 from autofit.data import (
     Batching,
     Message,
@@ -32,8 +34,6 @@ from autofit.data import (
 from autofit.data.batching import step_shape
 from autofit.data.stats import format_stats, histogram_png
 from autofit.data.tokenizer import PLAIN_CHAT, standin_tokenizer, tokenizer_for
-from autofit.errors import UsageError
-from autofit.models import PRESETS, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -420,7 +420,7 @@ def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> No
 
 
 def test_importing_the_planning_side_does_not_import_torch() -> None:
-    code = ("import sys; import autofit.data as d; from autofit.models import resolve_model;"
+    code = ("import sys; import autofit.data as d; from autofit.config.models import resolve_model;"
             f"s = d.load_samples({str(D1)!r}); t = d.length_table(s, d.tokenizer_for(resolve_model('tiny-llama'), s));"
             "d.length_stats(t); [d.plan(b, t.lengths, 512, 4) for b in d.Batching];"
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
@@ -454,7 +454,7 @@ def test_every_strategy_trains_tiny_llama_from_jsonl(strategy: Batching, d1_ids)
     import torch
 
     from autofit.data.collate import collate, model_inputs
-    from autofit.data.correctness import check_batch
+    from autofit.probe.child.boundaries import check_batch
 
     ids, pad, table = d1_ids
     p = plan(strategy, table.lengths, 256, 4, seed=0)
@@ -495,7 +495,7 @@ def test_padding_free_and_packed_layouts(d1_ids) -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_the_loss_check_catches_a_leaking_collator(attn: str, d1_ids) -> None:
     from autofit.data.collate import packed_rows
-    from autofit.data.correctness import check_batch
+    from autofit.probe.child.boundaries import check_batch
 
     ids, pad, table = d1_ids
     batch = next(b for b in plan(Batching.PACKED, table.lengths, 256, 4).batches if len(b.rows[0]) > 2)
@@ -512,7 +512,8 @@ def test_the_tolerance_follows_the_models_own_rounding_in_bf16_and_a_leak_stands
     import torch
 
     from autofit.data.collate import packed_rows
-    from autofit.data.correctness import FLOOR_FACTOR, TOLERANCE, check_batch
+    from autofit.data.correctness import FLOOR_FACTOR, TOLERANCE
+    from autofit.probe.child.boundaries import check_batch
 
     ids, pad, table = d1_ids
     batch = next(b for b in plan(Batching.PACKED, table.lengths, 256, 4).batches if len(b.rows[0]) > 2)
@@ -543,7 +544,7 @@ def test_leaving_the_cache_on_leaks_packed_samples(d1_ids) -> None:
 
 
 def test_boundary_support_is_measured_and_missing_kernels_have_reasons() -> None:
-    from autofit.data.support import boundary_support
+    from autofit.probe.child.support import boundary_support
 
     rows = boundary_support(["sdpa", "eager", "flash_attention_2"])
     assert {(r.attn_implementation, r.strategy) for r in rows if r.supported} == \
@@ -596,7 +597,7 @@ def test_the_probes_micro_batches_sample_the_whole_epoch_not_its_longest_first_s
     """group_by_length's plan starts with its longest micro-batches: a window of the first ones is far
     heavier than the epoch's mean; the drawn window is a seeded sample of the whole epoch."""
     from autofit.data import Batching, plan
-    from autofit.probe.batches import drawn
+    from autofit.probe.child.batches import drawn
 
     rng = random.Random(0)
     lengths = [max(2, int(rng.lognormvariate(5.15, 1.05))) for _ in range(4000)]  # D2's shape: mean ~300
@@ -615,10 +616,10 @@ def test_the_probes_micro_batches_sample_the_whole_epoch_not_its_longest_first_s
 def test_the_probe_runs_the_heaviest_micro_batch_then_the_seeded_sample(tmp_path: Path) -> None:
     """What the probe child builds from a request with --dataset: the worst case first (its peak is the
     config's), then the drawn window, not the plan's first micro-batches."""
+    from autofit.config.spec import TrialConfig
     from autofit.data import DatasetRef
-    from autofit.probe.batches import drawn, real_batches
-    from autofit.protocol import ProbeRequest
-    from autofit.spec import TrialConfig
+    from autofit.probe.child.batches import drawn, real_batches
+    from autofit.protocol.request import ProbeRequest
 
     cfg = TrialConfig(batching="group_by_length", max_length=256, micro_batch_size=4, global_batch=8)
     req = ProbeRequest(cfg, resolve_model("tiny-llama"), str(tmp_path / "r.json"),
@@ -638,8 +639,8 @@ def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_
     import random as rnd
 
     from autofit.data import Batching, plan
-    from autofit.probe.batches import RealBatches
-    from autofit.probe.timing import spread
+    from autofit.probe.child.batches import RealBatches
+    from autofit.probe.child.timing import spread
 
     lengths = [20 + (i * 37) % 1300 for i in range(600)]
     p = plan(Batching.PAD_LONGEST, lengths, 2048, 1, 0)

@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT, run_cli
 
 from autofit.cli import main
-from autofit.errors import UsageError
-from autofit.spec import BATCHINGS
+from autofit.config.spec import BATCHINGS
+from autofit.core.errors import UsageError
 
 D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
 CHAT = ROOT / "tests" / "data" / "d1-chat-slice.jsonl"
@@ -82,11 +82,11 @@ def test_data_command_in_a_process_reports_bad_rows_and_never_a_traceback(tmp_pa
 
 
 def _probe(tmp_path: Path, strategy: str, **sets: object):
+    from autofit.config.models import resolve_model
+    from autofit.config.spec import TrialConfig
+    from autofit.config.target import resolve_targets
     from autofit.data import DatasetRef, load_samples
-    from autofit.models import resolve_model
-    from autofit.runner import Runner
-    from autofit.spec import TrialConfig
-    from autofit.target import resolve_targets
+    from autofit.probe.runner import Runner
 
     cfg = TrialConfig.from_mapping({"max_length": 96, "micro_batch_size": 2, "global_batch": 4,
                                     "precision": "fp32", "batching": strategy, **sets})
@@ -99,9 +99,9 @@ def _probe(tmp_path: Path, strategy: str, **sets: object):
 def _check_strategy_figures(tmp_path: Path, rows: list[dict]) -> None:
     """Each strategy's probe trained on the data as the plan says: the heaviest micro-batch first
     (recomputed from the data, independently of the probe), its padding and its samples per step."""
+    from autofit.config.models import resolve_model
     from autofit.data import Batching, load_samples, plan, tokenizer_for
     from autofit.data.batching import step_shape
-    from autofit.models import resolve_model
 
     data = load_samples(D1)
     ids = tokenizer_for(resolve_model("tiny-llama"), data, tmp_path / "data").encode(data.samples)
@@ -160,10 +160,10 @@ def test_the_batching_key_matches_the_data_package() -> None:
 
 
 def test_search_with_a_dataset_takes_lengths_and_batching_from_the_data(tmp_path: Path) -> None:
+    from autofit.config.models import resolve_model
     from autofit.data import length_stats, length_table, load_samples, tokenizer_for
-    from autofit.models import resolve_model
-    from autofit.rundir import RunSpec
-    from autofit.session import SearchRequest, plan
+    from autofit.run.rundir import RunSpec
+    from autofit.run.session import SearchRequest, plan
 
     session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), out=tmp_path))
     space = session.spec.space
@@ -178,7 +178,7 @@ def test_search_with_a_dataset_takes_lengths_and_batching_from_the_data(tmp_path
 
 
 def test_search_max_length_overrides_the_datas_lengths_and_no_dataset_fixes_pad_max(tmp_path: Path) -> None:
-    from autofit.session import SearchRequest, plan
+    from autofit.run.session import SearchRequest, plan
 
     s = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", dataset=str(D1), max_length="256,128"))
     assert s.spec.space.dimensions["max_length"] == [256, 128] and "256: " in s.notes[0]
@@ -209,13 +209,13 @@ dimensions:
 def _leak_verdicts(run: Path, rows: list[dict]) -> None:
     """packed leaked (the test-only layout): one probe, a mismatch; the study, as stored, skips
     packed's other config; every other strategy's loss check ran once (its later probes skip it)."""
+    from autofit.config.models import resolve_model
+    from autofit.config.spec import TrialConfig
     from autofit.data.correctness import boundary_key
-    from autofit.knowledge import Knowledge, Verdict
-    from autofit.memory import Shape
-    from autofit.models import resolve_model
-    from autofit.rundir import load_spec
-    from autofit.spec import TrialConfig
-    from autofit.study import open_study
+    from autofit.estimate.memory import Shape
+    from autofit.run.rundir import load_spec
+    from autofit.search.knowledge import Knowledge, Verdict
+    from autofit.search.study import open_study
 
     (leak,) = [r for r in rows if r["config"]["batching"] == "packed"]
     assert leak["outcome"] == "mismatch" and "samples sharing a row see each other" in leak["reason"]
@@ -236,9 +236,9 @@ def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_pa
     laid out leaking (LEAKY_ENV): its loss check fails once and its other config is never probed."""
     import yaml
 
-    from autofit.objective import rank_key
-    from autofit.probe.batches import LEAKY_ENV
-    from autofit.result import ProbeResult
+    from autofit.probe.child.batches import LEAKY_ENV
+    from autofit.protocol.result import ProbeResult
+    from autofit.search.objective import rank_key
 
     space = tmp_path / "space.yaml"
     space.write_text(SMALL_SPACE)
@@ -444,7 +444,7 @@ def _moved_run(tmp_path: Path, strategy: str = "padding_free") -> tuple[Path, Pa
 
 
 def test_regress_reads_the_stored_dataset_and_follows_a_moved_file(tmp_path: Path) -> None:
-    from autofit import regress
+    from autofit.run import regress
 
     run, copy = _moved_run(tmp_path)
     p = regress.plan(run, 1)
@@ -510,9 +510,9 @@ def test_the_spread_rule_compares_seconds_per_unit_of_work_when_steps_differ_in_
     are not noise: the rule divides by each step's work as the speed model counts it."""
     from autofit.data import Batching, plan
     from autofit.data.batching import step_shape
-    from autofit.effects import HALF_TOKENS
-    from autofit.probe.batches import RealBatches
-    from autofit.probe.timing import ProbeCallback, TimingPlan, spread
+    from autofit.estimate.effects import HALF_TOKENS
+    from autofit.probe.child.batches import RealBatches
+    from autofit.probe.child.timing import ProbeCallback, TimingPlan, spread
 
     p = plan(Batching.PAD_LONGEST, [20 + (i * 37) % 1300 for i in range(300)], 2048, 1, 0)
     rb = RealBatches(Batching.PAD_LONGEST, [], 0, 2048, (p.heaviest, *p.batches[:40]), p.pad_fraction, 0.0, 1.0, 1.0,
@@ -529,8 +529,8 @@ def test_the_spread_rule_compares_seconds_per_unit_of_work_when_steps_differ_in_
 
 
 def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_path: Path) -> None:
-    from autofit.rundir import RunDir
-    from autofit.session import SearchRequest, plan, start
+    from autofit.run.rundir import RunDir
+    from autofit.run.session import SearchRequest, plan, start
 
     copy = tmp_path / "d.jsonl"
     copy.write_bytes(D1.read_bytes())
@@ -572,9 +572,9 @@ def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str,
         mode = "paragraphs"
     assert isinstance(path, Path)
 
+    from autofit.config.models import resolve_model
     from autofit.data import TextMode, load_samples, tokenizer_for
     from autofit.export.data_script import DATA_HELPERS
-    from autofit.models import resolve_model
 
     def fail(message: str) -> None:
         raise AssertionError(message)

@@ -17,13 +17,13 @@ from conftest import ROOT, run_cli
 from test_regress import BASE, write_run
 
 from autofit.cli import main
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
 from autofit.data import DatasetRef, load_samples
-from autofit.errors import UsageError
 from autofit.export import FORMATS, SCRIPTS, export_run
 from autofit.export.common import check_fields
 from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY
-from autofit.models import resolve_model
-from autofit.spec import TrialConfig
 
 DATA = ROOT / "tests" / "data" / "tiny.jsonl"
 
@@ -204,8 +204,8 @@ def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_
 
 
 def test_an_export_of_a_running_search_says_it_takes_the_best_so_far(tmp_path: Path) -> None:
-    from autofit import locks
-    from autofit.rundir import SEARCH_LOCK
+    from autofit.run import locks
+    from autofit.run.rundir import SEARCH_LOCK
 
     run = write_run(tmp_path / "run")
     with locks.held(run / SEARCH_LOCK, lambda who: None):  # as the search holds its folder
@@ -274,7 +274,7 @@ def test_an_existing_output_needs_force(tmp_path: Path) -> None:
 
 def test_importing_the_exporters_imports_no_ml_library() -> None:
     modules = ["autofit.export", *(f"autofit.export.{m.stem}" for m in (ROOT / "autofit" / "export").glob("*.py")),
-               "autofit.cli.export", "autofit.regress", "autofit.cli.regress"]
+               "autofit.cli.export", "autofit.run.regress", "autofit.cli.regress"]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(sorted(m for m in ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes') if m in sys.modules))")

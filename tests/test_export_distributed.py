@@ -20,8 +20,9 @@ from conftest import run_cli
 from test_export import DATA, imports_of
 from test_regress import write_run
 
-from autofit import distributed
-from autofit.errors import UsageError
+from autofit.config import distributed
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
 from autofit.export import export_run, stdout_notes, write_rendered
 from autofit.export.common import check_fields
 from autofit.export.data_script import HF_DATA_MAIN, TRL_DATA_MAIN
@@ -29,7 +30,6 @@ from autofit.export.hf_trainer import MAIN as HF_MAIN
 from autofit.export.multi_gpu import ACCELERATE_FSDP, DEEPSPEED_JSON, script_main
 from autofit.export.trl import MAIN as TRL_MAIN
 from autofit.export.yaml_targets import ACCELERATE, AXOLOTL, LLAMA_FACTORY
-from autofit.spec import TrialConfig
 
 GUARD = """import sys
 sys.modules["autofit"] = None  # the recipe must run where autofit cannot be imported

@@ -12,11 +12,23 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from stored import probe_trial
 
-from autofit.errors import UsageError
-from autofit.knowledge import Knowledge, Verdict
-from autofit.memory import TERMS, MemoryModel, Shape, beyond_reach, loaded_bytes, prior, reach, weights_floor
-from autofit.models import PRESETS
-from autofit.policy import (
+from autofit.config.models import PRESETS
+from autofit.config.space import CKPT_COST, load_space
+from autofit.config.spec import OFFLOADS_BY_ENGINE, OPTIMIZERS, TrialConfig
+from autofit.core.errors import UsageError
+from autofit.estimate.memory import (
+    TERMS,
+    MemoryModel,
+    Shape,
+    beyond_reach,
+    loaded_bytes,
+    prior,
+    reach,
+    weights_floor,
+)
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.search.knowledge import Knowledge, Verdict
+from autofit.search.policy import (
     cost_weight,
     edge_chooser,
     expected_improvement,
@@ -26,9 +38,6 @@ from autofit.policy import (
     measured,
     score,
 )
-from autofit.result import Outcome, ProbeResult
-from autofit.space import CKPT_COST, load_space
-from autofit.spec import OFFLOADS_BY_ENGINE, OPTIMIZERS, TrialConfig
 
 TIB = 2**40
 GIB = 2**30

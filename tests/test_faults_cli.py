@@ -18,8 +18,8 @@ import yaml
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, run_cli
 from faults import Fault, read_only_folder
 
-from autofit.models import PRESETS
-from autofit.search import open_study
+from autofit.config.models import PRESETS
+from autofit.search.driver import open_study
 
 SEARCH = ("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "1m")
 
@@ -287,8 +287,8 @@ def _finished(study_db: Path) -> list[tuple[int, str]]:
 
 def test_data_reads_a_tokenizer_folder_without_weights(tmp_path: Path) -> None:
     """The weights check is for training: `autofit data` needs only the tokenizer (and the config)."""
-    from autofit.errors import UsageError
-    from autofit.models import resolve_model
+    from autofit.config.models import resolve_model
+    from autofit.core.errors import UsageError
 
     folder = tmp_path / "tok"
     folder.mkdir()

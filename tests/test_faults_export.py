@@ -21,10 +21,10 @@ from faults import Fault, full_disk, read_only_folder
 from test_export import DATA
 from test_regress import BASE, write_run
 
+from autofit.config.models import PRESETS
+from autofit.core.paths import shown
 from autofit.data import DatasetRef, load_samples
 from autofit.export import export_run
-from autofit.models import PRESETS
-from autofit.paths import shown
 
 D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
 

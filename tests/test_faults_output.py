@@ -138,8 +138,8 @@ def test_a_search_whose_reader_went_away_exits_with_its_own_code(tmp_path: Path)
 
 def _regress_run(run: Path) -> Path:
     """A run folder as a search leaves it, written here: spec.yaml, best.json, env.json (no study needed)."""
-    from autofit.models import resolve_model
-    from autofit.spec import TrialConfig
+    from autofit.config.models import resolve_model
+    from autofit.config.spec import TrialConfig
 
     run.mkdir()
     config = TrialConfig(max_length=64).to_dict()

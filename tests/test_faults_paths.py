@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 from faults import Fault
 
-from autofit.models import PRESETS
+from autofit.config.models import PRESETS
 
 SEARCH = ("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "1m")
 PROBE = ("probe", "--model", "tiny-llama", "--device", "cpu")

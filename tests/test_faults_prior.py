@@ -13,8 +13,8 @@ import pytest
 from conftest import run_cli
 from faults import Fault
 
-from autofit.rundir import read_spec
-from autofit.study import open_study, stop_reason_of
+from autofit.run.rundir import read_spec
+from autofit.search.study import open_study, stop_reason_of
 
 FAULTS = [
     Fault("card-far-too-small", "a card far too small for the model: llama2-7b (12.6 GiB of bf16 weights) at "

@@ -29,10 +29,10 @@ FAULTS = [
 PARENT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from autofit.models import resolve_model
-    from autofit.runner import Runner
-    from autofit.spec import TrialConfig
-    from autofit.target import Target
+    from autofit.config.models import resolve_model
+    from autofit.probe.runner import Runner
+    from autofit.config.spec import TrialConfig
+    from autofit.config.target import Target
 
     logs = Path(sys.argv[1])
     with Runner(Target(), logs, standby=2) as runner:

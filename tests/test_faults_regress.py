@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, run_cli
 from faults import Fault, full_disk
 
-from autofit import regress
+from autofit.run import regress
 
 HISTORY = regress.HISTORY
 NIGHTS = Path(__file__).parent / "data" / "regress-history-nights.jsonl"

@@ -15,9 +15,9 @@ import pytest
 from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, read_trials, run_cli
 from faults import Fault, fill, mount_tmpfs
 
-from autofit import locks
-from autofit.rundir import SEARCH_LOCK, read_spec
-from autofit.study import open_study, stop_reason_of, study_rows
+from autofit.run import locks
+from autofit.run.rundir import SEARCH_LOCK, read_spec
+from autofit.search.study import open_study, stop_reason_of, study_rows
 
 FAULTS = [
     Fault("disk-full", "the disk fills up during a search (SQLite: database or disk is full)",

@@ -1,4 +1,4 @@
-"""autofit.files: every file written whole or not at all, a history line never joined to a cut one,
+"""autofit.core.files: every file written whole or not at all, a history line never joined to a cut one,
 and one rule for "cannot write"."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import matplotlib
 import pytest
 from faults import full_disk
 
-from autofit import files
+from autofit.core import files
 
 matplotlib.use("Agg")
 

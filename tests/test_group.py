@@ -16,17 +16,17 @@ import psutil
 import pytest
 from conftest import probe_json, run_cli
 
-from autofit import distributed
-from autofit.errors import UsageError
-from autofit.group import merge, root_cause
-from autofit.models import resolve_model
-from autofit.probe.ranks import RANK_ENV
-from autofit.report import ranks_line
-from autofit.result import Outcome, ProbeResult
-from autofit.runner import Runner
-from autofit.space import Space
-from autofit.spec import TrialConfig
-from autofit.target import Target, resolve_targets
+from autofit.config import distributed
+from autofit.config.models import resolve_model
+from autofit.config.space import Space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import Target, resolve_targets
+from autofit.core.errors import UsageError
+from autofit.probe.child.ranks import RANK_ENV
+from autofit.probe.runner import Runner
+from autofit.protocol.group import merge, root_cause
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.lines import ranks_line
 
 FAKE_RANK = Path(__file__).resolve().parent / "fake_rank.py"
 SMALL = ["--set", "max_length=64", "--set", "global_batch=8", "--set", "micro_batch_size=2",
@@ -108,8 +108,8 @@ def test_a_group_dies_with_a_search_killed_by_sigkill(tmp_path: Path, monkeypatc
 
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import sys\nfrom pathlib import Path\nfrom autofit.models import resolve_model\n"
-        "from autofit.runner import Runner\nfrom autofit.spec import TrialConfig\nfrom autofit.target import Target\n"
+        "import sys\nfrom pathlib import Path\nfrom autofit.config.models import resolve_model\n"
+        "from autofit.probe.runner import Runner\nfrom autofit.config.spec import TrialConfig\nfrom autofit.config.target import Target\n"
         f"cfg = TrialConfig.from_dict({CFG.to_dict()!r})\n"
         "with Runner(Target(), Path(sys.argv[1]), standby=0) as r:\n"
         "    r.run(cfg, resolve_model('tiny-llama'), name='g', timeout=600)\n")

@@ -19,9 +19,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
-from autofit import kernels, recipe
-from autofit.models import PRESETS
-from autofit.spec import TrialConfig
+from autofit.config import kernels, recipe
+from autofit.config.models import PRESETS
+from autofit.config.spec import TrialConfig
+from autofit.probe.child import kernels as child_kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,11 +38,11 @@ def build(attn: str = "sdpa", precision: str = "fp32") -> object:
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, torch.Tensor]:
-    return kernels.gate_batch(PRESETS["tiny-llama"]["vocab_size"], 32)
+    return child_kernels.gate_batch(PRESETS["tiny-llama"]["vocab_size"], 32)
 
 
-def gate(batch: dict, with_kernels, precision: str = "fp32") -> kernels.GateResult:
-    return kernels.correctness_gate(lambda: build(precision=precision), with_kernels, batch,
+def gate(batch: dict, with_kernels, precision: str = "fp32") -> child_kernels.GateResult:
+    return child_kernels.correctness_gate(lambda: build(precision=precision), with_kernels, batch,
                                     precision=precision, device="cpu")
 
 
@@ -84,7 +85,7 @@ def test_gate_passes_identical_kernels(batch, precision):
 
 def test_gate_passes_a_legitimately_different_kernel(batch):
     """eager attention against sdpa: different code, same maths; bf16 rounding inside the tolerance."""
-    res = kernels.correctness_gate(lambda: build(precision="bf16"), lambda m: build("eager", "bf16"), batch,
+    res = child_kernels.correctness_gate(lambda: build(precision="bf16"), lambda m: build("eager", "bf16"), batch,
                                    precision="bf16", device="cpu")
     assert res.ok, res.reason
     assert 0 < res.loss_rel_err < res.tolerance.loss_rel / 10  # it did differ, by far less than allowed
@@ -118,14 +119,14 @@ def test_gate_calls_a_non_finite_loss_a_mismatch(batch):
 
 
 def test_gate_batch_masks_part_of_the_labels(batch):
-    masked = batch["labels"] == kernels.IGNORE_INDEX
+    masked = batch["labels"] == child_kernels.IGNORE_INDEX
     assert masked[:, :8].all() and not masked[:, 8:].any()  # a quarter of 32 positions, at the start
-    assert torch.equal(batch["input_ids"], kernels.gate_batch(1024, 32)["input_ids"])  # fixed: same seed
+    assert torch.equal(batch["input_ids"], child_kernels.gate_batch(1024, 32)["input_ids"])  # fixed: same seed
 
 
 def test_compare_needs_the_same_trainable_tensors():
-    ref = kernels.Pass(loss=2.0, grad_norms=[1.0, 1.0])
-    res = kernels.compare(ref, kernels.Pass(loss=2.0, grad_norms=[1.0]), kernels.TOLERANCES["fp32"])
+    ref = child_kernels.Pass(loss=2.0, grad_norms=[1.0, 1.0])
+    res = child_kernels.compare(ref, child_kernels.Pass(loss=2.0, grad_norms=[1.0]), child_kernels.TOLERANCES["fp32"])
     assert not res.ok and "gradient" in res.reason
 
 
@@ -135,7 +136,7 @@ def test_gate_passes_checkpointing_every_2_layers(batch):
     seen = {}
 
     def with_kernels(model):
-        out = kernels.apply_kernels(model, SimpleNamespace(), ckpt["activation_checkpointing_kwargs"])
+        out = child_kernels.apply_kernels(model, SimpleNamespace(), ckpt["activation_checkpointing_kwargs"])
         layers = model.get_base_model().model.layers
         seen["checkpointed"] = [i for i, m in enumerate(layers) if getattr(m, "gradient_checkpointing", False)]
         return out
@@ -254,7 +255,7 @@ def test_which_configs_are_gated_and_by_what():
 def test_kernels_module_does_not_import_torch():
     import subprocess
 
-    code = "import sys, autofit.kernels as k; k.kernel_support(k, 'cuda'); print('torch' in sys.modules)"
+    code = "import sys, autofit.config.kernels as k; k.kernel_support(k, 'cuda'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -274,11 +275,11 @@ def test_training_arguments_are_real_trainer_fields(tmp_path):
 
 
 def test_compile_time_is_the_warmup_excess_over_steady_state():
-    ct = kernels.compile_time([31.0, 1.2, 1.0, 1.1, 1.0], warmup=2)
+    ct = child_kernels.compile_time([31.0, 1.2, 1.0, 1.1, 1.0], warmup=2)
     assert ct.steady_step_s == 1.0 and ct.first_step_s == 31.0
     assert ct.compile_s == pytest.approx(30.2)
     with pytest.raises(ValueError, match="warm-up and timed steps"):
-        kernels.compile_time([5.0, 1.0], warmup=2)
+        child_kernels.compile_time([5.0, 1.0], warmup=2)
 
 
 def test_amortised_throughput_pays_compile_once():

@@ -16,25 +16,25 @@ from conftest import ROOT, probe_json
 from optuna.trial import create_trial
 from test_regress import write_run
 
-from autofit import kernels, recipe
 from autofit.cli import main
-from autofit.errors import UsageError
+from autofit.config import kernels, recipe
+from autofit.config.models import PRESETS, resolve_model
+from autofit.config.spec import KEYS, TrialConfig
+from autofit.config.target import Target
+from autofit.core.errors import UsageError
+from autofit.estimate.memory import Shape, group_key, prior
 from autofit.export import export_run
-from autofit.knowledge import Knowledge, Verdict
-from autofit.memory import Shape, group_key, prior
-from autofit.models import PRESETS, resolve_model
-from autofit.objective import best_of, speed
-from autofit.probe.errors import Unsupported
-from autofit.probe.gate import TEST_LOSS_SCALE_ENV
-from autofit.probe.measure import run_probe
-from autofit.probe.state import ProbeState
-from autofit.protocol import Checks, ProbeRequest
-from autofit.report import prediction_errors
-from autofit.result import Outcome, ProbeResult
-from autofit.rundir import ProbeSettings
-from autofit.runner import Runner
-from autofit.spec import KEYS, TrialConfig
-from autofit.target import Target
+from autofit.probe.child.errors import Unsupported
+from autofit.probe.child.gate import TEST_LOSS_SCALE_ENV
+from autofit.probe.child.measure import run_probe
+from autofit.probe.child.state import ProbeState
+from autofit.probe.runner import Runner
+from autofit.protocol.request import Checks, ProbeRequest
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.markdown import prediction_errors
+from autofit.run.rundir import ProbeSettings
+from autofit.search.knowledge import Knowledge, Verdict
+from autofit.search.objective import best_of, speed
 
 SHORT = {"max_length": 128, "global_batch": 4}
 DATA = ROOT / "tests" / "data" / "tiny.jsonl"
@@ -236,7 +236,7 @@ def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path)
 def test_train_steps_amortise_over_each_configs_own_tokens_per_step(capsys, tmp_path) -> None:
     from autofit.cli import build_parser
     from autofit.cli.common import probe_settings
-    from autofit.runner import planned_tokens
+    from autofit.probe.runner import planned_tokens
 
     cfg = TrialConfig(max_length=2048, global_batch=16, micro_batch_size=3)  # 6 x 3 = 18 sequences a step
     assert planned_tokens(cfg, 50_000_000, None) == 50_000_000
@@ -254,8 +254,8 @@ def test_the_gate_reference_runs_stock_attention_on_the_same_weights() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from autofit.models import PRESETS
-    from autofit.probe.gate import with_attention
+    from autofit.config.models import PRESETS
+    from autofit.probe.child.gate import with_attention
 
     base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]), attn_implementation="eager")
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -13,21 +13,22 @@ from conftest import SEARCH_SPACE
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from autofit import kernels
+from autofit.config import kernels
+from autofit.config.models import PRESETS, resolve_model
+from autofit.config.space import Space, load_space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import Target
 from autofit.data.correctness import TOLERANCE, BoundaryCheck, boundary_key
-from autofit.knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
-from autofit.memory import MemoryModel, Shape
-from autofit.models import PRESETS, resolve_model
-from autofit.objective import best_of, combined_tokens_per_s, ranked_fits
-from autofit.probe.batches import mismatch
-from autofit.protocol import Checks, ProbeRequest
-from autofit.report import report_markdown
-from autofit.result import Outcome, ProbeResult
-from autofit.runner import Runner, result_file
-from autofit.search import EventKind, Search, SearchSettings
-from autofit.space import Space, load_space
-from autofit.spec import TrialConfig
-from autofit.study import (
+from autofit.estimate.memory import MemoryModel, Shape
+from autofit.probe.child.batches import mismatch
+from autofit.probe.runner import Runner, result_file
+from autofit.protocol.request import Checks, ProbeRequest
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.markdown import report_markdown
+from autofit.search.driver import EventKind, Search, SearchSettings
+from autofit.search.knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
+from autofit.search.objective import best_of, combined_tokens_per_s, ranked_fits
+from autofit.search.study import (
     TrialKind,
     merge_repeats,
     observation,
@@ -39,7 +40,6 @@ from autofit.study import (
     study_rows,
     superseded_of,
 )
-from autofit.target import Target
 
 SPACE = load_space(SEARCH_SPACE)
 SHAPE = Shape.from_config(PRESETS["tiny-llama"])

@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 from faults import read_only_folder
 
-from autofit import locks
+from autofit.run import locks
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from autofit import locks
+from autofit.run import locks
 with locks.held(Path(sys.argv[1]), lambda who: None):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
 """
 
 
-LOOK = "import sys; from pathlib import Path; from autofit import locks; print(locks.holder(Path(sys.argv[1])))"
+LOOK = "import sys; from pathlib import Path; from autofit.run import locks; print(locks.holder(Path(sys.argv[1])))"
 
 
 def holding(path: Path, seconds: float) -> subprocess.Popen[str]:

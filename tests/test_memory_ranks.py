@@ -7,8 +7,10 @@ from __future__ import annotations
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, create_trial
 
-from autofit.knowledge import Knowledge, Verdict
-from autofit.memory import (
+from autofit.config.models import PRESETS
+from autofit.config.space import Space
+from autofit.config.spec import TrialConfig
+from autofit.estimate.memory import (
     ALLOCATOR_SLACK,
     BUFFERS,
     CUDA_CONTEXT,
@@ -19,11 +21,9 @@ from autofit.memory import (
     group_key,
     prior,
 )
-from autofit.models import PRESETS
-from autofit.report import report_markdown
-from autofit.result import Outcome, ProbeResult
-from autofit.space import Space
-from autofit.spec import TrialConfig
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.markdown import report_markdown
+from autofit.search.knowledge import Knowledge, Verdict
 
 GIB = 2**30
 S7 = Shape.from_config(PRESETS["llama2-7b"])

@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 from conftest import fake_env, probe_json
 
-from autofit.models import resolve_model
-from autofit.probe.errors import MemoryLimitExceeded
-from autofit.probe.judge import failure_result
-from autofit.probe.sampler import Memory
-from autofit.probe.state import ProbeState
-from autofit.probe.timing import ProbeCallback, TimingPlan
-from autofit.protocol import ProbeRequest
-from autofit.report import oom_brief, probe_summary
-from autofit.result import OOM_PHASES, Outcome, ProbeResult
-from autofit.signatures import OomFigures, oom_figures
-from autofit.spec import TrialConfig
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.probe.child.errors import MemoryLimitExceeded
+from autofit.probe.child.judge import failure_result
+from autofit.probe.child.sampler import Memory
+from autofit.probe.child.state import ProbeState
+from autofit.probe.child.timing import ProbeCallback, TimingPlan
+from autofit.protocol.request import ProbeRequest
+from autofit.protocol.result import OOM_PHASES, Outcome, ProbeResult
+from autofit.protocol.signatures import OomFigures, oom_figures
+from autofit.run.report.lines import oom_brief, probe_summary
 
 GiB, MiB = 2**30, 2**20
 
@@ -212,7 +212,7 @@ def test_an_unsupported_probe_reads_as_its_reason_alone() -> None:
     """An expected outcome showed autofit's own traceback frames and the reason twice, prefixed twice."""
     why = "fp16 mixed precision needs a GPU (Trainer refuses it on the CPU)"
     tail = ('  File "autofit/probe/measure.py", line 104, in prepare_device\n'
-            f"autofit.probe.errors.Unsupported: autofit: unsupported: {why}\n")
+            f"autofit.probe.child.errors.Unsupported: autofit: unsupported: {why}\n")
     text = probe_summary(ProbeResult(Outcome.UNSUPPORTED, {}, reason=f"autofit: unsupported: {why}",
                                      error_tail=tail))
     assert f"outcome      unsupported  ({why})" in text and "error tail" not in text and "measure.py" not in text

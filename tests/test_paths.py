@@ -1,4 +1,4 @@
-"""autofit.paths: what a file system can hand autofit as a path, refused with the flag named."""
+"""autofit.core.paths: what a file system can hand autofit as a path, refused with the flag named."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autofit import paths
-from autofit.errors import UsageError
+from autofit.core import paths
+from autofit.core.errors import UsageError
 
 
 def test_a_name_that_is_not_utf8_is_shown_so_bash_reads_it_back(tmp_path: Path) -> None:

@@ -9,9 +9,12 @@ import pytest
 from conftest import ROOT
 from stored import probe_trial
 
-from autofit import effects
-from autofit.knowledge import Knowledge, ProbeTime, Verdict
-from autofit.memory import (
+from autofit.config.models import PRESETS
+from autofit.config.space import Space, load_space
+from autofit.config.spec import TrialConfig
+from autofit.config.target import usable_bytes
+from autofit.estimate import effects
+from autofit.estimate.memory import (
     Change,
     MemoryModel,
     Shape,
@@ -23,14 +26,11 @@ from autofit.memory import (
     shorter_length,
     weights_floor,
 )
-from autofit.models import PRESETS
-from autofit.policy import edge_chooser, expected_improvement, expected_speed, fit_probability
-from autofit.protocol import usable_bytes
-from autofit.replay import Landscape
-from autofit.result import Outcome, ProbeResult
-from autofit.signatures import oom_figures
-from autofit.space import Space, load_space
-from autofit.spec import TrialConfig
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.protocol.signatures import oom_figures
+from autofit.search.knowledge import Knowledge, ProbeTime, Verdict
+from autofit.search.policy import edge_chooser, expected_improvement, expected_speed, fit_probability
+from autofit.search.replay import Landscape
 
 GIB = 2**30
 SHAPE = Shape.from_config(PRESETS["llama2-7b"])
@@ -226,10 +226,10 @@ def test_declared_effects_order_the_ladder() -> None:
 
 
 def test_the_policy_flag_is_stored_with_the_run_and_a_bad_one_is_a_usage_error(tmp_path) -> None:
-    from autofit.errors import UsageError
-    from autofit.policy import Policy
-    from autofit.rundir import RunSpec
-    from autofit.session import SearchRequest, plan, search_settings
+    from autofit.core.errors import UsageError
+    from autofit.run.rundir import RunSpec
+    from autofit.run.session import SearchRequest, plan, search_settings
+    from autofit.search.policy import Policy
 
     session = plan(SearchRequest(model="tiny-llama", space="cpu-demo", device="cpu", policy="promise", out=tmp_path))
     assert session.spec.to_dict()["policy"] == "promise"
@@ -341,7 +341,7 @@ def test_the_policy_and_the_budget_use_the_learned_fixed_cost() -> None:
     k = know(fit(one, 2417, 7.0, wall=20.0), fit(two, 4667, 8.0, wall=20.0))
     assert k.half_tokens(four) > 10 * effects.HALF_TOKENS
     assert k.half_tokens(cfg(4)) == effects.HALF_TOKENS  # bf16 weights: its own prior, not nf4's finding
-    from autofit.policy import expected_speed, measured
+    from autofit.search.policy import expected_speed, measured
     mu, _ = expected_speed(measured(k), four, None, k.half_tokens)
     assert 1.6 * 4667 < mu < 2.0 * 4667
     assert k.estimate_seconds(four, 7, 4) < 1.5 * k.estimate_seconds(two, 7, 4)
@@ -362,7 +362,7 @@ def test_a_large_length_table_is_sampled_and_its_means_hold() -> None:
 
 
 def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> None:
-    from autofit.report import nothing_fits_message
+    from autofit.run.report.advice import nothing_fits_message
 
     failed = oom(cfg(1, "on"), LOAD_OOM_TEXT)
     failed.oom_phase, failed.peak_memory_bytes = "load", failed.peak_lower_bound()
@@ -377,7 +377,7 @@ def test_a_search_that_only_met_load_failures_says_the_weights_do_not_fit() -> N
 
 def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
     """It advised quantization, a shorter length and checkpointing after probes that had all three."""
-    from autofit.report import nothing_fits_message
+    from autofit.run.report.advice import nothing_fits_message
 
     def advice(*configs: TrialConfig) -> str:
         return nothing_fits_message([oom(c, OOM_TEXT) for c in configs], LIMIT).split("Allow next: ")[1]
@@ -402,8 +402,8 @@ def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
 def test_a_search_whose_probes_all_crashed_or_were_unsupported_gives_no_memory_advice() -> None:
     """A misspelt lora target or a kernel the machine lacks crashed every probe; the message advised
     quantization and a larger --memory-limit."""
-    from autofit.report import nothing_fits_message
-    from autofit.result import Outcome, ProbeResult
+    from autofit.protocol.result import Outcome, ProbeResult
+    from autofit.run.report.advice import nothing_fits_message
 
     reason = "Target modules {'zzz_proj'} not found in the base model"
     results = [ProbeResult(outcome=Outcome.CRASH, config=cfg(mb, "on").to_dict(), reason=reason) for mb in (1, 2)]

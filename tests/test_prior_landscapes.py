@@ -12,10 +12,10 @@ import statistics
 import pytest
 from conftest import ROOT
 
-from autofit.memory import Shape, prior
-from autofit.replay import Landscape
-from autofit.result import ProbeResult
-from autofit.spec import TrialConfig
+from autofit.config.spec import TrialConfig
+from autofit.estimate.memory import Shape, prior
+from autofit.protocol.result import ProbeResult
+from autofit.search.replay import Landscape
 
 # (median, worst) |error| of the fits the prior must keep: the figures it reached (S1 2.4%/3.9%, S2 1.5/2.7,
 # S4 2.8/8.5, S5 2.7/6.8 since the nf4 terms (21.5/27.0 before), S6 1.2/1.5) with a little room

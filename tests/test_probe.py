@@ -62,7 +62,7 @@ def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
 
 
 def test_a_noisy_reason_names_the_hosts_share_of_the_slowest_step() -> None:
-    from autofit.probe.hostclock import slowest
+    from autofit.probe.child.hostclock import slowest
 
     host = {"thread_cpu_s": [1.9, 2.0, 1.9], "process_cpu_s": [2.5, 2.6, 2.4], "run_wait_s": [0.01, 1.5, 0.0],
             "steal_cpu_s": [0.0, 0.4, 0.0]}
@@ -81,7 +81,7 @@ def test_a_noisy_reason_names_the_hosts_share_of_the_slowest_step() -> None:
 
 
 def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None:
-    from autofit.probe.sampler import _DeviceClock, clock_event_bit
+    from autofit.probe.child.sampler import _DeviceClock, clock_event_bit
 
     clock = _DeviceClock()
     assert clock_event_bit("power cap") and clock_event_bit("power cap") != clock_event_bit("idle")
@@ -93,7 +93,7 @@ def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None
 
 
 def test_fixed_cores_take_one_thread_per_physical_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autofit.probe.quiet import CORES_ENV, fixed_cores, one_thread_per_core
+    from autofit.probe.child.quiet import CORES_ENV, fixed_cores, one_thread_per_core
 
     for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():  # two cores, two threads each
         (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
@@ -195,9 +195,9 @@ def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
 def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path, short_fit: dict) -> None:
     """lora_targets=all-linear is peft's own form: every linear layer of a block (not the head), and the
     memory model's adapter count is the probe's trainable parameters, for the names and for all-linear."""
-    from autofit.memory import Shape, adapter_params
-    from autofit.models import PRESETS
-    from autofit.spec import TrialConfig
+    from autofit.config.models import PRESETS
+    from autofit.config.spec import TrialConfig
+    from autofit.estimate.memory import Shape, adapter_params
 
     shape = Shape.from_config(PRESETS["tiny-llama"])
     every = probe_json(*SHORT, "--set", "lora_targets=all-linear", cwd=tmp_path)
@@ -300,7 +300,7 @@ def test_help_lists_presets_and_keys() -> None:
 def test_env_lists_versions() -> None:
     from importlib import metadata
 
-    from autofit.envinfo import driver_info
+    from autofit.core.envinfo import driver_info
 
     proc = run_cli("env")
     assert proc.returncode == 0
@@ -321,7 +321,7 @@ def saved_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-llama saved with save_pretrained: a real local model folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from autofit.models import PRESETS
+    from autofit.config.models import PRESETS
 
     folder = tmp_path_factory.mktemp("tiny-model")
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"])).save_pretrained(folder)
@@ -386,7 +386,7 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny
 def test_every_optimizer_name_is_a_transformers_optim() -> None:
     from transformers.training_args import OptimizerNames
 
-    from autofit.spec import OPTIMIZERS
+    from autofit.config.spec import OPTIMIZERS
 
     names = {o.value for o in OptimizerNames}
     assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
@@ -398,9 +398,9 @@ def test_weights_that_make_the_loss_non_finite_are_unstable_not_a_fit(tmp_path: 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from autofit.models import PRESETS
-    from autofit.report import nothing_fits_message
-    from autofit.result import ProbeResult
+    from autofit.config.models import PRESETS
+    from autofit.protocol.result import ProbeResult
+    from autofit.run.report.advice import nothing_fits_message
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PRESETS["tiny-llama"]))
     with torch.no_grad():

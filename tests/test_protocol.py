@@ -10,18 +10,19 @@ from pathlib import Path
 import pytest
 from conftest import FAKE_CHILD
 
-from autofit import protocol
-from autofit.kills import KillWatch, oom_kill_count
-from autofit.models import resolve_model
-from autofit.probe.judge import failure_result, judge_limit
-from autofit.probe.state import ProbeState
-from autofit.probe.timing import spread, timing_done
-from autofit.protocol import HEADROOM, SPREAD_BOUND, ProbeRequest
-from autofit.result import Outcome, ProbeResult
-from autofit.runner import HOLD, Runner, _outside_sigkill
-from autofit.signatures import classify_text
-from autofit.spec import TrialConfig
-from autofit.target import Target
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.config.target import HEADROOM, Target
+from autofit.probe.child.judge import failure_result, judge_limit
+from autofit.probe.child.state import ProbeState
+from autofit.probe.child.timing import spread, timing_done
+from autofit.probe.runner import Runner, _outside_sigkill
+from autofit.probe.standby import HOLD
+from autofit.protocol import request as protocol
+from autofit.protocol.kills import KillWatch, oom_kill_count
+from autofit.protocol.request import SPREAD_BOUND, ProbeRequest
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.protocol.signatures import classify_text
 
 
 def _request(**kw: object) -> ProbeRequest:

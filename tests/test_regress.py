@@ -21,16 +21,17 @@ import yaml
 from conftest import run_cli
 from faults import full_disk, read_only_folder
 
-from autofit import envinfo, regress
 from autofit.cli import main
-from autofit.errors import CannotWrite, RegressionFound, UsageError
-from autofit.export.common import BestEntry
-from autofit.models import resolve_model
-from autofit.regress import Rule, Status, Tolerance
-from autofit.result import Outcome, ProbeResult
-from autofit.rundir import target_dict
-from autofit.spec import TrialConfig
-from autofit.target import Target
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.config.target import Target
+from autofit.core import envinfo
+from autofit.core.errors import CannotWrite, RegressionFound, UsageError
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run import regress
+from autofit.run.best import BestEntry
+from autofit.run.regress import Rule, Status, Tolerance
+from autofit.run.rundir import target_dict
 
 MIB = 2**20
 TOL10 = Tolerance(speed=0.10, memory=0.05)
@@ -765,8 +766,8 @@ def test_regress_of_a_folder_that_is_not_a_run_exits_2(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_regress_and_a_resumed_search_do_not_measure_one_run_at_once(run: Path) -> None:
-    from autofit import locks
-    from autofit.rundir import REGRESS_LOCK, SEARCH_LOCK
+    from autofit.run import locks
+    from autofit.run.rundir import REGRESS_LOCK, SEARCH_LOCK
 
     with locks.held(run / REGRESS_LOCK, lambda who: None):  # a regress job measuring the run
         resumed = run_cli("search", "--resume", str(run), "--budget", "1m")
@@ -845,8 +846,8 @@ def test_the_version_diff_says_none_where_a_machine_has_no_gpu_stack() -> None:
 def test_a_run_that_ran_the_checks_does_not_set_the_peak_when_others_did_not() -> None:
     """On the CPU the batching check's freed memory stays resident (measured 128 MiB against 103 for the same
     config): regress, which runs the checks in its first run, called an unchanged dataset run heavier."""
-    from autofit.regress import combine
-    from autofit.result import Outcome, ProbeResult
+    from autofit.protocol.result import Outcome, ProbeResult
+    from autofit.run.regress import combine
 
     cfg = BASE.config.to_dict()
     checked = ProbeResult(Outcome.FIT, cfg, tokens_per_s=1000.0, peak_memory_bytes=128 * MIB,
@@ -858,7 +859,7 @@ def test_a_run_that_ran_the_checks_does_not_set_the_peak_when_others_did_not() -
 
 def test_report_keeps_a_baseline_regress_updated(tmp_path: Path) -> None:
     """`autofit report` rebuilt best.json from the study and put the old baseline back silently."""
-    from autofit.report import rebaselined
+    from autofit.run.report.outputs import rebaselined
 
     p = regress.plan(write_run(tmp_path / "run"), top=1)
     checks = [regress.settle(p.configs[0], [fit(2000, 90 * MIB)] * 3, TOL10)]

@@ -10,13 +10,13 @@ import pytest
 from optuna.trial import FrozenTrial
 from stored import probe_trial
 
-from autofit.errors import UsageError
-from autofit.knowledge import Knowledge, Verdict
-from autofit.memory import Shape
-from autofit.models import resolve_model
-from autofit.replay import Landscape, ReplayOutcome, ReplayRunner, SimClock, replay
-from autofit.result import Outcome
-from autofit.spec import TrialConfig
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
+from autofit.estimate.memory import Shape
+from autofit.protocol.result import Outcome
+from autofit.search.knowledge import Knowledge, Verdict
+from autofit.search.replay import Landscape, ReplayOutcome, ReplayRunner, SimClock, replay
 
 LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
 COMMITTED = sorted(LANDSCAPES.glob("*.json"))
@@ -161,7 +161,7 @@ def test_a_landscape_resumes_on_another_machine(path: Path) -> None:
         from record_landscape import SCENARIOS, portable
     finally:
         sys.path.remove(str(LANDSCAPES.parent))
-    from autofit.space import load_space
+    from autofit.config.space import load_space
 
     land = Landscape.load(path)
     space = load_space(LANDSCAPES.parent / SCENARIOS[land.scenario][1])

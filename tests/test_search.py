@@ -18,17 +18,17 @@ from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, read_trials, run_cli
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
-from autofit.errors import UsageError
-from autofit.knowledge import SPEED_NOISE, Knowledge, Verdict
-from autofit.memory import MemoryModel, Shape, prior
-from autofit.models import PRESETS, resolve_model
-from autofit.objective import rank_key
-from autofit.result import Outcome, ProbeResult
-from autofit.rundir import read_spec
-from autofit.search import unconfirmed_note
-from autofit.space import SPACES_DIR, load_space
-from autofit.spec import TrialConfig
-from autofit.study import merge_repeats, open_study, repeats_of, stop_reason_of, untried_of
+from autofit.config.models import PRESETS, resolve_model
+from autofit.config.space import SPACES_DIR, load_space
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
+from autofit.estimate.memory import MemoryModel, Shape, prior
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.rundir import read_spec
+from autofit.search.driver import unconfirmed_note
+from autofit.search.knowledge import SPEED_NOISE, Knowledge, Verdict
+from autofit.search.objective import rank_key
+from autofit.search.study import merge_repeats, open_study, repeats_of, stop_reason_of, untried_of
 
 
 def finished_keys(trials: list[dict]) -> list[str]:
@@ -454,8 +454,8 @@ def test_two_points_pin_a_group_down() -> None:
 
 
 def test_the_seed_on_a_dataset_packs_the_samples_not_padding_to_max_length() -> None:
-    from autofit.space import Space
-    from autofit.spec import BATCHINGS
+    from autofit.config.space import Space
+    from autofit.config.spec import BATCHINGS
 
     space = Space("data", {"max_length": 512}, {"batching": list(BATCHINGS), "micro_batch_size": [1, 2]})
     assert space.seed()["batching"] == "packed"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from autofit.errors import UsageError
-from autofit.models import PRESETS, resolve_model
-from autofit.target import Target
-from autofit.units import format_size, parse_size
+from autofit.config.models import PRESETS, resolve_model
+from autofit.config.target import Target
+from autofit.core.errors import UsageError
+from autofit.core.units import format_size, parse_size
 
 
 @pytest.mark.parametrize(("n", "text"), [(None, "-"), (0, "0 B"), (5, "5 B"), (2048, "2 KiB"), (3 * 2**20, "3 MiB"),

@@ -11,10 +11,10 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from ..errors import AutofitError, CannotWrite
-from . import data, env, export, probe, regress, report, search
-from .common import EXIT_CODES, attach_values, check_shared_flags, err
-from .streams import Guarded, guarded, lost_output
+from autofit.cli import data, env, export, probe, regress, report, search
+from autofit.cli.common import EXIT_CODES, attach_values, check_shared_flags, err
+from autofit.cli.streams import Guarded, guarded, lost_output
+from autofit.core.errors import AutofitError, CannotWrite
 
 EPILOG = textwrap.dedent("""\
     examples:

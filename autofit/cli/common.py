@@ -9,10 +9,11 @@ from typing import Any
 
 from rich.console import Console
 
-from ..data import DatasetRef, TextMode, load_samples
-from ..errors import UsageError, gather
-from ..protocol import HEADROOM, MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
-from ..rundir import PROBE_TIMEOUT_S, ProbeSettings
+from autofit.config.target import HEADROOM
+from autofit.core.errors import UsageError, gather
+from autofit.data import DatasetRef, TextMode, load_samples
+from autofit.protocol.request import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
+from autofit.run.rundir import PROBE_TIMEOUT_S, ProbeSettings
 
 __all__ = [
     "EXIT_CODES",

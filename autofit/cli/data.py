@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..data import TextMode, summarize
-from ..errors import CannotWrite, UsageError, gather
-from ..paths import output_folder, shown, source
-from ..session import model_source
-from .common import add_data_flags, data_fields, warn
+from autofit.cli.common import add_data_flags, data_fields, warn
+from autofit.core.errors import CannotWrite, UsageError, gather
+from autofit.core.paths import output_folder, shown, source
+from autofit.data import TextMode, summarize
+from autofit.run.session import model_source
 
 DATA_EPILOG = """\
 Lengths are counted with the model's own tokenizer (a local folder or the hub cache); a shape preset

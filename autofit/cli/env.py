@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..envinfo import collect
+from autofit.core.envinfo import collect
 
 
 def cmd_env(args: argparse.Namespace) -> int:

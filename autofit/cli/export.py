@@ -8,11 +8,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .. import locks
-from ..errors import UsageError
-from ..export import SCRIPTS, export_run, stdout_notes, write_rendered
-from ..paths import shown
-from ..rundir import SEARCH_LOCK
+from autofit.core.errors import UsageError
+from autofit.core.paths import shown
+from autofit.export import SCRIPTS, export_run, stdout_notes, write_rendered
+from autofit.run import locks
+from autofit.run.rundir import SEARCH_LOCK
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -9,15 +9,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError, gather
-from ..models import PRESET_HELP, PRESETS
-from ..paths import output_folder
-from ..report import probe_summary
-from ..runner import Runner, writable_logs
-from ..session import model_source
-from ..spec import KEYS, TrialConfig, parse_sets
-from ..target import resolve_targets
-from .common import add_data_flags, add_probe_flags, add_target_flags, console, dataset_ref, probe_settings
+from autofit.cli.common import (
+    add_data_flags,
+    add_probe_flags,
+    add_target_flags,
+    console,
+    dataset_ref,
+    probe_settings,
+)
+from autofit.config.models import PRESET_HELP, PRESETS
+from autofit.config.spec import KEYS, TrialConfig, parse_sets
+from autofit.config.target import resolve_targets
+from autofit.core.errors import UsageError, gather
+from autofit.core.paths import output_folder
+from autofit.probe.runner import Runner
+from autofit.probe.standby import writable_logs
+from autofit.run.report.lines import probe_summary
+from autofit.run.session import model_source
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

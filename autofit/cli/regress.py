@@ -9,11 +9,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from .. import locks, regress
-from ..errors import AutofitError, RegressionFound, UsageError
-from ..rundir import SEARCH_LOCK, RunDir
-from ..session import busy_gpus
-from .common import add_target_flags, fraction, gather, warn
+from autofit.cli.common import add_target_flags, fraction, gather, warn
+from autofit.core.errors import AutofitError, RegressionFound, UsageError
+from autofit.run import locks, regress
+from autofit.run.rundir import SEARCH_LOCK, RunDir
+from autofit.run.session import busy_gpus
 
 
 def cmd_regress(args: argparse.Namespace) -> int:

@@ -6,14 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .. import locks
-from ..errors import CannotWrite
-from ..paths import shown
-from ..report import nothing_fits_message, write_outputs
-from ..result import ProbeResult
-from ..rundir import SEARCH_LOCK
-from ..session import open_run_study, unstarted
-from ..study import finished, stop_reason_of, study_rows, untried_of
+from autofit.core.errors import CannotWrite
+from autofit.core.paths import shown
+from autofit.protocol.result import ProbeResult
+from autofit.run import locks
+from autofit.run.report.advice import nothing_fits_message
+from autofit.run.report.outputs import write_outputs
+from autofit.run.rundir import SEARCH_LOCK
+from autofit.run.session import open_run_study, unstarted
+from autofit.search.study import finished, stop_reason_of, study_rows, untried_of
 
 
 def cmd_report(args: argparse.Namespace) -> int:

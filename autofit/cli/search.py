@@ -18,15 +18,25 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from .. import locks
-from ..errors import UsageError
-from ..paths import shown
-from ..policy import Policy
-from ..protocol import TRAIN_TOKENS
-from ..report import config_brief, untried_line
-from ..rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK, RunDir
-from ..search import Event
-from ..session import (
+from autofit.cli.common import (
+    EXIT_CODES,
+    add_data_flags,
+    add_probe_flags,
+    add_target_flags,
+    data_fields,
+    probe_settings,
+    warn,
+)
+from autofit.config.space import shipped_spaces
+from autofit.core.errors import UsageError
+from autofit.core.paths import shown
+from autofit.core.units import bare_seconds, format_duration, format_size
+from autofit.protocol.request import TRAIN_TOKENS
+from autofit.run import locks
+from autofit.run.report.lines import config_brief
+from autofit.run.report.markdown import untried_line
+from autofit.run.rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK, RunDir
+from autofit.run.session import (
     Mode,
     SearchRequest,
     Session,
@@ -38,18 +48,9 @@ from ..session import (
     start,
     summarize,
 )
-from ..session import run as run_search
-from ..space import shipped_spaces
-from ..units import bare_seconds, format_duration, format_size
-from .common import (
-    EXIT_CODES,
-    add_data_flags,
-    add_probe_flags,
-    add_target_flags,
-    data_fields,
-    probe_settings,
-    warn,
-)
+from autofit.run.session import run as run_search
+from autofit.search.driver import Event
+from autofit.search.policy import Policy
 
 if TYPE_CHECKING:
     import optuna

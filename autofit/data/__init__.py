@@ -6,13 +6,13 @@ Importing this package never imports torch (the search process must not); `colla
 
 from __future__ import annotations
 
-from .batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
-from .lengths import LengthTable, length_table
-from .loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
-from .reference import DatasetRef, RefState, stored_dataset
-from .stats import Cut, LengthStats, format_stats, histogram_png, length_stats
-from .summary import DataSummary, summarize
-from .tokenizer import TextTokenizer, tokenizer_for
+from autofit.data.batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
+from autofit.data.lengths import LengthTable, length_table
+from autofit.data.loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
+from autofit.data.reference import DatasetRef, RefState, stored_dataset
+from autofit.data.stats import Cut, LengthStats, format_stats, histogram_png, length_stats
+from autofit.data.summary import DataSummary, summarize
+from autofit.data.tokenizer import TextTokenizer, tokenizer_for
 
 __all__ = [
     "BadRows",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .batching import Batching, MicroBatch
+from autofit.data.batching import Batching, MicroBatch
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import write_atomic
-from .loading import Sample, SampleSet
-from .tokenizer import RejectedChats, TextTokenizer
+from autofit.core.files import write_atomic
+from autofit.data.loading import Sample, SampleSet
+from autofit.data.tokenizer import RejectedChats, TextTokenizer
 
 _CHUNK = 1024
 """Samples encoded per call (bounded memory for large sets)."""

@@ -12,8 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError
-from . import reader
+from autofit.core.errors import UsageError
+from autofit.data import reader
 
 FIRST_BAD_LINES = 5
 """How many line numbers of bad rows are kept per reason."""

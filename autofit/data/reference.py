@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import paths
-from ..errors import UsageError
-from .loading import SampleSet, TextMode, load_samples
+from autofit.core import paths
+from autofit.core.errors import UsageError
+from autofit.data.loading import SampleSet, TextMode, load_samples
 
 
 class RefState(enum.Enum):

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .batching import Batching, StepShape, plan, step_shape
-from .reference import DatasetRef
+from autofit.data.batching import Batching, StepShape, plan, step_shape
+from autofit.data.reference import DatasetRef
 
 SAMPLE = 20_000
 """Lengths a plan is built from at most (a seeded sample of a larger table): the means settle long
@@ -61,8 +61,8 @@ def shapes_of(dataset: dict | None, model, cache_dir: str | Path | None, seed: i
     where it cannot be read now (the search then expects speed as for full rows)."""
     if dataset is None:
         return None
-    from .lengths import length_table
-    from .tokenizer import tokenizer_for
+    from autofit.data.lengths import length_table
+    from autofit.data.tokenizer import tokenizer_for
 
     state, data = DatasetRef.from_dict(dataset).load()
     if data is None or not state.usable:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..files import save_figure
-from .lengths import LengthTable
+from autofit.core.files import save_figure
+from autofit.data.lengths import LengthTable
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9, 100.0)
 COVERAGES = (1.0, 0.999, 0.99, 0.95)

@@ -8,14 +8,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..files import write_json
-from ..models import ModelSource
-from ..paths import shown
-from .lengths import LengthTable, length_table
-from .loading import SampleSet, TextMode, load_samples
-from .reference import DatasetRef
-from .stats import LengthStats, format_stats, histogram_png, length_stats
-from .tokenizer import RejectedChats, tokenizer_for
+from autofit.config.models import ModelSource
+from autofit.core.files import write_json
+from autofit.core.paths import shown
+from autofit.data.lengths import LengthTable, length_table
+from autofit.data.loading import SampleSet, TextMode, load_samples
+from autofit.data.reference import DatasetRef
+from autofit.data.stats import LengthStats, format_stats, histogram_png, length_stats
+from autofit.data.tokenizer import RejectedChats, tokenizer_for
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..files import write_atomic
-from ..models import ModelSource
-from .loading import Sample, SampleSet
+from autofit.config.models import ModelSource
+from autofit.core.errors import UsageError
+from autofit.core.files import write_atomic
+from autofit.data.loading import Sample, SampleSet
 
 PLAIN_CHAT = "<|{role}|>\n{content}\n"
 _STANDIN_SPECIALS = ["<pad>", "<eos>"]

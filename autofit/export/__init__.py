@@ -10,16 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError
-from . import axolotl, hf_trainer, llama_factory, trl
-from .common import (
-    Best,
-    BestEntry,
+from autofit.core.errors import UsageError
+from autofit.export import axolotl, hf_trainer, llama_factory, trl
+from autofit.export.common import (
     ExportRun,
     Rendered,
     load_run,
-    read_best,
-    read_env,
     stdout_notes,
     write_rendered,
 )
@@ -44,5 +40,4 @@ def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendere
     return rendered
 
 
-__all__ = ["FORMATS", "SCRIPTS", "Best", "BestEntry", "ExportRun", "Rendered", "export_run", "load_run",
-           "read_best", "read_env", "stdout_notes", "write_rendered"]
+__all__ = ["FORMATS", "SCRIPTS", "ExportRun", "Rendered", "export_run", "load_run", "stdout_notes", "write_rendered"]

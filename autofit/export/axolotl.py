@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..recipe import REGIONAL_COMPILATION, learning_rate
-from ..spec import ALL_LINEAR, TrialConfig
-from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
-from .data_yaml import axolotl_batching
-from .multi_gpu import axolotl as engine_keys
-from .multi_gpu import yaml_intro
-from .yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
+from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
+from autofit.config.spec import ALL_LINEAR, TrialConfig
+from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
+from autofit.export.data_yaml import axolotl_batching
+from autofit.export.multi_gpu import axolotl as engine_keys
+from autofit.export.multi_gpu import yaml_intro
+from autofit.export.yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 
 
 def render(r: ExportRun) -> Rendered:

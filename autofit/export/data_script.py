@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..data import reader
-from .common import one_line
+from autofit.data import reader
+from autofit.export.common import one_line
 
 DATA_SETTINGS = '''
 # The data the search measured on, and how it was batched.

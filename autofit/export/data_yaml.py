@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import TrialConfig
+from autofit.config.spec import TrialConfig
 
 
 def axolotl_batching(cfg: TrialConfig) -> tuple[dict[str, Any], list[str]]:

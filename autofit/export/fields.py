@@ -18,9 +18,9 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-from ..envinfo import cache_dir, package_versions
-from ..files import write_json
-from .common import quiet_bitsandbytes
+from autofit.core.envinfo import cache_dir, package_versions
+from autofit.core.files import write_json
+from autofit.export.common import quiet_bitsandbytes
 
 LIBRARIES = ("transformers", "peft", "trl", "accelerate")
 """Their versions key the cache (accelerate: TrainingArguments' fields depend on it too)."""

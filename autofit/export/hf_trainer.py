@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from .common import ExportRun, Rendered, check_fields
-from .data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
-from .fields import installed_fields, versions
-from .multi_gpu import script_launch, script_main
-from .script_parts import BLOCK_HELPERS, HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
+from autofit.export.common import ExportRun, Rendered, check_fields
+from autofit.export.data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
+from autofit.export.fields import installed_fields, versions
+from autofit.export.multi_gpu import script_launch, script_main
+from autofit.export.script_parts import (
+    BLOCK_HELPERS,
+    HELPERS,
+    TAIL,
+    check_fsdp_fields,
+    checked_names,
+    header,
+    settings,
+)
 
 MAIN = '''
 

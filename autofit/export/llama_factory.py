@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..recipe import REGIONAL_COMPILATION, learning_rate
-from ..spec import ALL_LINEAR
-from .common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
-from .data_yaml import llama_factory_batching
-from .multi_gpu import ACCELERATE_FSDP, yaml_intro
-from .multi_gpu import llama_factory as engine_keys
-from .yaml_targets import LLAMA_FACTORY
+from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
+from autofit.config.spec import ALL_LINEAR
+from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
+from autofit.export.data_yaml import llama_factory_batching
+from autofit.export.multi_gpu import ACCELERATE_FSDP, yaml_intro
+from autofit.export.multi_gpu import llama_factory as engine_keys
+from autofit.export.yaml_targets import LLAMA_FACTORY
 
 
 def render(r: ExportRun) -> Rendered:

@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from .. import distributed
-from ..spec import TrialConfig
-from .yaml_targets import ACCELERATE
+from autofit.config import distributed
+from autofit.config.spec import TrialConfig
+from autofit.export.yaml_targets import ACCELERATE
 
 DEEPSPEED_JSON = "ds_config.json"
 ACCELERATE_FSDP = "accelerate_fsdp.yaml"

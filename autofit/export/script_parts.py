@@ -9,11 +9,11 @@ import errno
 import pprint
 from typing import Any
 
-from .. import distributed, recipe
-from ..files import WRITE_FAILURES
-from .common import ExportRun, check_fields, comment_block
-from .fields import versions
-from .multi_gpu import script_doc
+from autofit.config import distributed, recipe
+from autofit.core.files import WRITE_FAILURES
+from autofit.export.common import ExportRun, check_fields, comment_block
+from autofit.export.fields import versions
+from autofit.export.multi_gpu import script_doc
 
 HEADER = '''#!/usr/bin/env python3
 {provenance}

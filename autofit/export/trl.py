@@ -6,12 +6,20 @@ packing off, packing strategy `bfd` which needs FlashAttention): every setting i
 
 from __future__ import annotations
 
-from ..errors import UsageError
-from .common import ExportRun, Rendered, check_fields, comment_block
-from .data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
-from .fields import installed_fields, trl_installed, versions
-from .multi_gpu import script_launch, script_main
-from .script_parts import BLOCK_HELPERS, HELPERS, TAIL, check_fsdp_fields, checked_names, header, settings
+from autofit.core.errors import UsageError
+from autofit.export.common import ExportRun, Rendered, check_fields, comment_block
+from autofit.export.data_script import DATA_HELPERS, TRL_DATA_MAIN, data_header, data_settings, trl_batching
+from autofit.export.fields import installed_fields, trl_installed, versions
+from autofit.export.multi_gpu import script_launch, script_main
+from autofit.export.script_parts import (
+    BLOCK_HELPERS,
+    HELPERS,
+    TAIL,
+    check_fsdp_fields,
+    checked_names,
+    header,
+    settings,
+)
 
 TRL_ARGS = {"max_length", "packing", "packing_strategy", "dataset_text_field", "padding_free"}
 

@@ -1,7 +1,4 @@
-"""The probe child: the only side of autofit that imports torch (see child.py)."""
-
-from __future__ import annotations
-
-from .build import RandomTokens
-
-__all__ = ["RandomTokens"]
+"""The probe: the parent side (`runner`: starts each probe in a process of its own, enforces its timeout,
+judges what it left) and the child side (`child/`: the only code that imports torch, run as
+`python -m autofit.probe.child`). No module imports the child side; the runner starts it as a command.
+"""

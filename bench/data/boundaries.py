@@ -1,5 +1,5 @@
 """Which attention implementations honour sample boundaries, per batching strategy, measured on
-this machine (tiny-llama, random weights): `autofit.data.support.boundary_support` for each
+this machine (tiny-llama, random weights): `autofit.probe.child.support.boundary_support` for each
 precision, PACKED both as rows (axolotl / LLaMA-Factory style) and flattened (TRL 1.16 `bfd`).
 
     python bench/data/boundaries.py --device cuda --out bench/results/data-boundaries-h200.json
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.data.support import boundary_support
+from autofit.probe.child.support import boundary_support
 
 ATTNS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
