@@ -21,6 +21,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from autofit.config.spec import KEYS, keyed
+
 LIGER_MIN_VERSION = "0.8.5"
 """The version measured on the H200 (SCENARIOS.md); transformers itself accepts >= 0.3.0."""
 FLASH_ATTN_2_MIN_VERSION = "2.3.3"
@@ -150,9 +152,9 @@ STOCK_ATTENTION = ("sdpa", "eager")
 
 
 def needs_gate(cfg: Any) -> bool:
-    """A config that uses any non-stock kernel must pass the gate before it can win."""
-    attn = getattr(cfg, "attn_implementation", "sdpa")
-    return bool(getattr(cfg, "liger", False) or getattr(cfg, "torch_compile", False) or attn not in STOCK_ATTENTION)
+    """A config that uses any non-stock kernel (a value outside a dimension's declared `stock`) must pass the
+    gate before it can win."""
+    return any(getattr(cfg, d.name, d.default) not in d.stock for d in KEYS.values() if d.stock is not None)
 
 
 def gate_key(cfg: Any) -> str:
@@ -161,9 +163,7 @@ def gate_key(cfg: Any) -> str:
     Micro-batch, accumulation and the allocator do not enter: the gate runs one fixed batch.
     Checkpointing does (compile with checkpointing every N layers is its own combination).
     """
-    names = ("liger", "torch_compile", "attn_implementation", "precision", "quantization", "method",
-             "lora_targets", "gradient_checkpointing")
-    return ";".join(f"{n}={getattr(cfg, n, None)}" for n in names)
+    return keyed(cfg, lambda d: d.gate)  # the dimensions declared with a place in it
 
 
 # ----------------------------------------------------------------------------- TrainingArguments

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from autofit.config import distributed, kernels
-from autofit.config.spec import TrialConfig
+from autofit.config.spec import TrialConfig, training_argument_values
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -56,6 +56,7 @@ def training_arguments(
     }
     args.update(kernels.training_arguments(cfg))  # use_liger_kernel, torch_compile (+ backend)
     args.update(distributed.training_arguments(cfg))  # fsdp / fsdp_config or deepspeed
+    args.update(training_argument_values(cfg))  # the dimensions declared with a TrainingArguments field
     if every > 0 and args["activation_checkpointing"]:
         args["activation_checkpointing_kwargs"] = {
             "use_reentrant": False,  # needed for every_n_layers and with frozen inputs

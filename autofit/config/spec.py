@@ -1,17 +1,21 @@
-"""`TrialConfig`: one fine-tuning configuration, every setting explicit.
+"""`TrialConfig`: one fine-tuning configuration, every setting explicit, each declared once.
 
-The keys are data (`KEYS`): their type, default, allowed values, help and whether
-they change what is learned. `autofit probe --set KEY=VALUE`, the search spaces
-and the exporters all read them from here.
+A dimension is a field of `TrialConfig` declared with `dim(...)` (a `Dimension`): its type, default, allowed
+values and help, whether it changes what is learned, whether it came after studies were stored, how it moves
+memory and speed, which correctness keys and cost classes it enters, its label in the live table. Everything
+that lists the keys (`--set` and the search spaces, `TrialConfig.key()`, the report, the live table, the gate
+and loss-check keys, the probe-time estimate, the speed effects, the memory groups, `--help`, the docs' key
+table) derives it from `KEYS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from autofit.core.errors import UsageError
@@ -71,9 +75,33 @@ def _check_ckpt(value: str) -> bool:
         return False
 
 
+class Memory(enum.Enum):
+    """How a dimension moves the peak (the memory model reads it)."""
+
+    TOKENS = "tokens"
+    """Through the tokens of a micro-batch: the fitted groups are affine in them."""
+    MODELED = "modeled"
+    """The prior's terms say what each value costs (weights, adapter, optimizer state, activations, ...)."""
+    ALLOCATOR = "allocator"
+    """The allocator's fragmentation, not the peak's terms: a saving of at most the reserved-but-unallocated
+    memory."""
+    NONE = "none"
+    """No effect on the peak (accumulation, a scale factor)."""
+    UNMODELED = "unmodeled"
+    """Moves the peak in a way the prior does not model: each value is its own group, never pruned by a
+    shortfall."""
+
+
+Label = Callable[["TrialConfig"], "str | None"]
+"""A dimension's short label for the live table and the probe lines, from the whole config (None: not shown)."""
+
+
 @dataclass(frozen=True)
-class Key:
-    """One setting of a TrialConfig."""
+class Dimension:
+    """One setting of a TrialConfig, declared once: everything else (`--set` parsing and its errors, the
+    stored key, the report's marks, the live table, the kernel gate's and the loss check's keys, the probe
+    cost classes, the declared speed effects, the memory model's groups, `--help`, the docs' key table)
+    reads it from here."""
 
     name: str
     type: type
@@ -81,13 +109,39 @@ class Key:
     allowed: tuple[Any, ...] | None = None
     check: Callable[[Any], bool] | None = None
     expected: str = ""
-    changes_learning: bool = False
-    """True where the value changes what is learned (truncation, quantization, ...)."""
-
-    @property
-    def default(self) -> Any:
-        """TrialConfig's field default: each default is stated once, there."""
-        return _DEFAULTS[self.name]
+    learning: bool = False
+    """The value changes what is learned (truncation, quantization, ...): the report says so beside the winner."""
+    late: bool = False
+    """Added after studies were stored: `TrialConfig.key()` leaves it out at its default, so an older study's
+    configs keep their keys and `--resume` finds them."""
+    memory: Memory = Memory.MODELED
+    speed: Mapping[Any, float] | None = None
+    """Declared relative tokens/s of each value against the first, the rest of the config equal (rough, from
+    H200 measurements; only for choosing what to probe next: a measured fit replaces it). None: neutral."""
+    gate: int = 0
+    """Its place in the kernel gate's key (`config.kernels.gate_key`; 0: not in it): it changes the numbers a
+    kernel computes. The places keep the keys that studies stored."""
+    stock: tuple[Any, ...] | None = None
+    """A kernel dimension's stock values: any other value must pass the correctness gate before it can win."""
+    boundary: int = 0
+    """Its place in the per-sample loss check's key (`data.correctness.boundary_key`; 0: not in it)."""
+    cost: bool = False
+    """Enters the probe-time estimate's cost class (a quantized load, a compile, recomputation)."""
+    fixed_cost: bool = False
+    """A value other than the default pays a one-off cost per probe (a quantized load, a compile, kernel builds)."""
+    label: Label | None = None
+    label_at: int = 0
+    """Its place in the live table's line (`brief`)."""
+    training_argument: str | None = None
+    """The TrainingArguments field the value maps to (None: the recipe maps it in code). The probe and the Python
+    recipes pass it where the value is not the default, and so do the YAML formats in `kept_by`."""
+    argument: Callable[[Any], Any] | None = None
+    """The value as `training_argument` takes it (None: as it is)."""
+    kept_by: tuple[str, ...] = ("hf-trainer", "trl", "llama-factory")
+    """The export formats that take `training_argument` by its name (LLaMA-Factory reads TrainingArguments'
+    fields); the others list the value as not kept."""
+    default: Any = None
+    """TrialConfig's field default (filled in from the field)."""
 
     def parse(self, text: str) -> Any:
         """A `--set` string to a value of this key's type (no range check)."""
@@ -114,9 +168,24 @@ class Key:
             ok = self.check(value)
         return None if ok else f"{self.name}={value!r} is not allowed; expected {want}"
 
+    @property
+    def changes_learning(self) -> bool:
+        return self.learning
+
+
+
+def dim(default: Any, help: str, **declared: Any) -> Any:  # noqa: A002 - the field's help text
+    """A TrialConfig field and its declaration (`Dimension`), in the style of a documented dataclass field."""
+    return field(default=default, metadata={"dimension": (help, declared)})
+
 
 def _positive(v: int) -> bool:
     return v >= 1
+
+
+def _engaged(cfg: TrialConfig) -> bool:
+    """A probe that spans several GPUs or runs an engine: its distributed settings are shown."""
+    return cfg.gpus > 1 or cfg.engine != "none"
 
 
 ALL_LINEAR = "all-linear"
@@ -125,29 +194,102 @@ ALL_LINEAR = "all-linear"
 
 @dataclass(frozen=True)
 class TrialConfig:
-    """One fine-tuning configuration. Build it with `TrialConfig.from_mapping`."""
+    """One fine-tuning configuration, every setting explicit. Build it with `TrialConfig.from_mapping`.
 
-    method: str = "lora"
-    max_length: int = 2048
-    micro_batch_size: int = 1
-    global_batch: int = 16
-    precision: str = "bf16"
-    gradient_checkpointing: str = "off"
-    quantization: str = "none"
-    optimizer: str = "adamw_torch_fused"
-    attn_implementation: str = "sdpa"
-    liger: bool = False
-    torch_compile: bool = False
-    expandable_segments: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_targets: str = "q_proj,v_proj"
-    lora_dropout: str = "0.0"
-    batching: str = "pad_max"
-    gpus: int = 1
-    engine: str = "none"
-    reshard_after_forward: bool = True
-    cpu_offload: str = "off"
+    Each field is a dimension, declared once with `dim`: its help, allowed values and what it changes."""
+
+    method: str = dim("lora", "lora (adapters on a frozen base) or full fine-tuning", allowed=METHODS, gate=6,
+                      label=lambda c: "full" if c.method == "full" else None, label_at=12)
+    max_length: int = dim(2048, "tokens per sequence; every probed sequence is this long", check=lambda v: v >= 8,
+                          expected="an integer >= 8", learning=True, memory=Memory.TOKENS, label=lambda c: f"L={c.max_length}",
+                          label_at=1)
+    micro_batch_size: int = dim(1, "sequences per forward/backward pass", check=_positive,
+                                expected="an integer >= 1", memory=Memory.TOKENS,
+                                label=lambda c: f"mb={c.micro_batch_size}", label_at=2)
+    global_batch: int = dim(
+        16, "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / micro_batch_size), or "
+        "for packed rows the data's samples per micro-batch into it (a step more than 10% off it is marked as "
+        "changing what is learned)", check=_positive, expected="an integer >= 1", memory=Memory.NONE,
+        label=lambda c: f"ga={c.gradient_accumulation_steps}", label_at=3)
+    precision: str = dim("bf16", "bf16, fp16 (with loss scaling) or fp32", allowed=PRECISIONS, learning=True,
+                         speed={"bf16": 1.0, "fp16": 1.0, "fp32": 0.35}, gate=4, boundary=3,
+                         label=lambda c: c.precision, label_at=4)
+    gradient_checkpointing: str = dim(
+        "off", "off | on (every layer) | every_N (every N-th layer), optionally +offload (saved activations in "
+        "host memory)", check=_check_ckpt,
+        expected="off, on, every_N or on+offload / every_N+offload (for example every_2)",
+        # more recomputation is slower: every layer re-runs its forward (~1/3 of a step)
+        speed={"off": 1.0, "every_4": 0.93, "every_3": 0.91, "every_2": 0.86, "on": 0.75, "every_4+offload": 0.85,
+               "every_2+offload": 0.77, "on+offload": 0.65},
+        gate=8, cost=True, label=lambda c: f"ckpt={c.gradient_checkpointing}", label_at=5)
+    quantization: str = dim("none", "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)", allowed=QUANTIZATIONS,
+                            learning=True, speed={"none": 1.0, "nf4": 0.8, "8bit": 0.55},  # dequantised per product
+                            gate=5, cost=True, fixed_cost=True, label_at=6,
+                            label=lambda c: c.quantization if c.quantization != "none" else None)
+    optimizer: str = dim("adamw_torch_fused", "TrainingArguments `optim` name", allowed=OPTIMIZERS, learning=True,
+                         speed={"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98,
+                                "adamw_8bit": 0.99}, label=lambda c: c.optimizer, label_at=7)
+    attn_implementation: str = dim(
+        "sdpa", "attention kernel: sdpa, eager, flex_attention (compiled; GPU only for training), "
+        "flash_attention_2/3 (where flash-attn is installed); others are `unsupported` here", allowed=ATTENTION,
+        memory=Memory.UNMODELED, speed={"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05,
+                                        "flash_attention_3": 1.05, "flex_attention": 1.0},
+        gate=3, stock=("sdpa", "eager"), boundary=2, label_at=8,
+        label=lambda c: c.attn_implementation if c.attn_implementation != "sdpa" else None)
+    liger: bool = dim(
+        False, "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits are "
+        "never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels",
+        late=True, speed={False: 1.0, True: 1.2}, gate=1, stock=(False,), boundary=4, cost=True,
+        fixed_cost=True, label=lambda c: "liger" if c.liger else None, label_at=9)
+    torch_compile: bool = dim(
+        False, "torch.compile (inductor) of each decoder block (regional: the loss stays eager); compile time is "
+        "measured apart and amortised over --train-tokens (or --train-steps); checked against stock kernels",
+        late=True, speed={False: 1.0, True: 1.05}, gate=2, stock=(False,), cost=True, fixed_cost=True,
+        label=lambda c: "torch_compile" if c.torch_compile else None, label_at=10)
+    expandable_segments: bool = dim(
+        False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)", memory=Memory.ALLOCATOR,
+        speed={False: 1.0, True: 1.0},  # the allocator's segments move memory, not the step's work
+        label=lambda c: "expandable" if c.expandable_segments else None, label_at=11)
+    lora_r: int = dim(16, "LoRA rank (higher: more capacity, more memory)", check=_positive,
+                      expected="an integer >= 1")
+    lora_alpha: int = dim(32, "LoRA scaling numerator", check=_positive, expected="an integer >= 1",
+                          memory=Memory.NONE)
+    lora_targets: str = dim(
+        "q_proj,v_proj", "comma-separated module names for adapters, or all-linear (peft's: every linear layer "
+        "but the output head)",
+        check=lambda v: v == ALL_LINEAR or bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
+        expected="comma-separated module names such as q_proj,v_proj, or all-linear", gate=7)
+    lora_dropout: str = dim("0.0", "dropout on the adapter input",
+                            check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
+                            expected="a number in [0, 1) such as 0.05", memory=Memory.UNMODELED)
+    batching: str = dim(
+        "pad_max", "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped by length), "
+        "padding_free (the micro-batch's samples flattened into one row) or packed (best-fit decreasing rows of "
+        "max_length, boundaries kept)", allowed=BATCHINGS, late=True, memory=Memory.UNMODELED, boundary=1,
+        label=lambda c: c.batching if c.batching != "pad_max" else None, label_at=13)
+    gpus: int = dim(
+        1, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes with the gloo backend); "
+        "the global batch is kept: accumulation = ceil(global_batch / (micro_batch_size x gpus))", check=_positive,
+        expected="an integer >= 1", late=True,
+        # the group's tokens/s grows a little under linearly with the ranks (rough, from the engines' published
+        # scaling on one NVLink host; not yet measured by autofit)
+        speed={1: 1.0, 2: 1.9, 4: 3.7, 8: 7.2},
+        label=lambda c: f"gpus={c.gpus}" if _engaged(c) else None, label_at=14)
+    engine: str = dim(
+        "none", "with gpus > 1: none (plain data parallel), fsdp2 (Trainer fsdp_config, fsdp_version 2), zero2 or "
+        "zero3 (DeepSpeed ZeRO, where deepspeed is installed)", allowed=ENGINES, late=True,
+        speed={"none": 1.0, "zero2": 0.95, "fsdp2": 0.92, "zero3": 0.88},  # sharding adds all-gathers
+        label=lambda c: c.engine if _engaged(c) else None, label_at=15)
+    reshard_after_forward: bool = dim(
+        True, "engine=fsdp2: free each layer's gathered parameters after its forward (off: keep them to the "
+        "backward, more memory, fewer all-gathers)", late=True, speed={True: 1.0, False: 1.04},
+        label=lambda c: "no-reshard" if _engaged(c) and not c.reshard_after_forward else None, label_at=16)
+    cpu_offload: str = dim(
+        "off", "engine state in host memory: off, optimizer (ZeRO) or all (parameters, gradients and optimizer: "
+        "FSDP2's CPUOffloadPolicy, ZeRO-3 offload_param)", allowed=CPU_OFFLOADS, late=True,
+        speed={"off": 1.0, "optimizer": 0.6, "all": 0.35},  # the optimizer step (and weights) across PCIe
+        label=lambda c: f"offload={c.cpu_offload}" if _engaged(c) and c.cpu_offload != "off" else None,
+        label_at=17)
 
     def __post_init__(self) -> None:
         problems = [p for k in KEYS.values() if (p := k.problem(getattr(self, k.name)))]
@@ -272,71 +414,49 @@ class TrialConfig:
         return dataclasses.replace(self, **changes)
 
 
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrialConfig)}
+def _declare() -> dict[str, Dimension]:
+    out = {}
+    for f in dataclasses.fields(TrialConfig):
+        help_text, declared = f.metadata["dimension"]
+        out[f.name] = Dimension(f.name, _TYPES[f.type], help_text, default=f.default, **declared)
+    return out
 
-KEYS: dict[str, Key] = {
-    k.name: k
-    for k in [
-        Key("method", str, "lora (adapters on a frozen base) or full fine-tuning", METHODS),
-        Key("max_length", int, "tokens per sequence; every probed sequence is this long",
-            check=lambda v: v >= 8, expected="an integer >= 8", changes_learning=True),
-        Key("micro_batch_size", int, "sequences per forward/backward pass",
-            check=_positive, expected="an integer >= 1"),
-        Key("global_batch", int,
-            "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / micro_batch_size), "
-            "or for packed rows the data's samples per micro-batch into it (a step more than 10% off it is "
-            "marked as changing what is learned)",
-            check=_positive, expected="an integer >= 1"),
-        Key("precision", str, "bf16, fp16 (with loss scaling) or fp32", PRECISIONS,
-            changes_learning=True),
-        Key("gradient_checkpointing", str,
-            "off | on (every layer) | every_N (every N-th layer), optionally +offload "
-            "(saved activations in host memory)", check=_check_ckpt,
-            expected="off, on, every_N or on+offload / every_N+offload (for example every_2)"),
-        Key("quantization", str, "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)",
-            QUANTIZATIONS, changes_learning=True),
-        Key("optimizer", str, "TrainingArguments `optim` name", OPTIMIZERS,
-            changes_learning=True),
-        Key("attn_implementation", str,
-            "attention kernel: sdpa, eager, flex_attention (compiled; GPU only for training), "
-            "flash_attention_2/3 (where flash-attn is installed); others are `unsupported` here", ATTENTION),
-        Key("liger", bool,
-            "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits "
-            "are never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels"),
-        Key("torch_compile", bool,
-            "torch.compile (inductor) of each decoder block (regional: the loss stays eager); compile time is "
-            "measured apart and amortised over --train-tokens (or --train-steps); checked against stock kernels"),
-        Key("expandable_segments", bool,
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)"),
-        Key("lora_r", int, "LoRA rank (higher: more capacity, more memory)", check=_positive,
-            expected="an integer >= 1"),
-        Key("lora_alpha", int, "LoRA scaling numerator", check=_positive,
-            expected="an integer >= 1"),
-        Key("lora_targets", str, "comma-separated module names for adapters, or all-linear (peft's: every "
-            "linear layer but the output head)",
-            check=lambda v: v == ALL_LINEAR or bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
-            expected="comma-separated module names such as q_proj,v_proj, or all-linear"),
-        Key("lora_dropout", str, "dropout on the adapter input",
-            check=lambda v: re.fullmatch(r"0(\.[0-9]+)?", v) is not None,
-            expected="a number in [0, 1) such as 0.05"),
-        Key("batching", str, "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped "
-            "by length), padding_free (the micro-batch's samples flattened into one row) or packed (best-fit "
-            "decreasing rows of max_length, boundaries kept)", BATCHINGS),
-        Key("gpus", int, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes "
-            "with the gloo backend); the global batch is kept: accumulation = ceil(global_batch / "
-            "(micro_batch_size x gpus))", check=_positive, expected="an integer >= 1"),
-        Key("engine", str, "with gpus > 1: none (plain data parallel), fsdp2 (Trainer fsdp_config, "
-            "fsdp_version 2), zero2 or zero3 (DeepSpeed ZeRO, where deepspeed is installed)", ENGINES),
-        Key("reshard_after_forward", bool, "engine=fsdp2: free each layer's gathered parameters after its "
-            "forward (off: keep them to the backward, more memory, fewer all-gathers)"),
-        Key("cpu_offload", str, "engine state in host memory: off, optimizer (ZeRO) or all (parameters, "
-            "gradients and optimizer: FSDP2's CPUOffloadPolicy, ZeRO-3 offload_param)", CPU_OFFLOADS),
-    ]
-}
 
-LATE_KEYS = frozenset({"liger", "torch_compile", "batching", "gpus", "engine", "reshard_after_forward",
-                       "cpu_offload"})
+_TYPES = {"str": str, "int": int, "bool": bool}
+"""The fields' annotations, strings under `from __future__ import annotations`."""
+KEYS: dict[str, Dimension] = _declare()
+"""Every dimension, in TrialConfig's field order (the order of `TrialConfig.key()`: never reorder)."""
+LATE_KEYS = frozenset(k for k, d in KEYS.items() if d.late)
 """Keys added after studies were stored: `TrialConfig.key()` omits them at their default."""
+
+
+def training_argument_values(cfg: TrialConfig, fmt: str | None = None) -> dict[str, Any]:
+    """The declared TrainingArguments fields of `cfg`'s values other than the default (those of `fmt`'s
+    `kept_by` only, where a format is named)."""
+    return {d.training_argument: (d.argument or _same)(getattr(cfg, name)) for name, d in KEYS.items()
+            if d.training_argument and getattr(cfg, name) != d.default and (fmt is None or fmt in d.kept_by)}
+
+
+def not_kept(cfg: TrialConfig, fmt: str) -> list[str]:
+    """`key=value: ...` of the declared values other than the default that `fmt` cannot take."""
+    return [f"{name}={getattr(cfg, name)}: {fmt} takes no {d.training_argument}" for name, d in KEYS.items()
+            if d.training_argument and getattr(cfg, name) != d.default and fmt not in d.kept_by]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def brief(cfg: TrialConfig) -> str:
+    """The knobs that usually differ, in one short line: each dimension's label, in its place."""
+    shown = sorted((d.label_at, d.label(cfg)) for d in KEYS.values() if d.label is not None)
+    return " ".join(text for _, text in shown if text)
+
+
+def keyed(cfg: Any, place: Callable[[Dimension], int]) -> str:
+    """`name=value;...` of the dimensions with a place in a key (`Dimension.gate`, `.boundary`), in order."""
+    names = sorted((place(d), d.name) for d in KEYS.values() if place(d))
+    return ";".join(f"{n}={getattr(cfg, n, None)}" for _, n in names)
 
 
 def parse_sets(pairs: list[str]) -> dict[str, str]:

@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autofit.config.spec import keyed
+
 TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2}
 FLOOR_FACTOR = 3.0
 FLOOR_SAMPLES = 16
 """At most this many samples are run alone for the floor (one forward each, no gradients)."""
 
-BOUNDARY_KEY = ("batching", "attn_implementation", "precision", "liger")
 """What the check's outcome depends on: the strategy's layout, the attention implementation that
 honours or ignores its boundaries, the precision (the tolerance), and Liger, which patches the
 model's RoPE and norms before the check when its gate ran. Micro-batch, length, accumulation and
@@ -37,7 +38,7 @@ and the LoRA settings change the weights' rounding, never which tokens attend to
 
 def boundary_key(cfg: Any) -> str:
     """The settings one loss-check verdict covers (no torch: the search computes it)."""
-    return ";".join(f"{n}={getattr(cfg, n, None)}" for n in BOUNDARY_KEY)
+    return keyed(cfg, lambda d: d.boundary)  # the dimensions declared with a place in it
 
 
 @dataclass(frozen=True)

@@ -12,36 +12,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
-from autofit.config.spec import TrialConfig
+from autofit.config.spec import KEYS, TrialConfig
 from autofit.data.shapes import TokenShapes
 
-SPEED: dict[str, dict[Any, float]] = {
-    # more recomputation is slower: every layer re-runs its forward (~1/3 of a step)
-    "gradient_checkpointing": {"off": 1.0, "every_4": 0.93, "every_3": 0.91, "every_2": 0.86, "on": 0.75,
-                               "every_4+offload": 0.85, "every_2+offload": 0.77, "on+offload": 0.65},
-    # dequantising the base weights on every matrix product
-    "quantization": {"none": 1.0, "nf4": 0.8, "8bit": 0.55},
-    "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 0.35},
-    "liger": {False: 1.0, True: 1.2},
-    "torch_compile": {False: 1.0, True: 1.05},
-    "attn_implementation": {"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05, "flash_attention_3": 1.05,
-                            "flex_attention": 1.0},
-    "optimizer": {"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
-    # the allocator's segments move memory (fragmentation), not the step's work
-    "expandable_segments": {False: 1.0, True: 1.0},
-    # Several GPUs (not yet measured by autofit; rough, from the engines' published scaling on one
-    # NVLink host): the group's tokens/s grows a little under linearly with the ranks; sharding adds
-    # communication (ZeRO-3 / FSDP all-gather the weights in forward and backward); host offload
-    # moves the optimizer step (and for `all`, the weights) across PCIe.
-    "gpus": {1: 1.0, 2: 1.9, 4: 3.7, 8: 7.2},
-    "engine": {"none": 1.0, "zero2": 0.95, "fsdp2": 0.92, "zero3": 0.88},
-    "reshard_after_forward": {True: 1.0, False: 1.04},
-    "cpu_offload": {"off": 1.0, "optimizer": 0.6, "all": 0.35},
-}
+SPEED: dict[str, Mapping[Any, float]] = {k: d.speed for k, d in KEYS.items() if d.speed is not None}
+"""Each dimension's declared factors (`Dimension.speed` in config/spec.py)."""
 HALF_TOKENS = 512
 """Tokens per micro-batch at which a GPU reaches half its matrix-product throughput: tokens/s rises
 with the micro-batch as T / (T + HALF_TOKENS) and flattens (S1: micro-batch 1 -> 2 at 2048 tokens

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from autofit.config.spec import ALL_LINEAR, TrialConfig
+from autofit.config.spec import ALL_LINEAR, KEYS, Memory, TrialConfig
 from autofit.core.errors import UsageError
 from autofit.core.units import format_size
 from autofit.protocol.result import ProbeResult
@@ -313,11 +313,9 @@ def group_key(cfg: TrialConfig) -> str:
     return repr(sorted(d.items()))
 
 
-MODELED = frozenset({"method", "max_length", "micro_batch_size", "precision", "gradient_checkpointing",
-                     "quantization", "optimizer", "liger", "torch_compile", "expandable_segments",
-                     "lora_r", "lora_targets", "gpus", "engine", "reshard_after_forward", "cpu_offload"})
+MODELED = frozenset(k for k, d in KEYS.items() if d.memory in (Memory.TOKENS, Memory.MODELED, Memory.ALLOCATOR))
 """Keys whose effect on the peak the prior's terms model."""
-NO_MEMORY = frozenset({"global_batch", "lora_alpha"})
+NO_MEMORY = frozenset(k for k, d in KEYS.items() if d.memory is Memory.NONE)
 """Keys that do not change the peak (accumulation steps, a scale factor)."""
 
 

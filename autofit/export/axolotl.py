@@ -97,7 +97,7 @@ def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
     assert set(out.get("fsdp_config", {})) <= AXOLOTL["fsdp_config"]  # the versioned key list moves with this
     run = launch.format(recipe="this.yaml") if launch else "axolotl train this.yaml"
     intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: {run}", *yaml_intro(cfg, companions)]
-    return with_engine(yaml_recipe(r, out, AXOLOTL["keys"], intro, lost), companions, launch)
+    return with_engine(yaml_recipe(r, out, AXOLOTL["keys"], intro, lost, "axolotl"), companions, launch)
 
 def kernel_keys(cfg: TrialConfig) -> dict[str, Any]:
     """Liger through axolotl's plugin, the kernels Trainer's `use_liger_kernel` applies by default

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from autofit.config.spec import TrialConfig
+from autofit.config.spec import TrialConfig, not_kept, training_argument_values
 from autofit.core.errors import CannotWrite, UsageError
 from autofit.core.files import cannot_write, write_atomic
 from autofit.core.paths import output_file, readable, shown, source
@@ -341,9 +341,13 @@ def one_line(text: str) -> str:
 
 
 def yaml_recipe(r: ExportRun, body: dict[str, Any], allowed: set[str], intro: list[str],
-                lost: list[str]) -> Rendered:
-    """A YAML config: provenance and intro as comments, the keys, what could not be expressed."""
-    unknown = set(body) - allowed
+                lost: list[str], fmt: str) -> Rendered:
+    """A YAML config: provenance and intro as comments, the keys, what could not be expressed. The dimensions
+    declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists as
+    not expressed (`config.spec.training_argument_values`, `not_kept`)."""
+    declared = training_argument_values(r.config, fmt)
+    body, lost = {**body, **declared}, [*lost, *not_kept(r.config, fmt)]
+    unknown = set(body) - allowed - set(declared)
     assert not unknown, unknown  # the versioned key list and the exporter move together
     tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""
     text = comment_block(r.provenance() + intro) + "\n" + yaml.safe_dump(body, sort_keys=False) + tail

@@ -108,4 +108,4 @@ def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str], register: str)
         intro += [f"FSDP2 through accelerate ({ACCELERATE_FSDP}, as LLaMA-Factory 0.9.4's "
                   "examples/accelerate/fsdp2_config.yaml; src/train.py of a checkout runs the same as "
                   "-m llamafactory.launcher); FSDP's activation checkpointing replaces LLaMA-Factory's."]
-    return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost), companions, launch)
+    return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost, "llama-factory"), companions, launch)

@@ -13,7 +13,7 @@ from optuna.trial import FrozenTrial
 
 from autofit.config import kernels
 from autofit.config.space import CKPT_COST, QUANT_COST
-from autofit.config.spec import TrialConfig
+from autofit.config.spec import KEYS, TrialConfig
 from autofit.core.units import format_size
 from autofit.data.correctness import boundary_key
 from autofit.data.shapes import TokenShapes
@@ -325,15 +325,12 @@ class Knowledge:
 
 def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
     """Settings that change a probe's fixed costs (the load, a compile) or its cost per token."""
-    return (config.get("quantization"), config.get("torch_compile", False), config.get("liger", False),
-            config.get("gradient_checkpointing"))
+    return tuple(config.get(k, d.default) for k, d in KEYS.items() if d.cost)
 
 
 def _fixed_costs(config: dict[str, Any]) -> set[str]:
     """What a probe pays once beside its steps: a quantized load, a compile, Liger's kernel builds."""
-    return {k for k, on in (("quantization", config.get("quantization", "none") not in (None, "none")),
-                            ("torch_compile", bool(config.get("torch_compile"))),
-                            ("liger", bool(config.get("liger")))) if on}
+    return {k for k, d in KEYS.items() if d.fixed_cost and config.get(k, d.default) not in (None, d.default)}
 
 
 def _reserved_free(res: ProbeResult) -> int | None:

@@ -4,35 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from autofit.config.spec import TrialConfig, brief
 from autofit.core.paths import shown
 from autofit.core.units import format_size
 from autofit.protocol.result import Outcome, ProbeResult
 
 
 def config_brief(cfg: dict[str, Any]) -> str:
-    """The knobs that usually differ, in one short line."""
-    parts = [f"L={cfg.get('max_length')}", f"mb={cfg.get('micro_batch_size')}",
-             f"ga={cfg.get('gradient_accumulation_steps')}", str(cfg.get("precision")),
-             f"ckpt={cfg.get('gradient_checkpointing')}"]
-    if cfg.get("quantization", "none") != "none":
-        parts.append(str(cfg["quantization"]))
-    parts.append(str(cfg.get("optimizer")))
-    if cfg.get("attn_implementation", "sdpa") != "sdpa":
-        parts.append(str(cfg["attn_implementation"]))
-    parts += [name for name in ("liger", "torch_compile") if cfg.get(name)]
-    if cfg.get("expandable_segments"):
-        parts.append("expandable")
-    if cfg.get("method") == "full":
-        parts.append("full")
-    if cfg.get("batching", "pad_max") != "pad_max":
-        parts.append(str(cfg["batching"]))
-    if cfg.get("gpus", 1) > 1 or cfg.get("engine", "none") != "none":
-        parts.append(f"gpus={cfg.get('gpus', 1)} {cfg.get('engine', 'none')}")
-        if not cfg.get("reshard_after_forward", True):
-            parts.append("no-reshard")
-        if cfg.get("cpu_offload", "off") != "off":
-            parts.append(f"offload={cfg['cpu_offload']}")
-    return " ".join(parts)
+    """The knobs that usually differ, in one short line (each dimension's declared label)."""
+    return brief(TrialConfig.from_dict(cfg))
 
 
 def probe_summary(res: ProbeResult) -> str:
