@@ -115,6 +115,9 @@ class Dimension:
     """Added after studies were stored: `TrialConfig.key()` leaves it out at its default, so an older study's
     configs keep their keys and `--resume` finds them."""
     memory: Memory = Memory.MODELED
+    relief: Callable[[Any], float] | None = None
+    """An allocator dimension: how much of the reserved-but-unallocated memory a value hands back, relatively
+    (higher: more). A change to more relief can save at most that memory against an out-of-memory probe."""
     speed: Mapping[Any, float] | None = None
     """Declared relative tokens/s of each value against the first, the rest of the config equal (rough, from
     H200 measurements; only for choosing what to probe next: a measured fit replaces it). None: neutral."""
@@ -248,6 +251,7 @@ class TrialConfig:
         label=lambda c: "torch_compile" if c.torch_compile else None, label_at=10)
     expandable_segments: bool = dim(
         False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)", memory=Memory.ALLOCATOR,
+        relief=float,
         speed={False: 1.0, True: 1.0},  # the allocator's segments move memory, not the step's work
         label=lambda c: "expandable" if c.expandable_segments else None, label_at=11)
     lora_r: int = dim(16, "LoRA rank (higher: more capacity, more memory)", check=_positive,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from autofit.config.spec import ALL_LINEAR, KEYS, Memory, TrialConfig
+from autofit.config.spec import ALL_LINEAR, KEYS, Dimension, Memory, TrialConfig
 from autofit.core.errors import UsageError
 from autofit.core.units import format_size
 from autofit.protocol.result import ProbeResult
@@ -302,10 +302,9 @@ def group_key(cfg: TrialConfig) -> str:
     reshard_after_forward and cpu_offload too, so a DDP fit never teaches an FSDP2 prediction, nor a
     2-rank fit a 4-rank one)."""
     d = cfg.to_dict()
-    # expandable_segments changes fragmentation, not the peak (the H200 grid measured the same
-    # peaks with and without it), so it shares its group's points.
-    for k in ("micro_batch_size", "global_batch", "gradient_accumulation_steps", "effective_batch",
-              "expandable_segments"):
+    # the allocator's settings change fragmentation, not the peak (the H200 grid measured the same peaks with
+    # and without expandable_segments), so they share their group's points; so do the keys of no memory
+    for k in ("micro_batch_size", "gradient_accumulation_steps", "effective_batch", *ALLOCATOR, *NO_MEMORY):
         d.pop(k)
     if cfg.attn_implementation == "eager":  # eager attention is quadratic in length
         return repr(sorted(d.items()))
@@ -317,6 +316,8 @@ MODELED = frozenset(k for k, d in KEYS.items() if d.memory in (Memory.TOKENS, Me
 """Keys whose effect on the peak the prior's terms model."""
 NO_MEMORY = frozenset(k for k, d in KEYS.items() if d.memory is Memory.NONE)
 """Keys that do not change the peak (accumulation steps, a scale factor)."""
+ALLOCATOR = frozenset(k for k, d in KEYS.items() if d.memory is Memory.ALLOCATOR)
+"""Keys that change the allocator's fragmentation, not the peak's terms."""
 
 
 @dataclass
@@ -434,7 +435,7 @@ class MemoryModel:
                    loading: bool = False) -> int | None:
         """The most memory cfg can save against the out-of-memory config `oom`: each of the prior's
         terms that cfg shrinks, at its full size, scaled by how far measured peaks exceed the prior
-        and by the model's margin; turning expandable_segments on gives back at most the memory
+        and by the model's margin; an allocator setting (expandable_segments) gives back at most the memory
         reserved but unallocated at the failure. None when they differ in a key the prior does not
         model (attention kernel, batching, dropout), or in length under eager attention: then nothing
         is known. With `loading`, the OOM struck while the model was built (result.failed_loading):
@@ -456,9 +457,15 @@ class MemoryModel:
         else:
             saved = sum(max(getattr(po, t) - getattr(pc, t), 0) for t in (*TERMS, "outside"))
         slack = max(po.allocator - pc.allocator, 0) * grow if saved or not loading else 0
-        if cfg.expandable_segments and not oom.expandable_segments:  # measured at the failure, if known
+        if any(_relieves(KEYS[k], getattr(oom, k), getattr(cfg, k)) for k in changed & ALLOCATOR):
+            # an allocator setting that hands more back gives back at most what was reserved but unallocated
             slack = reserved_free if reserved_free is not None else po.allocator * grow
         return int(saved * grow + slack)
+
+
+def _relieves(d: Dimension, before: Any, after: Any) -> bool:
+    """`after` hands more of the allocator's reserved memory back than `before` (`Dimension.relief`)."""
+    return d.relief is not None and d.relief(after) > d.relief(before)
 
 
 def loaded_bytes(cfg: TrialConfig, shape: Shape) -> int:
