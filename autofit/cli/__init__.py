@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from autofit.cli import data, env, export, probe, regress, report, search
+from autofit.cli import data, env, export, plan, probe, regress, report, search
 from autofit.cli.common import EXIT_CODES, attach_values, check_shared_flags, err
 from autofit.cli.streams import Guarded, guarded, lost_output
 from autofit.core.errors import AutofitError, CannotWrite
@@ -24,6 +24,7 @@ EPILOG = textwrap.dedent("""\
       autofit regress runs/<id> --junit regress.xml
       autofit env
       autofit data train.jsonl --model tiny-llama   # length percentiles and truncation
+      autofit plan --model llama2-7b --card all      # what fits on which card, before any GPU
     """) + "\n" + EXIT_CODES
 
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find, by measurement, the fastest fine-tuning configuration that fits on a GPU.")
     parser.add_argument("--version", action="version", version=f"autofit {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (probe, env, search, export, regress, report, data):
+    for command in (probe, env, search, plan, export, regress, report, data):
         command.add_parser(sub, fmt)
     return parser
 
