@@ -56,14 +56,16 @@ def add_parser(sub: Any, fmt: Any) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--card", metavar="NAME",
                        help=f"a card people rent or own ({', '.join(c.name for c in CARDS)}), or all")
-    where.add_argument("--memory-limit", metavar="SIZE", help="the card's memory, as 24GiB (default: this GPU's)")
+    where.add_argument("--memory-limit", metavar="SIZE",
+                       help="the card's memory, as 24GiB (default: this GPU's)")
     p.add_argument("--headroom", type=share, default=HEADROOM,
                    help=f"share of the memory kept free (default {HEADROOM * 100:g}%%)")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs one training run spans (default 1)")
-    p.add_argument("--max-length", metavar="N[,N...]", help="the lengths to plan for (default: the space's, or the "
-                                                              "data's with --dataset)")
+    p.add_argument("--max-length", metavar="N[,N...]",
+                   help="the lengths to plan for (default: the space's, or the data's with --dataset)")
     p.add_argument("--global-batch", metavar="N", help="samples per optimizer step (default: the space's)")
-    p.add_argument("--top", type=int, default=TOP, metavar="N", help=f"configs shown with their memory (default {TOP})")
+    p.add_argument("--top", type=int, default=TOP, metavar="N",
+                   help=f"configs shown with their memory (default {TOP})")
     add_data_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
@@ -74,8 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--gpus: {args.gpus} is not a number of GPUs; give 1 or more.")
     if args.top < 0:
         raise UsageError(f"--top: {args.top} is negative; give how many configs to show (0 for none).")
-    model, space, targets = gather(lambda: model_source(args.model), lambda: space_source(args.space or DEFAULT_SPACE),
-                                   lambda: _targets(args))
+    model, space, targets = gather(lambda: model_source(args.model),
+                                   lambda: space_source(args.space or DEFAULT_SPACE), lambda: _targets(args))
     space, data, notes = _space(args, model, space)
     shapes = TokenShapes(data.table.lengths) if data is not None else None
     plans = [forecast(model, space, limit, args.headroom, card, shapes, notes) for card, limit in targets]
@@ -83,15 +85,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"model": model.ref, "space": space.name, "plans": [plan_dict(p) for p in plans],
                           **({"data": data.to_dict()} if data is not None else {})}, indent=1))
     else:
-        for line in notes[1:] if data is not None else notes:  # the first says the data's lengths: shown below
+        for line in notes[1:] if data is not None else notes:  # the first: the data's lengths, shown below
             warn(line)
         if data is not None:
             print(data_lines(data))
-        print("\n\n".join(plan_text(p, args) for p in plans) if len(plans) == 1 else all_cards_text(plans, args))
+        print(plan_text(plans[0], args) if len(plans) == 1 else all_cards_text(plans, args))
     if not any(p.best for p in plans):
+        one = plans[0]
+        where = one.card.name if one.card else format_size(one.limit)
         raise NothingFits("nothing in the space is predicted to fit " + (
-            f"{plans[0].card.name if plans[0].card else format_size(plans[0].limit)}: {smallest_saving(plans[0])}"
-            if len(plans) == 1 else "any of the cards"))
+            f"{where}: {smallest_saving(one)}" if len(plans) == 1 else "any of the cards"))
     return 0
 
 
@@ -102,15 +105,16 @@ def _targets(args: argparse.Namespace) -> list[tuple[Card | None, int]]:
         return [(None, parse_size(args.memory_limit))]
     found = gpus()
     if not found:
-        raise UsageError("--card or --memory-limit: this machine has no GPU to plan for; give the card, for example "
-                         "--card \"RTX 4090\" or --card all, or its memory, for example --memory-limit 24GiB.")
+        raise UsageError("--card or --memory-limit: this machine has no GPU to plan for; give the card, for "
+                         "example --card \"RTX 4090\" or --card all, or its memory, for example "
+                         "--memory-limit 24GiB.")
     return [(None, found[0].memory_bytes)]
 
 
-def _space(args: argparse.Namespace, model: ModelSource, space: Space) -> tuple[Space, DataSummary | None,
-                                                                                tuple[str, ...]]:
-    """The space as `autofit search` would search it: the flags' lengths and batch, the GPUs, the data's lengths
-    and batching strategies."""
+def _space(args: argparse.Namespace, model: ModelSource,
+           space: Space) -> tuple[Space, DataSummary | None, tuple[str, ...]]:
+    """The space as `autofit search` would search it: the flags' lengths and batch, the GPUs, the data's
+    lengths and batching strategies."""
     dims = space_dimensions(args.max_length, args.global_batch)
     if args.gpus > 1 and "gpus" not in space.dimensions:
         dims = {**dims, "gpus": [args.gpus]}
@@ -120,7 +124,8 @@ def _space(args: argparse.Namespace, model: ModelSource, space: Space) -> tuple[
     req = SearchRequest(model=args.model, dataset=args.dataset, max_length=args.max_length,
                         text_field=text_field, messages_field=messages_field, text_mode=args.text_mode)
     space, _, notes = data_space(space, model, req)
-    model.check_lengths(space.lengths, "--max-length" if args.max_length else f"--space {args.space or DEFAULT_SPACE}")
+    model.check_lengths(space.lengths,
+                        "--max-length" if args.max_length else f"--space {args.space or DEFAULT_SPACE}")
     data = None
     if args.dataset:
         data = summarize_data(args.dataset, model, None, text_field, messages_field, TextMode(args.text_mode),
@@ -145,8 +150,8 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
     card = (f"{plan.card.name} ({plan.card.total_bytes // 2**20:,} MiB as the driver reports it"
             f"{', estimated' if plan.card.estimated else ''})" if plan.card else f"{format_size(plan.limit)}")
     fits = plan.fitting
-    out = [f"{plan.model.ref} on {card}: usable {format_size(plan.usable)} with the {args.headroom:.0%} headroom; "
-           f"space {plan.space.name} ({len(plan.forecasts)} configs)",
+    out = [f"{plan.model.ref} on {card}: usable {format_size(plan.usable)} with the {args.headroom:.0%} "
+           f"headroom; space {plan.space.name} ({len(plan.forecasts)} configs)",
            f"predicted to fit: {len(fits)} of {len(plan.forecasts)} (P(fit) >= 0.5)"]
     if fits:
         out += ["", f"{'#':>3}  {'config':<58} {'peak':>20}  {'P(fit)':>6}  speed vs forum recipe"]
@@ -155,21 +160,22 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
             out.append(f"{i:>3}  {brief(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
                        f"{f.p_fit:>6.2f}  {f.speed:.2f}x{batch}")
             if args.top:
-                out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in f.breakdown.as_dict().items()))
+                terms = f.breakdown.as_dict().items()
+                out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in terms))
     else:
         out += ["", f"nothing is predicted to fit: {smallest_saving(plan)}"]
     if plan.longest_length is not None:
         out.append(f"\nlongest max_length predicted to fit: {plan.longest_length}")
     if plan.largest_micro_batch:
-        sizes = ", ".join(f"{k}: {v if v is not None else 'none'}" for k, v in plan.largest_micro_batch.items())
+        sizes = ", ".join(f"{k}: {'none' if v is None else v}" for k, v in plan.largest_micro_batch.items())
         out.append(f"largest micro-batch at length {max(plan.space.lengths)}, by checkpointing: {sizes}")
     out.append(f"\nnext: {search_command(plan, args)}")
     return "\n".join(out)
 
 
 def distinct(forecasts: list[Forecast]) -> list[Forecast]:
-    """The forecasts a person tells apart: one per predicted (peak, speed), the first of each (the others differ
-    only in settings the models give no effect, such as expandable_segments)."""
+    """The forecasts a person tells apart: one per predicted (peak, speed), the first of each (the others
+    differ only in settings the models give no effect, such as expandable_segments)."""
     seen: set[tuple[int, float]] = set()
     out = []
     for f in forecasts:
@@ -199,8 +205,8 @@ def search_command(plan: Plan, args: argparse.Namespace) -> str:
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    return {"card": plan.card.name if plan.card else None, "memory_bytes": plan.limit, "usable_bytes": plan.usable,
-            "estimated": plan.card.estimated if plan.card else False,
+    return {"card": plan.card.name if plan.card else None, "memory_bytes": plan.limit,
+            "usable_bytes": plan.usable, "estimated": plan.card.estimated if plan.card else False,
             "fits": len(plan.fitting), "configs": len(plan.forecasts),
             "best": plan.best.to_dict() if plan.best else None,
             "top": [f.to_dict() for f in plan.fitting[:TOP]],

@@ -1,10 +1,10 @@
 """`autofit plan`: will it fit, and what to run, before a GPU is attached.
 
-The search's own starting knowledge, read without probing: `Knowledge` built from no trial on the card's usable
-memory, so each config's predicted peak, its uncertainty (the memory model's margin) and P(fit) are the numbers
-the search's policy weighs before its first probe, and its expected speed is the policy's (the declared effects,
-relative to the forum recipe the search probes first). A config is called "fits" where P(fit) >= 1/2, that is
-where its predicted peak is within the usable memory.
+The search's own starting knowledge, read without probing: `Knowledge` built from no trial on the card's
+usable memory, so each config's predicted peak, its uncertainty (the memory model's margin) and P(fit) are the
+numbers the search's policy weighs before its first probe, and its expected speed is the policy's (the
+declared effects, relative to the forum recipe the search probes first). A config is called "fits" where
+P(fit) >= 1/2, that is where its predicted peak is within the usable memory.
 
 Nothing is measured here: a plan is a prediction, checked against the committed H200 landscapes as a
 classifier (bench/plan_validation.py, tests/unit/test_plan.py: precision, recall, rank correlation).
@@ -43,8 +43,8 @@ TOP = 5
 """Configs shown with their memory breakdown."""
 OFFLOAD = "on+offload"
 MIN_LENGTH = 512
-"""A shorter length is offered as a saving only from this many tokens (or the planned length, if shorter): a card
-on which only a few dozen tokens fit needs another saving."""
+"""A shorter length is offered as a saving only from this many tokens (or the planned length, if shorter): a
+card on which only a few dozen tokens fit needs another saving."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ class Plan:
         return self.fitting[0] if self.fitting else None
 
 
-def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEADROOM, card: Card | None = None,
-             shapes: TokenShapes | None = None, notes: tuple[str, ...] = ()) -> Plan:
+def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEADROOM,
+             card: Card | None = None, shapes: TokenShapes | None = None, notes: tuple[str, ...] = ()) -> Plan:
     """The plan of `space` for `model` on a card of `limit` bytes (as the driver reports it)."""
     shape = Shape.from_config(model.config)
     usable = usable_bytes(limit, headroom) or 0
@@ -124,7 +124,8 @@ def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEA
     ranked = sorted(out, key=lambda f: (not f.fits, -f.cfg.max_length if f.fits else 0,
                                         -f.speed if f.fits else -f.p_fit, f.peak))
     length = shorter_length(candidates, shape, usable)
-    return Plan(model, space, usable, card, limit, tuple(ranked), length.amount if length and length.fits else None,
+    longest = length.amount if length and length.fits else None
+    return Plan(model, space, usable, card, limit, tuple(ranked), longest,
                 largest_micro_batches(candidates, shape, usable), reach(candidates, shape, usable), notes)
 
 
@@ -132,8 +133,8 @@ def step_of(cfg: TrialConfig, shapes: TokenShapes | None) -> StepShape:
     """What one optimizer step of cfg trains: on the data's plans, else full rows of max_length."""
     if shapes is not None:
         return shapes.step(cfg.batching, cfg.max_length, cfg.micro_batch_size, cfg.global_batch, cfg.gpus)
-    return step_shape(Batching(cfg.batching), cfg.global_batch, cfg.micro_batch_size, cfg.gpus, cfg.micro_batch_size,
-                      cfg.micro_batch_size * cfg.max_length)
+    mb = cfg.micro_batch_size
+    return step_shape(Batching(cfg.batching), cfg.global_batch, mb, cfg.gpus, mb, mb * cfg.max_length)
 
 
 def largest_micro_batches(candidates: list[TrialConfig], shape: Shape, usable: int) -> dict[str, int | None]:
@@ -167,8 +168,9 @@ def card_line(plan: Plan) -> str:
     name = plan.card.name if plan.card else format_size(plan.limit)
     if plan.best is not None:
         f = plan.best
-        return (f"{name:<16} {format_size(plan.usable):>9}  fits: {brief(f.cfg)}  (peak {format_size(f.peak)}, "
-                f"{f.speed:.2f}x the forum recipe)")
+        batch = "" if f.step.keeps_global_batch else f"; {f.step.describe()}"
+        return (f"{name:<16} {format_size(plan.usable):>9}  fits: {brief(f.cfg)}  "
+                f"(peak {format_size(f.peak)}, {f.speed:.2f}x the forum recipe{batch})")
     return f"{name:<16} {format_size(plan.usable):>9}  does not fit: {smallest_saving(plan)}"
 
 
@@ -186,14 +188,14 @@ def smallest_saving(plan: Plan) -> str:
     return next((would[k] for k in order if k in would), plan.reach.describe())
 
 
-# --------------------------------------------------------------------------- the plan checked against measurements
+# --------------------------------------------------------------------------- the plan against measurements
 
 
 @dataclass(frozen=True)
 class Calls:
-    """The plan's "fits" calls on measured configs, as a classifier: precision (of the configs called fits, how
-    many fit), recall (of the configs that fit, how many were called fits), and the rank correlation of the
-    expected speed with the measured tokens/s among the fits called."""
+    """The plan's "fits" calls on measured configs, as a classifier: precision (of the configs called fits,
+    how many fit), recall (of the configs that fit, how many were called fits), and the rank correlation of
+    the expected speed with the measured tokens/s among the fits called."""
 
     hits: int
     calls: int
@@ -230,7 +232,8 @@ def check_calls(plan: Plan, measured: dict[str, ProbeResult]) -> Calls:
 
 
 def spearman(pairs: list[tuple[float, float]]) -> float | None:
-    """Spearman's rank correlation of the pairs (ties share their mean rank); None where a side is constant."""
+    """Spearman's rank correlation of the pairs (ties share their mean rank); None where a side is
+    constant."""
     xs, ys = _ranks([x for x, _ in pairs]), _ranks([y for _, y in pairs])
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     cov = sum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True))
