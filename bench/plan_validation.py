@@ -1,8 +1,8 @@
 """`autofit plan` as a classifier, on every committed landscape: its "fits" calls (the memory model before
 any probe, P(fit) >= 0.5) against what the H200 measured, at each landscape's own limit and read off at
 smaller ones (a smaller card caps a probe only when it is reached: a fit whose peak is within the smaller
-usable memory fits there too, anything else does not). Precision, recall, and the rank correlation (Spearman) of the plan's
-expected speed with the measured tokens/s among the fits it called. CPU only, seconds.
+usable memory fits there too, anything else does not). Precision, recall, and the rank correlation
+(Spearman) of the plan's expected speed with the measured tokens/s among the fits it called. CPU only, seconds.
 
     python bench/plan_validation.py [--name plan-validation]
 """
@@ -56,8 +56,8 @@ def main() -> int:
         print(f"{r['landscape']:<10} {r['limit_gib']:>4}Gi {r['called']:>7} {r['fit']:>5} "
               f"{_pct(r['precision']):>10} {_pct(r['recall']):>7} {rho:>9}")
     t = doc["total"]
-    print(f"all: precision {t['precision']:.1%}, recall {t['recall']:.1%} ({t['hits']} of {t['called']} calls, "
-          f"{t['fit']} fits)")
+    print(f"all: precision {t['precision']:.1%}, recall {t['recall']:.1%} ({t['hits']} of {t['called']} "
+          f"calls, {t['fit']} fits)")
     save(args.name, {"measured_on": "NVIDIA H200 (the committed landscapes)", **doc})
     return 0
 
