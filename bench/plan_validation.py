@@ -2,7 +2,8 @@
 any probe, P(fit) >= 0.5) against what the H200 measured, at each landscape's own limit and read off at
 smaller ones (a smaller card caps a probe only when it is reached: a fit whose peak is within the smaller
 usable memory fits there too, anything else does not). Precision, recall, and the rank correlation
-(Spearman) of the plan's expected speed with the measured tokens/s among the fits it called. CPU only, seconds.
+(Spearman) of the plan's expected speed with the measured tokens/s among the fits it called. CPU only,
+seconds.
 
     python bench/plan_validation.py [--name plan-validation]
 """

@@ -70,7 +70,8 @@ CARDS: tuple[Card, ...] = (
          f"deviceQuery, driver 550: \"143072 MBytes (150021734400 bytes)\" ({GLS})"),
     Card("B200", "180 GB", 191_502_213_120,
          "no deviceQuery byte count found; cudaGetDeviceProperties printed \"Total Global Memory: "
-         "178.35 GB\" (GiB; pytorch/ao PR #4002), nvidia-smi 183359MiB (NVIDIA/TensorRT-LLM#10278)", estimated=True),
+         "178.35 GB\" (GiB; pytorch/ao PR #4002), nvidia-smi 183359MiB (NVIDIA/TensorRT-LLM#10278)",
+         estimated=True),
 )
 _ALIASES = {"A100 40GB": ("A100", "A100-40", "A100 40"),
             "A100 80GB": ("A100-80", "A100 80"), "H100": ("H100 80GB",), "T4": ("Tesla T4",),

@@ -105,8 +105,9 @@ class Plan:
         return self.fitting[0] if self.fitting else None
 
 
-def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEADROOM, card: Card | None = None,
-             shapes: TokenShapes | None = None, notes: tuple[str, ...] = ()) -> Plan:
+def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEADROOM,
+             card: Card | None = None, shapes: TokenShapes | None = None,
+             notes: tuple[str, ...] = ()) -> Plan:
     """The plan of `space` for `model` on a card of `limit` bytes (as the driver reports it)."""
     shape = Shape.from_config(model.config)
     usable = usable_bytes(limit, headroom) or 0
