@@ -1,20 +1,247 @@
-"""The README says what the tests hold: its fault table is the one the fault suite declares."""
+"""The docs say what the code and the measurements hold.
+
+- The fault table (docs/failures.md) is the one the fault suite declares, and the key table (docs/probe.md)
+  the one the configuration's declaration prints.
+- Every figure in the README's headline tables is recomputed from the JSON file cited beside it.
+- Every link resolves, every module path the docs name exists, and the README's set-up and test commands are
+  the ones CI runs.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import statistics
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from conftest import ROOT
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "bench" / "results"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 
-def test_the_readme_fault_table_is_the_fault_suites() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_table.py")], capture_output=True,
-                          text=True, timeout=120, check=True)
-    printed = proc.stdout.strip().splitlines()
-    table = [line for line in printed if line.startswith("|")]
-    totals = printed[-1]
-    readme = (ROOT / "README.md").read_text().splitlines()
-    start = readme.index(table[0])
-    assert readme[start:start + len(table)] == table, "README's fault table differs: paste python scripts/fault_table.py"
-    assert totals in readme, totals
+def printed(script: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    return proc.stdout.strip().splitlines()
+
+
+def assert_holds_table(page: Path, lines: list[str], script: str) -> None:
+    """`page` holds the table lines `script` prints, in one block and in order."""
+    table = [line for line in lines if line.startswith("|")]
+    text = page.read_text().splitlines()
+    assert table[0] in text, f"{page.name} has no table headed {table[0]!r}: paste python scripts/{script}"
+    start = text.index(table[0])
+    assert text[start:start + len(table)] == table, f"{page.name}'s table differs: paste python scripts/{script}"
+
+
+def test_the_fault_table_is_the_fault_suites() -> None:
+    lines = printed("fault_table.py")
+    assert_holds_table(DOCS / "failures.md", lines, "fault_table.py")
+    totals = lines[-1]
+    assert totals in (DOCS / "failures.md").read_text(), totals
+    count = totals.split()[0]
+    assert f"({count} faults and bad inputs" in README.read_text(), f"the README should count {count} faults"
+
+
+def test_the_key_table_is_the_declarations() -> None:
+    assert_holds_table(DOCS / "probe.md", printed("key_table.py"), "key_table.py")
+
+
+# --- the headline figures --------------------------------------------------------------------------------
+
+def pick(doc: Any, path: str) -> list[float]:
+    """The numbers at `path` in a JSON document: `a.b[0].c`, with `[*]` for every item of a list."""
+    found = [doc]
+    for part in re.findall(r"\[\*\]|\[\d+\]|[^.\[\]]+", path):
+        if part == "[*]":
+            found = [item for value in found for item in value]
+        elif part.startswith("["):
+            found = [value[int(part[1:-1])] for value in found]
+        else:
+            found = [value[part] for value in found]
+    return [float(v) for v in found]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A figure read from one results file: one value, the median of several, or their spread (max/min)."""
+
+    file: str
+    path: str
+    how: str = "one"
+    unit: str = "tokens/s"
+    """tokens/s (shown as 12,345), bytes or GiB (shown as 12.3 GiB)."""
+
+    def files(self) -> set[str]:
+        return {self.file}
+
+    def value(self) -> float:
+        values = pick(json.loads((RESULTS / self.file).read_text()), self.path)
+        if self.how == "one":
+            assert len(values) == 1, (self.file, self.path)
+            return values[0]
+        return statistics.median(values) if self.how == "median" else max(values) / min(values)
+
+    def shown(self) -> str:
+        v = self.value()
+        if self.how == "spread":
+            return f"{v:.2f}x"
+        if self.unit == "tokens/s":
+            return f"{round(v):,}"
+        return f"{v / 2**30 if self.unit == 'bytes' else v:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    num: Measured
+    den: Measured
+
+    def files(self) -> set[str]:
+        return self.num.files() | self.den.files()
+
+    def shown(self) -> str:
+        return f"{self.num.value() / self.den.value():.2f}x"
+
+
+NOISE, FORUM = "noise-s1-h200.json", "modes.after.runs[*]"
+REGRESS, WINNER = "regress-s1.json", "unchanged_runs[*].checks[0]"
+RESUMED, WARM = "kernels-export-s1-resumed.json", "kernels-export-s1-resumed-warm.json"
+S1D2, S2D2 = "data-bench-s1-d2-run4.json", "data-bench-s2-d2.json"
+
+
+def batching(file: str, search: str, strategy: str) -> Measured:
+    return Measured(file, f"searches.{search}.best_by_batching.{strategy}.tokens_per_s")
+
+
+def data_row(file: str, search: str) -> tuple[Measured | Ratio, ...]:
+    baseline, packed, flat = (batching(file, search, b) for b in ("group_by_length", "packed", "padding_free"))
+    return baseline, packed, Ratio(packed, baseline), flat, Ratio(flat, baseline)
+
+
+HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
+    "forum recipe: micro-batch 1 + checkpointing": (
+        Measured(NOISE, f"{FORUM}.tokens_per_s", "median"), Measured(NOISE, f"{FORUM}.tokens_per_s", "spread"),
+        Measured(NOISE, f"{FORUM}.peak_gib", "median", "GiB")),
+    "autofit's winner: micro-batch 2, no checkpointing, found in 77 s": (
+        Measured(REGRESS, f"{WINNER}.tokens_per_s", "median"), Measured(REGRESS, f"{WINNER}.tokens_per_s", "spread"),
+        Measured(REGRESS, f"{WINNER}.peak_bytes", "median", "bytes")),
+    "winner / forum recipe": (
+        Ratio(Measured(REGRESS, f"{WINNER}.tokens_per_s", "median"), Measured(NOISE, f"{FORUM}.tokens_per_s", "median")),),
+    "with Liger kernels: micro-batch 3, no checkpointing (a resumed search)": (
+        Measured(RESUMED, "resumed.best_after.tokens_per_s"), Measured(WARM, "export.same_call_probes[0].tokens_per_s"),
+        Measured(RESUMED, "export.probe_peak_bytes", unit="bytes")),
+    "stock kernels at that configuration": (Measured(WARM, "export.stock_recipe.peak_bytes", unit="bytes"),),
+    "40 GiB": data_row(S1D2, "40GiB/D2"),
+    "24 GiB": data_row(S2D2, "24GiB/D2"),
+}
+"""Each headline row (by its first cell) and how every figure in it is computed from the files it cites."""
+FIGURE = re.compile(r"\d{1,3}(?:,\d{3})+|\d+\.\d+x|\d+\.\d+ GiB")
+"""What counts as a figure in a row: tokens/s (12,345), ratios and spreads (1.23x), memory (12.3 GiB)."""
+
+
+def headline_rows() -> list[list[str]]:
+    """The body rows of every table above the README's set-up section, as cells."""
+    head = README.read_text().split("\n## Set up and test")[0].splitlines()
+    rows = []
+    for i, line in enumerate(head):
+        in_body = i >= 2 and head[i - 1].startswith("|") and head[i - 2].startswith("|") and line.startswith("|")
+        if in_body and not re.fullmatch(r"[|\-: ]+", line):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_every_headline_figure_is_the_json_it_cites() -> None:
+    rows = headline_rows()
+    assert {r[0] for r in rows} == set(HEADLINE), "a headline row and this test's table differ: add its figures here"
+    for first, *cells in rows:
+        text = " | ".join(cells)
+        figures = HEADLINE[first]
+        want = Counter(f.shown() for f in figures)
+        assert Counter(FIGURE.findall(text)) == want, f"{first}: the README says {text!r}; the JSON gives {dict(want)}"
+        cited = set(re.findall(r"\]\(bench/results/([^)#]+)\)", text))
+        files = set().union(*(f.files() for f in figures))
+        assert cited == files, f"{first}: cites {sorted(cited)}, its figures come from {sorted(files)}"
+
+
+# --- links, paths, commands ----------------------------------------------------------------------------
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def prose(page: Path) -> str:
+    """A page without its fenced code blocks (a `#` there is a comment, a `[x](y)` code)."""
+    return FENCE.sub("", page.read_text())
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", prose(page), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_points_to_a_file_that_exists() -> None:
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            where, _, anchor = target.partition("#")
+            path = (page.parent / where).resolve() if where else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+PACKAGES = {p.name for p in (ROOT / "autofit").iterdir() if p.is_dir() and not p.name.startswith("_")}
+
+
+def module_exists(dotted: str) -> bool:
+    """`autofit.config.spec` or `autofit.config.spec.KEYS`: a module, or a name a module defines."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 1, -1):
+        base = ROOT.joinpath(*parts[:n])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            rest = parts[n:]
+            if not rest:
+                return True
+            return re.search(rf"^\s*(def |class )?{re.escape(rest[0])}\b", source.read_text(), re.M) is not None
+    return False
+
+
+def test_every_module_path_the_docs_name_exists() -> None:
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for path in re.findall(r"autofit/[\w/.]*\w", text):
+            if not (ROOT / path).exists():
+                missing.append(f"{page.name}: {path}")
+        for dotted in re.findall(r"\bautofit(?:\.\w+)+", text):
+            if not module_exists(dotted):
+                missing.append(f"{page.name}: {dotted}")
+        for quoted in re.findall(r"`([\w/]+\.py|[\w/]+/)`", text):
+            first = quoted.split("/")[0]
+            if first in PACKAGES and not (ROOT / "autofit" / quoted).exists():
+                missing.append(f"{page.name}: {quoted} (autofit/{quoted})")
+            elif "/" not in quoted and not any(ROOT.glob(f"{d}/**/{quoted}") for d in ("autofit", "tests", "bench", "scripts")):
+                missing.append(f"{page.name}: {quoted}")
+    assert not missing, "no such module or file:\n" + "\n".join(missing)
+
+
+def test_the_readme_set_up_and_test_commands_are_what_ci_runs() -> None:
+    section = README.read_text().split("## Set up and test")[1]
+    block = re.search(r"```\n(.*?)```", section, re.S)
+    assert block, "the README's set-up section has no command block"
+    readme = block.group(1).strip().splitlines()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert readme == ci, f"README: {readme}; .ci/run: {ci}"
