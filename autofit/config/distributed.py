@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
 
 from autofit.config.spec import TrialConfig
 
 
-def training_arguments(cfg: TrialConfig) -> dict[str, Any]:
+def training_arguments(cfg: TrialConfig) -> dict[str, object]:
     """TrainingArguments keys (transformers 5.24) for the engine; empty for one rank without an engine."""
     if cfg.engine == "fsdp2":
         options = fsdp_options(cfg)
@@ -40,17 +39,17 @@ def training_arguments(cfg: TrialConfig) -> dict[str, Any]:
     return {}
 
 
-def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: TrialConfig) -> dict[str, object]:
     """The DeepSpeed JSON for a ZeRO engine; "auto" values are filled by Trainer from its arguments."""
     stage = 2 if cfg.engine == "zero2" else 3
-    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    zero: dict[str, object] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if cfg.cpu_offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if cfg.cpu_offload == "all":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if cfg.cpu_offload != "off":
         # ZeRO-Offload refuses a client optimizer (zero_force_ds_cpu_optimizer): DeepSpeed's own AdamW,
         # its CPU Adam, steps on the host; Trainer fills the "auto" values from its arguments
@@ -68,7 +67,7 @@ def deepspeed_config(cfg: TrialConfig) -> dict[str, Any]:
     }
 
 
-def fsdp_options(cfg: TrialConfig) -> dict[str, Any]:
+def fsdp_options(cfg: TrialConfig) -> dict[str, object]:
     """FSDP2's settings for the config, in the names axolotl's fsdp_config uses (Trainer's fsdp_config says
     `cpu_offload` for `offload_params`; accelerate's config file prefixes each with `fsdp_`)."""
     return {"offload_params": cfg.cpu_offload == "all", "state_dict_type": "FULL_STATE_DICT",

@@ -17,8 +17,6 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
-from typing import Any
-
 from packaging.version import InvalidVersion, Version
 
 from autofit.config.spec import KEYS, keyed
@@ -112,7 +110,7 @@ def attention_problem(impl: str, device: str) -> str | None:
     return None
 
 
-def kernel_support(cfg: Any, device: str = "cuda") -> str | None:
+def kernel_support(cfg: object, device: str = "cuda") -> str | None:
     """None when the kernels `cfg` asks for can run on `device` ("cuda" or "cpu"), else the reason.
 
     `cfg` is a TrialConfig or anything with the attributes `liger`, `torch_compile` (bools,
@@ -151,13 +149,13 @@ STOCK_ATTENTION = ("sdpa", "eager")
 """Attention implementations that are the reference: no gate needed on their own."""
 
 
-def needs_gate(cfg: Any) -> bool:
+def needs_gate(cfg: object) -> bool:
     """A config that uses any non-stock kernel (a value outside a dimension's declared `stock`) must pass the
     gate before it can win."""
     return any(getattr(cfg, d.name, d.default) not in d.stock for d in KEYS.values() if d.stock is not None)
 
 
-def gate_key(cfg: Any) -> str:
+def gate_key(cfg: object) -> str:
     """The settings one gate verdict covers: the kernels and what changes the numbers they compute.
 
     Micro-batch, accumulation and the allocator do not enter: the gate runs one fixed batch.
@@ -169,7 +167,7 @@ def gate_key(cfg: Any) -> str:
 # ----------------------------------------------------------------------------- TrainingArguments
 
 
-def training_arguments(cfg: Any) -> dict[str, Any]:
+def training_arguments(cfg: object) -> dict[str, object]:
     """TrainingArguments keys (transformers 5.24) for the kernel settings; empty for stock kernels.
 
     `use_liger_kernel`: Trainer.train() calls `apply_liger_kernel(model, liger_kernel_config)`,
@@ -180,7 +178,7 @@ def training_arguments(cfg: Any) -> dict[str, Any]:
     `torch_compile`: accelerate compiles the model (backend inductor; mode left at its default until a
     measurement shows another mode pays) regionally, per decoder block, as `recipe.process_env` asks.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if getattr(cfg, "liger", False):
         out["use_liger_kernel"] = True
     if getattr(cfg, "torch_compile", False):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -15,14 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from autofit.core import paths
+from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
+
+ModelConfig = dict[str, Any]
+"""A transformers config.json as JSON: the probe hands it to transformers whole; autofit reads only the shape
+fields it needs (`estimate.memory.Shape.from_config`, `ModelSource.positions`)."""
 
 _LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False}
 
 # Architecture presets: config only, random weights. A random 7B has the memory and speed of
 # the trained one, which is all a probe measures. Numbers from each family's published config.
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": {**_LLAMA, "hidden_size": 4096, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 32,
                   "intermediate_size": 11008, "vocab_size": 32000,
@@ -72,7 +78,7 @@ class ModelSource:
     """preset | config | local | hub"""
     ref: str
     """Preset name, config.json path, folder, or hub id."""
-    config: dict[str, Any] = field(default_factory=dict)
+    config: ModelConfig = field(default_factory=dict)
 
     @property
     def random_weights(self) -> bool:
@@ -103,15 +109,15 @@ class ModelSource:
             raise UsageError(f"{flag}: max_length {longest} is longer than {self.ref}'s {limit} positions "
                              f"(max_position_embeddings in its config); give at most {limit}.")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "ref": self.ref, "config": self.config}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelSource:
+    def from_dict(cls, d: JSONObject) -> ModelSource:
         return cls(kind=d["kind"], ref=d["ref"], config=dict(d.get("config") or {}))
 
 
-def _read_json(path: Path, flag: str) -> dict[str, Any]:
+def _read_json(path: Path, flag: str) -> ModelConfig:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -126,7 +132,7 @@ def _read_json(path: Path, flag: str) -> dict[str, Any]:
     return data
 
 
-def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
+def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
     """Build the config the way the probe will, so a mistyped field is a usage error now
     rather than a crash in every probe."""
     empty = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
@@ -141,7 +147,7 @@ def _check_fields(data: dict[str, Any], path: Path, flag: str) -> None:
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its notes on a config (a token id it would drop) are the probe's to log
+    hf_logging.set_verbosity(logging.ERROR)  # its notes on a config (a token id it would drop) are the probe's to log
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -224,7 +230,7 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
     )
 
 
-def _hub_config(repo_id: str, flag: str) -> dict[str, Any]:
+def _hub_config(repo_id: str, flag: str) -> ModelConfig:
     """config.json of a hub model: from the local cache, or downloaded when online."""
     # deferred: huggingface_hub takes a second to import and only a hub id needs it
     from huggingface_hub import hf_hub_download

@@ -12,6 +12,10 @@ from typing import Any
 from autofit.config import distributed, kernels
 from autofit.config.spec import TrialConfig, training_argument_values
 
+Arguments = dict[str, Any]
+"""Keyword arguments of a library's constructor (TrainingArguments, LoraConfig, BitsAndBytesConfig) as plain
+data: values of many types, which the library checks; the exporters write the same dict as text."""
+
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -33,10 +37,10 @@ def learning_rate(cfg: TrialConfig) -> float:
 
 def training_arguments(
     cfg: TrialConfig, *, on_cpu: bool, max_steps: int, gradient_accumulation_steps: int | None = None
-) -> dict[str, Any]:
+) -> Arguments:
     """Keyword arguments of `transformers.TrainingArguments` (output_dir aside)."""
     every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
-    args: dict[str, Any] = {
+    args: Arguments = {
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps or cfg.gradient_accumulation_steps,
         "max_steps": max_steps,
@@ -66,7 +70,7 @@ def training_arguments(
     return args
 
 
-def lora_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
+def lora_arguments(cfg: TrialConfig) -> Arguments | None:
     """Keyword arguments of `peft.LoraConfig`, or None for full fine-tuning."""
     if cfg.method != "lora":
         return None
@@ -80,7 +84,7 @@ def lora_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
     }
 
 
-def quantization_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
+def quantization_arguments(cfg: TrialConfig) -> Arguments | None:
     """Keyword arguments of `transformers.BitsAndBytesConfig` (dtype as a name), or None."""
     if cfg.quantization == "nf4":
         return {
@@ -94,7 +98,7 @@ def quantization_arguments(cfg: TrialConfig) -> dict[str, Any] | None:
     return None
 
 
-def kbit_preparation(cfg: TrialConfig) -> dict[str, Any] | None:
+def kbit_preparation(cfg: TrialConfig) -> Arguments | None:
     """Arguments of `peft.prepare_model_for_kbit_training` for a quantized base.
 
     peft turns checkpointing on for every layer by default; pass the config's own setting

@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
-from autofit.config.spec import KEYS, TrialConfig
+from autofit.config.spec import KEYS, TrialConfig, Value
 from autofit.core import paths
 from autofit.core.errors import UsageError
 
@@ -28,25 +29,26 @@ QUANT_COST = ("none", "nf4", "8bit")
 @dataclass(frozen=True)
 class Space:
     name: str
-    fixed: dict[str, Any]
-    dimensions: dict[str, list[Any]]
+    fixed: dict[str, Value]
+    dimensions: dict[str, list[Value]]
     source: str = ""
     divisors_only: bool = False
     """Only micro-batch sizes whose batch over every rank (micro_batch_size x gpus) divides global_batch
     (keeps the effective batch exact)."""
     notes: dict[str, str] = field(default_factory=dict)
 
-    def values(self, key: str) -> list[Any]:
+    def values(self, key: str) -> list[Value]:
         if key in self.dimensions:
             return list(self.dimensions[key])
-        return [self.fixed.get(key, KEYS[key].default)]
+        value = self.fixed.get(key, KEYS[key].default)
+        return [] if value is None else [value]
 
     @property
     def lengths(self) -> list[int]:
         """Allowed max_length values, longest first."""
-        return sorted(self.values("max_length"), reverse=True)
+        return sorted((int(v) for v in self.values("max_length")), reverse=True)
 
-    def config(self, params: dict[str, Any]) -> TrialConfig:
+    def config(self, params: Mapping[str, Value]) -> TrialConfig:
         return TrialConfig.from_mapping({**self.fixed, **params}, source=self.source or self.name)
 
     def allowed(self, cfg: TrialConfig) -> bool:
@@ -69,19 +71,19 @@ class Space:
                 out.append(cfg)
         return out
 
-    def seed(self) -> dict[str, Any]:
+    def seed(self) -> dict[str, Value]:
         """The first probe: the common forum recipe (micro-batch 1, checkpointing on, bf16, the longest
         length), which fits wherever anything does. On a dataset its samples packed (`packed`, else
         `padding_free`, else dynamic padding): the same worst-case row as padding to max_length, so it
         fits as surely, and no compute spent on padding. A padded first probe on short samples runs
         a tenth as fast and can take a short budget's first minute (measured: 60 s of 150 s)."""
-        prefs: dict[str, tuple[Any, ...]] = {
+        prefs: dict[str, tuple[Value, ...]] = {
             "micro_batch_size": (1,), "gradient_checkpointing": ("on",), "precision": ("bf16",),
             "max_length": (self.lengths[0],), "batching": ("packed", "padding_free", "pad_longest")}
-        out = {}
+        out: dict[str, Value] = {}
         for k, vals in self.dimensions.items():
             want = next((v for v in prefs.get(k, ()) if v in vals), None)
-            out[k] = want if want is not None else (min(vals) if k == "micro_batch_size" else vals[0])
+            out[k] = want if want is not None else (min(map(int, vals)) if k == "micro_batch_size" else vals[0])
         return out
 
     def warnings(self) -> list[str]:
@@ -92,7 +94,7 @@ class Space:
                     "settings, defaults for the rest) and stops; list values under `dimensions:` to search.")]
         return []
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "source": self.source, "fixed": self.fixed,
                 "dimensions": self.dimensions, "divisors_only": self.divisors_only}
 
@@ -102,7 +104,7 @@ class Space:
         return cls(d["name"], dict(d["fixed"]), {k: list(v) for k, v in d["dimensions"].items()},
                    d.get("source", ""), bool(d.get("divisors_only", False)))
 
-    def replaced(self, **dims: list[Any]) -> Space:
+    def replaced(self, **dims: Sequence[Value]) -> Space:
         """The space with some dimensions replaced (--max-length, --global-batch); a bad value names
         its flag, not the space file."""
         problems = []
@@ -120,7 +122,7 @@ class Space:
             if len(vals) == 1:
                 fixed[k] = vals[0]
             else:
-                dimensions[k] = vals
+                dimensions[k] = list(vals)
         space = Space(self.name, fixed, dimensions, self.source, self.divisors_only, self.notes)
         validate(space)
         return space
@@ -134,7 +136,10 @@ def validate(space: Space) -> None:
     """Every problem of a space at once."""
     where = space.source or space.name
     problems = []
-    for section, items in (("fixed", {k: [v] for k, v in space.fixed.items()}), ("dimensions", space.dimensions)):
+    # what a spec.yaml or a space file held, not yet checked: any value YAML can give
+    sections: tuple[tuple[str, Mapping[str, object]], ...] = (
+        ("fixed", {k: [v] for k, v in space.fixed.items()}), ("dimensions", space.dimensions))
+    for section, items in sections:
         for key, vals in items.items():
             if key not in KEYS:
                 problems.append(f"{where}: {section}.{key}: unknown key; known keys: {', '.join(KEYS)}")
@@ -187,8 +192,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so
     a dimension listed twice lost its first list)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:  # yaml's own
+        seen: set[object] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             try:

@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from autofit.core.errors import UsageError
 
@@ -92,6 +92,10 @@ class Memory(enum.Enum):
     shortfall."""
 
 
+Value = str | int | bool
+"""A dimension's value: every TrialConfig field is a str, an int or a bool."""
+V = TypeVar("V", str, int, bool)
+
 Label = Callable[["TrialConfig"], "str | None"]
 """A dimension's short label for the live table and the probe lines, from the whole config (None: not shown)."""
 
@@ -106,8 +110,9 @@ class Dimension:
     name: str
     type: type
     help: str
-    allowed: tuple[Any, ...] | None = None
+    allowed: tuple[Value, ...] | None = None
     check: Callable[[Any], bool] | None = None
+    """Whether a value is allowed (each dimension's check takes a value of its own type)."""
     expected: str = ""
     learning: bool = False
     """The value changes what is learned (truncation, quantization, ...): the report says so beside the winner."""
@@ -118,13 +123,13 @@ class Dimension:
     relief: Callable[[Any], float] | None = None
     """An allocator dimension: how much of the reserved-but-unallocated memory a value hands back, relatively
     (higher: more). A change to more relief can save at most that memory against an out-of-memory probe."""
-    speed: Mapping[Any, float] | None = None
+    speed: Mapping[Value, float] | None = None
     """Declared relative tokens/s of each value against the first, the rest of the config equal (rough, from
     H200 measurements; only for choosing what to probe next: a measured fit replaces it). None: neutral."""
     gate: int = 0
     """Its place in the kernel gate's key (`config.kernels.gate_key`; 0: not in it): it changes the numbers a
     kernel computes. The places keep the keys that studies stored."""
-    stock: tuple[Any, ...] | None = None
+    stock: tuple[Value, ...] | None = None
     """A kernel dimension's stock values: any other value must pass the correctness gate before it can win."""
     boundary: int = 0
     """Its place in the per-sample loss check's key (`data.correctness.boundary_key`; 0: not in it)."""
@@ -143,10 +148,10 @@ class Dimension:
     kept_by: tuple[str, ...] = ("hf-trainer", "trl", "llama-factory")
     """The export formats that take `training_argument` by its name (LLaMA-Factory reads TrainingArguments'
     fields); the others list the value as not kept."""
-    default: Any = None
+    default: Value | None = None
     """TrialConfig's field default (filled in from the field)."""
 
-    def parse(self, text: str) -> Any:
+    def parse(self, text: str) -> Value:
         """A `--set` string to a value of this key's type (no range check)."""
         if self.type is bool:
             low = text.strip().lower()
@@ -159,7 +164,7 @@ class Dimension:
             return int(text)
         return text.strip()
 
-    def problem(self, value: Any) -> str | None:
+    def problem(self, value: object) -> str | None:
         """A message if `value` is not allowed for this key, else None."""
         want = self.expected or (
             "one of " + ", ".join(map(str, self.allowed)) if self.allowed else self.type.__name__
@@ -177,7 +182,7 @@ class Dimension:
 
 
 
-def dim(default: Any, help: str, **declared: Any) -> Any:  # noqa: A002 - the field's help text
+def dim(default: V, help: str, **declared: object) -> V:  # noqa: A002 - the field's help text
     """A TrialConfig field and its declaration (`Dimension`), in the style of a documented dataclass field."""
     return field(default=default, metadata={"dimension": (help, declared)})
 
@@ -406,8 +411,8 @@ class TrialConfig:
         """The keys (not the derived figures) in which two configs differ."""
         return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Value]:
+        d: dict[str, Value] = dataclasses.asdict(self)
         d["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         d["effective_batch"] = self.effective_batch
         return d
@@ -432,7 +437,9 @@ def _declare() -> dict[str, Dimension]:
     out = {}
     for f in dataclasses.fields(TrialConfig):
         help_text, declared = f.metadata["dimension"]
-        out[f.name] = Dimension(f.name, _TYPES[f.type], help_text, default=f.default, **declared)
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"TrialConfig.{f.name} has no default; declare it with dim(default, help, ...)")
+        out[f.name] = Dimension(f.name, _TYPES[str(f.type)], help_text, default=f.default, **declared)
     return out
 
 
@@ -444,7 +451,7 @@ LATE_KEYS = frozenset(k for k, d in KEYS.items() if d.late)
 """Keys added after studies were stored: `TrialConfig.key()` omits them at their default."""
 
 
-def training_argument_values(cfg: TrialConfig, fmt: str | None = None) -> dict[str, Any]:
+def training_argument_values(cfg: TrialConfig, fmt: str | None = None) -> dict[str, object]:
     """The declared TrainingArguments fields of `cfg`'s values other than the default (those of `fmt`'s
     `kept_by` only, where a format is named)."""
     return {d.training_argument: (d.argument or _same)(getattr(cfg, name)) for name, d in KEYS.items()
@@ -457,7 +464,7 @@ def not_kept(cfg: TrialConfig, fmt: str) -> list[str]:
             if d.training_argument and getattr(cfg, name) != d.default and fmt not in d.kept_by]
 
 
-def _same(value: Any) -> Any:
+def _same(value: Value) -> Value:
     return value
 
 
@@ -467,7 +474,7 @@ def brief(cfg: TrialConfig) -> str:
     return " ".join(text for _, text in shown if text)
 
 
-def keyed(cfg: Any, place: Callable[[Dimension], int]) -> str:
+def keyed(cfg: object, place: Callable[[Dimension], int]) -> str:
     """`name=value;...` of the dimensions with a place in a key (`Dimension.gate`, `.boundary`), in order."""
     names = sorted((place(d), d.name) for d in KEYS.values() if place(d))
     return ";".join(f"{n}={getattr(cfg, n, None)}" for _, n in names)

@@ -37,8 +37,9 @@ class Target:
     judged as a 24 GiB limit is), so the search's prior and its headroom know the card's size."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpu_indices, list):  # read back from spec.yaml
-            object.__setattr__(self, "gpu_indices", tuple(self.gpu_indices))
+        indices: object = self.gpu_indices  # a list where read back from spec.yaml
+        if isinstance(indices, list):
+            object.__setattr__(self, "gpu_indices", tuple(indices))
 
     @property
     def gpus(self) -> tuple[int, ...]:

@@ -12,9 +12,14 @@ import re
 from dataclasses import dataclass
 from importlib import metadata, util
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 PACKAGES = ("autofit", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl")
+
+Env = dict[str, Any]
+"""env.json as JSON (`collect`): python, platform, packages, torch_cuda_build, driver, cuda_driver, gpus. Older
+run folders hold fewer keys, so its readers (regress's version check) take each with a default."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,13 @@ def torch_cuda_build() -> str | None:
     return m.group(1) if m else None
 
 
-def _nvml() -> Any | None:
+def _nvml() -> ModuleType | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return pynvml
+        nvml: ModuleType = pynvml  # nvidia-ml-py ships no type hints: its calls are untyped
+        return nvml
     except Exception:  # no driver, no GPU: a CPU machine
         return None
 
@@ -93,7 +99,7 @@ def driver_info() -> dict[str, str | None]:
             "cuda_driver": f"{cuda // 1000}.{(cuda % 1000) // 10}"}
 
 
-def collect() -> dict[str, Any]:
+def collect() -> Env:
     """Everything `env.json` and `autofit env` record."""
     return {
         "python": platform.python_version(),

@@ -7,7 +7,13 @@ Exit codes: 0 success, 1 a regression found, 2 usage error, 3 nothing fits, 4 ca
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, overload
+
+A = TypeVar("A")
+B = TypeVar("B")
+C = TypeVar("C")
+D = TypeVar("D")
+E = TypeVar("E")
 
 
 class AutofitError(Exception):
@@ -49,9 +55,20 @@ class CannotWrite(AutofitError):
     exit_code = 4
 
 
-def gather(*steps: Callable[[], Any]) -> list[Any]:
-    """Run each step; collect every UsageError and raise them once, together."""
-    out, problems = [], []
+@overload
+def gather(a: Callable[[], A], b: Callable[[], B], /) -> tuple[A, B]: ...
+@overload
+def gather(a: Callable[[], A], b: Callable[[], B], c: Callable[[], C], /) -> tuple[A, B, C]: ...
+@overload
+def gather(a: Callable[[], A], b: Callable[[], B], c: Callable[[], C], d: Callable[[], D], /) -> tuple[A, B, C, D]: ...
+@overload
+def gather(a: Callable[[], A], b: Callable[[], B], c: Callable[[], C], d: Callable[[], D], e: Callable[[], E],
+           /) -> tuple[A, B, C, D, E]: ...
+def gather(*steps: Callable[[], object]) -> tuple[object, ...]:
+    """Run each step; collect every UsageError and raise them once, together. Each step's value comes back in
+    its place, typed as the step returns it."""
+    out: list[object] = []
+    problems: list[str] = []
     for step in steps:
         try:
             out.append(step())
@@ -60,4 +77,4 @@ def gather(*steps: Callable[[], Any]) -> list[Any]:
             out.append(None)
     if problems:
         raise UsageError(problems)
-    return out
+    return tuple(out)

@@ -15,7 +15,10 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 """The errors of a disk or folder that does not take writes: full, over quota, read-only, not ours,
@@ -55,12 +58,12 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
         raise
 
 
-def write_json(path: str | os.PathLike[str], doc: Any) -> None:
+def write_json(path: str | os.PathLike[str], doc: object) -> None:
     """`write_atomic` of a JSON document, indented one space, ending in a newline."""
     write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
-def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> None:
+def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 110) -> None:
     """A matplotlib figure saved whole or not at all (a disk that fills while it renders leaves no
     damaged image)."""
     target = Path(os.path.realpath(path))
