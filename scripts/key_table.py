@@ -44,8 +44,9 @@ def searched_by() -> dict[str, list[str]]:
 
 
 def row(d: Dimension, spaces: list[str]) -> str:
-    cells = [f"`{d.name}`", f"`{shown(d.default)}`", allowed(d), "yes" if d.learning else "",
-             d.memory.value, ", ".join(spaces), f"`{d.training_argument}`" if d.training_argument else "", d.help]
+    field = f"`{d.training_argument}`" if d.training_argument else ""
+    cells = [f"`{d.name}`", f"`{shown(d.default)}`", allowed(d), "yes" if d.learning else "", d.memory.value,
+             ", ".join(spaces), field, d.help]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 

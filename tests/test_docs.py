@@ -38,7 +38,8 @@ def assert_holds_table(page: Path, lines: list[str], script: str) -> None:
     text = page.read_text().splitlines()
     assert table[0] in text, f"{page.name} has no table headed {table[0]!r}: paste python scripts/{script}"
     start = text.index(table[0])
-    assert text[start:start + len(table)] == table, f"{page.name}'s table differs: paste python scripts/{script}"
+    differs = f"{page.name}'s table differs: paste python scripts/{script}"
+    assert text[start:start + len(table)] == table, differs
 
 
 def test_the_fault_table_is_the_fault_suites() -> None:
@@ -121,21 +122,24 @@ def batching(file: str, search: str, strategy: str) -> Measured:
 
 
 def data_row(file: str, search: str) -> tuple[Measured | Ratio, ...]:
-    baseline, packed, flat = (batching(file, search, b) for b in ("group_by_length", "packed", "padding_free"))
+    baseline, packed, flat = (batching(file, search, b) for b in BATCHINGS)
     return baseline, packed, Ratio(packed, baseline), flat, Ratio(flat, baseline)
 
 
+BATCHINGS = ("group_by_length", "packed", "padding_free")
+FORUM_SPEED = Measured(NOISE, f"{FORUM}.tokens_per_s", "median")
+WINNER_SPEED = Measured(REGRESS, f"{WINNER}.tokens_per_s", "median")
 HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
     "forum recipe: micro-batch 1 + checkpointing": (
-        Measured(NOISE, f"{FORUM}.tokens_per_s", "median"), Measured(NOISE, f"{FORUM}.tokens_per_s", "spread"),
+        FORUM_SPEED, Measured(NOISE, f"{FORUM}.tokens_per_s", "spread"),
         Measured(NOISE, f"{FORUM}.peak_gib", "median", "GiB")),
     "autofit's winner: micro-batch 2, no checkpointing, found in 77 s": (
-        Measured(REGRESS, f"{WINNER}.tokens_per_s", "median"), Measured(REGRESS, f"{WINNER}.tokens_per_s", "spread"),
+        WINNER_SPEED, Measured(REGRESS, f"{WINNER}.tokens_per_s", "spread"),
         Measured(REGRESS, f"{WINNER}.peak_bytes", "median", "bytes")),
-    "winner / forum recipe": (
-        Ratio(Measured(REGRESS, f"{WINNER}.tokens_per_s", "median"), Measured(NOISE, f"{FORUM}.tokens_per_s", "median")),),
+    "winner / forum recipe": (Ratio(WINNER_SPEED, FORUM_SPEED),),
     "with Liger kernels: micro-batch 3, no checkpointing (a resumed search)": (
-        Measured(RESUMED, "resumed.best_after.tokens_per_s"), Measured(WARM, "export.same_call_probes[0].tokens_per_s"),
+        Measured(RESUMED, "resumed.best_after.tokens_per_s"),
+        Measured(WARM, "export.same_call_probes[0].tokens_per_s"),
         Measured(RESUMED, "export.probe_peak_bytes", unit="bytes")),
     "stock kernels at that configuration": (Measured(WARM, "export.stock_recipe.peak_bytes", unit="bytes"),),
     "40 GiB": data_row(S1D2, "40GiB/D2"),
@@ -151,7 +155,7 @@ def headline_rows() -> list[list[str]]:
     head = README.read_text().split("\n## Set up and test")[0].splitlines()
     rows = []
     for i, line in enumerate(head):
-        in_body = i >= 2 and head[i - 1].startswith("|") and head[i - 2].startswith("|") and line.startswith("|")
+        in_body = i >= 2 and all(row.startswith("|") for row in head[i - 2:i + 1])
         if in_body and not re.fullmatch(r"[|\-: ]+", line):
             rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
     return rows
@@ -159,12 +163,14 @@ def headline_rows() -> list[list[str]]:
 
 def test_every_headline_figure_is_the_json_it_cites() -> None:
     rows = headline_rows()
-    assert {r[0] for r in rows} == set(HEADLINE), "a headline row and this test's table differ: add its figures here"
+    rows_differ = "the README's headline rows and HEADLINE differ: give each row its figures here"
+    assert {r[0] for r in rows} == set(HEADLINE), rows_differ
     for first, *cells in rows:
         text = " | ".join(cells)
         figures = HEADLINE[first]
         want = Counter(f.shown() for f in figures)
-        assert Counter(FIGURE.findall(text)) == want, f"{first}: the README says {text!r}; the JSON gives {dict(want)}"
+        says = Counter(FIGURE.findall(text))
+        assert says == want, f"{first}: the README says {text!r}; the JSON gives {dict(want)}"
         cited = set(re.findall(r"\]\(bench/results/([^)#]+)\)", text))
         files = set().union(*(f.files() for f in figures))
         assert cited == files, f"{first}: cites {sorted(cited)}, its figures come from {sorted(files)}"
@@ -201,6 +207,7 @@ def test_every_link_points_to_a_file_that_exists() -> None:
     assert not broken, "\n".join(broken)
 
 
+SOURCES = ("autofit", "tests", "bench", "scripts")
 PACKAGES = {p.name for p in (ROOT / "autofit").iterdir() if p.is_dir() and not p.name.startswith("_")}
 
 
@@ -214,7 +221,8 @@ def module_exists(dotted: str) -> bool:
             rest = parts[n:]
             if not rest:
                 return True
-            return re.search(rf"^\s*(def |class )?{re.escape(rest[0])}\b", source.read_text(), re.M) is not None
+            defined = rf"^\s*(def |class )?{re.escape(rest[0])}\b"
+            return re.search(defined, source.read_text(), re.M) is not None
     return False
 
 
@@ -232,7 +240,7 @@ def test_every_module_path_the_docs_name_exists() -> None:
             first = quoted.split("/")[0]
             if first in PACKAGES and not (ROOT / "autofit" / quoted).exists():
                 missing.append(f"{page.name}: {quoted} (autofit/{quoted})")
-            elif "/" not in quoted and not any(ROOT.glob(f"{d}/**/{quoted}") for d in ("autofit", "tests", "bench", "scripts")):
+            elif "/" not in quoted and not any(ROOT.glob(f"{d}/**/{quoted}") for d in SOURCES):
                 missing.append(f"{page.name}: {quoted}")
     assert not missing, "no such module or file:\n" + "\n".join(missing)
 
