@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from typing import TypeAlias
 
 from rich.console import Console
 
@@ -14,6 +14,11 @@ from autofit.core.errors import UsageError, gather
 from autofit.data import DatasetRef, TextMode, load_samples
 from autofit.protocol.request import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from autofit.run.rundir import PROBE_TIMEOUT_S, ProbeSettings
+
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""What each subcommand's `add_parser(sub, fmt)` adds its parser to (argparse's own class)."""
+Formatter: TypeAlias = type[argparse.HelpFormatter]
+"""The help formatter every subcommand's parser shares (cli.main's)."""
 
 __all__ = [
     "EXIT_CODES",
@@ -37,7 +42,7 @@ exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexp
 """
 
 
-def console() -> Any:
+def console() -> Console:
     return Console(stderr=False, highlight=False, soft_wrap=True)
 
 
@@ -57,8 +62,8 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help="GPU index, or a comma list for one worker per GPU (default: 0 if any); "
                                  "with --gpus N, the list is cut into groups of N, one worker per group")
     g.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="GPUs one probe spans (default 1): its ranks are launched with torchrun and share the "
-                        "global batch; --gpu 0,1 alone runs two single-GPU workers side by side instead. "
+                   help="GPUs one probe spans (default 1): its ranks are launched with torchrun and share "
+                        "the global batch; --gpu 0,1 alone runs two single-GPU workers side by side instead. "
                         "On --device cpu: N processes with the gloo backend")
     g.add_argument("--device", choices=None, help="cpu to run on the CPU even where a GPU exists")
     g.add_argument("--memory-limit", metavar="SIZE",
@@ -77,7 +82,8 @@ def add_probe_flags(p: argparse.ArgumentParser, timeout_flag: str = "--timeout")
                    help=f"seconds before one probe is stopped (default {PROBE_TIMEOUT_S:.0f})")
     g.add_argument("--warmup-steps", type=int, metavar="N", default=WARMUP_STEPS,
                    help=f"optimizer steps before timing (>= {WARMUP_STEPS})")
-    g.add_argument("--timed-steps", type=int, metavar="N", default=TIMED_STEPS, help=f"timed optimizer steps (>= {TIMED_STEPS})")
+    g.add_argument("--timed-steps", type=int, metavar="N", default=TIMED_STEPS,
+                   help=f"timed optimizer steps (>= {TIMED_STEPS})")
     g.add_argument("--max-probe-accumulation", type=int, metavar="N", default=MAX_PROBE_ACCUMULATION,
                    help="micro-steps per probed optimizer step; more are extrapolated "
                         f"(default {MAX_PROBE_ACCUMULATION}; 0: all)")
@@ -88,15 +94,17 @@ def add_data_flags(p: argparse.ArgumentParser, with_dataset: bool = True, resume
     g = p.add_argument_group("data")
     if with_dataset:
         g.add_argument("--dataset", metavar="PATH",
-                       help="train on this data: JSONL (text or messages), CSV, text file, save_to_disk folder or "
-                            "parquet; lengths and a `batching` dimension come from it (default: random tokens)"
-                            + ("; with --resume, where the run's dataset is now if it moved" if resumes else ""))
+                       help="train on this data: JSONL (text or messages), CSV, text file, save_to_disk "
+                            "folder or parquet; lengths and a `batching` dimension come from it (default: "
+                            "random tokens)"
+                            + ("; with --resume, where the run's dataset is now if it moved" if resumes
+                               else ""))
     g.add_argument("--text-field", metavar="NAME",
-                   help="the text field of JSONL/CSV/parquet rows (default text); given without --messages-field, "
-                        "only text is read, not chats")
+                   help="the text field of JSONL/CSV/parquet rows (default text); given without "
+                        "--messages-field, only text is read, not chats")
     g.add_argument("--messages-field", metavar="NAME",
-                   help="the chat field: a list of {role, content} (default messages); a row with both fields "
-                        "is read as its chat")
+                   help="the chat field: a list of {role, content} (default messages); a row with both "
+                        "fields is read as its chat")
     g.add_argument("--text-mode", default="auto", choices=("auto", "lines", "paragraphs", "whole"),
                    help="plain text files: one sample per line, per blank-line block, or the whole file")
 
@@ -125,7 +133,8 @@ def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
 def probe_settings(args: argparse.Namespace) -> ProbeSettings:
     return ProbeSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
                          max_probe_accumulation=args.max_probe_accumulation or None,
-                         timeout_s=args.probe_timeout, confirm=getattr(args, "confirm", ProbeSettings.confirm),
+                         timeout_s=args.probe_timeout,
+                         confirm=getattr(args, "confirm", ProbeSettings.confirm),
                          train_tokens=getattr(args, "train_tokens", None) or ProbeSettings.train_tokens,
                          train_steps=getattr(args, "train_steps", None))
 
@@ -138,7 +147,8 @@ PATH_FLAGS = {"model": ("--model", "a preset, a model folder, a config.json or a
               "out": ("--out", "a folder"), "resume": ("--resume", "a run folder made by `autofit search`"),
               "storage": ("--storage", "a database URL or a .journal file"),
               "log_dir": ("--log-dir", "a folder"), "run": ("RUN", "a run folder made by `autofit search`"),
-              "path": ("PATH", "a dataset file or folder"), "study_name": ("--study-name", "a name for the study")}
+              "path": ("PATH", "a dataset file or folder"),
+              "study_name": ("--study-name", "a name for the study")}
 """Flags that take a path or a name: an empty value (`--out "$DIR"` with DIR unset) is refused, never
 read as the flag's default or the current folder."""
 
@@ -148,7 +158,8 @@ def check_shared_flags(args: argparse.Namespace) -> None:
     problems = [f"{flag}: an empty value; give {what}." for dest, (flag, what) in PATH_FLAGS.items()
                 if isinstance(getattr(args, dest, None), str) and not getattr(args, dest).strip()]
     if getattr(args, "warmup_steps", WARMUP_STEPS) < WARMUP_STEPS:
-        problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first step).")
+        problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first "
+                        "step).")
     if getattr(args, "timed_steps", TIMED_STEPS) < TIMED_STEPS:
         problems.append(f"--timed-steps: at least {TIMED_STEPS} timed steps give a median worth reporting.")
     tokens, steps = getattr(args, "train_tokens", None), getattr(args, "train_steps", None)
@@ -160,13 +171,15 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         problems.append("--train-tokens and --train-steps both give the planned training length; give one.")
     if getattr(args, "max_probe_accumulation", 0) < 0:
         problems.append("--max-probe-accumulation: give 0 (all micro-steps) or a positive number.")
-    if not 0 < getattr(args, "probe_timeout", 1) < math.inf:  # --timeout on probe, --probe-timeout on search, regress
+    # --timeout on probe, --probe-timeout on search, regress
+    if not 0 < getattr(args, "probe_timeout", 1) < math.inf:
         flag = getattr(args, "timeout_flag", "--probe-timeout")
         problems.append(f"{flag}: give a positive, finite number of seconds.")
     standby = getattr(args, "standby", None)
     if standby is not None and not 0 <= standby <= MAX_STANDBY:
-        problems.append(f"--standby: {standby} is not from 0 to {MAX_STANDBY}; give how many probe processes import "
-                        "ahead of need (each holds torch, transformers and peft in host memory; 0 for none).")
+        problems.append(f"--standby: {standby} is not from 0 to {MAX_STANDBY}; give how many probe processes "
+                        "import ahead of need (each holds torch, transformers and peft in host memory; 0 for "
+                        "none).")
     seed = getattr(args, "seed", 0)
     if not 0 <= seed < 2**32:  # numpy's and Optuna's samplers take a 32-bit seed
         problems.append(f"--seed: {seed} is not from 0 to {2**32 - 1}; give a sampler seed in that range.")
@@ -197,8 +210,8 @@ def share(text: str) -> float:
 def fraction(text: str, flag: str) -> float:
     value = _percent(text)
     if value is not None and value >= 1:
-        raise UsageError(f"{flag}: {text!r} is 100% or more of the baseline; a tolerance is below 100%, such as "
-                         "7% (or 0.07).")
+        raise UsageError(f"{flag}: {text!r} is 100% or more of the baseline; a tolerance is below 100%, such "
+                         "as 7% (or 0.07).")
     if value is None or not 0 <= value < 1:
         raise UsageError(f"{flag}: {text!r} is not a tolerance; expected a percentage such as 7% (or 0.07).")
     return value

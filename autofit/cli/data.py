@@ -7,9 +7,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-from autofit.cli.common import add_data_flags, data_fields, warn
+from autofit.cli.common import Formatter, Subcommands, add_data_flags, data_fields, warn
 from autofit.core.errors import CannotWrite, UsageError, gather
 from autofit.core.paths import output_folder, shown, source
 from autofit.data import TextMode, summarize
@@ -44,7 +43,8 @@ def default_out(path: str) -> Path:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    model, lengths, _ = gather(lambda: model_source(args.model, weights=False), lambda: _lengths(args.max_length),
+    model, lengths, _ = gather(lambda: model_source(args.model, weights=False),
+                               lambda: _lengths(args.max_length),
                                lambda: source(Path(args.path).expanduser(), "PATH", GIVE))
     out = Path(args.out) if args.out else default_out(args.path)
     output_folder(out, "--out" if args.out else "autofit data", "Give a folder (created if missing) for "
@@ -64,15 +64,18 @@ def cmd_data(args: argparse.Namespace) -> int:
 def _lengths(values: list[int] | None) -> tuple[int, ...]:
     bad = [v for v in values or () if v <= 0]
     if bad:
-        raise UsageError(f"--max-length: {bad[0]} is not a length; give positive token counts such as 1024 2048.")
+        raise UsageError(f"--max-length: {bad[0]} is not a length; give positive token counts such as 1024 "
+                         "2048.")
     return tuple(values or ())
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     dp = sub.add_parser("data", help="length percentiles, histogram and truncation of a dataset",
                         formatter_class=fmt, epilog=DATA_EPILOG)
-    dp.add_argument("path", metavar="PATH", help="JSONL (text or messages), text file, save_to_disk folder or parquet")
-    dp.add_argument("--model", required=True, help="preset, local folder, config.json, or hub id (its tokenizer)")
+    dp.add_argument("path", metavar="PATH",
+                    help="JSONL (text or messages), text file, save_to_disk folder or parquet")
+    dp.add_argument("--model", required=True,
+                    help="preset, local folder, config.json, or hub id (its tokenizer)")
     add_data_flags(dp, with_dataset=False)
     dp.add_argument("--max-length", type=int, nargs="+", metavar="N",
                     help="the max_length candidates to show instead of the data's own")

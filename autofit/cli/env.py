@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
+from autofit.cli.common import Formatter, Subcommands
 from autofit.core.envinfo import collect
 
 
@@ -30,7 +30,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     en = sub.add_parser("env", help="GPUs, driver, CUDA and package versions", formatter_class=fmt,
                         epilog="examples:\n  autofit env\n  autofit env --json > env.json\n\nexit codes: 0\n")
     en.add_argument("--json", action="store_true")

@@ -6,8 +6,8 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
+from autofit.cli.common import Formatter, Subcommands
 from autofit.core.errors import UsageError
 from autofit.core.paths import shown
 from autofit.export import SCRIPTS, export_run, stdout_notes, write_rendered
@@ -18,12 +18,14 @@ from autofit.run.rundir import SEARCH_LOCK
 def cmd_export(args: argparse.Namespace) -> int:
     searching = locks.holder(Path(args.run) / SEARCH_LOCK)
     if searching and not (Path(args.run) / "best.json").is_file():
-        raise UsageError(f"RUN: a search is running in {shown(args.run)} ({searching}); it writes best.json when it "
-                         f"ends. `autofit report {shown(args.run)}` shows its best so far.")
+        raise UsageError(f"RUN: a search is running in {shown(args.run)} ({searching}); it writes best.json "
+                         f"when it ends. `autofit report {shown(args.run)}` shows its best so far.")
     rendered = export_run(args.run, args.format, args.dataset)
     if searching:
-        print(f"autofit: warning: a search is running in {shown(args.run)} ({searching}); this exports the best found so "
-              "far (best.json as `autofit report` last wrote it), which the search may still beat", file=sys.stderr)
+        print(f"autofit: warning: a search is running in {shown(args.run)} ({searching}); this exports the "
+              "best found so far (best.json as `autofit report` last wrote it), which the search may still "
+              "beat",
+              file=sys.stderr)
     for note in rendered.notes:
         print(f"autofit: warning: {note}", file=sys.stderr)
     for item in rendered.unexpressed:
@@ -40,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     ex = sub.add_parser("export", help="write the winner as a training recipe", formatter_class=fmt,
                         epilog=textwrap.dedent("""\
                             formats:
@@ -68,7 +70,8 @@ def add_parser(sub: Any, fmt: Any) -> None:
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
     ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
-    ex.add_argument("-o", "--output", help="output file (default, or -: stdout); an existing one needs --force")
+    ex.add_argument("-o", "--output", help="output file (default, or -: stdout); an existing one needs "
+                                           "--force")
     ex.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
     ex.add_argument("--dataset", metavar="PATH",
                     help="where the run's dataset is now, if it moved since the search (its content must be "

@@ -7,9 +7,10 @@ import json
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from autofit.cli.common import (
+    Formatter,
+    Subcommands,
     add_data_flags,
     add_probe_flags,
     add_target_flags,
@@ -30,10 +31,14 @@ from autofit.run.session import model_source
 
 def cmd_probe(args: argparse.Namespace) -> int:
     spans = {"gpus": args.gpus} if args.gpus > 1 else {}  # --gpus N, unless --set gpus says otherwise
-    cfg, model, targets, ref = gather(lambda: TrialConfig.from_mapping({**spans, **parse_sets(args.set or [])}),
+
+    def config() -> TrialConfig:  # a malformed --set is said with the other flags' problems
+        return TrialConfig.from_mapping({**spans, **parse_sets(args.set or [])})
+
+    cfg, model, targets, ref = gather(config,
                                       lambda: model_source(args.model),
-                                      lambda: resolve_targets(args.gpu, args.device, args.memory_limit, args.headroom,
-                                                              args.gpus),
+                                      lambda: resolve_targets(args.gpu, args.device, args.memory_limit,
+                                                              args.headroom, args.gpus),
                                       lambda: dataset_ref(args))
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
@@ -41,20 +46,22 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if cfg.micro_step_sequences > cfg.global_batch:
         raise UsageError(f"--set micro_batch_size={cfg.micro_batch_size}"
                          f"{f' on {cfg.gpus} GPUs' if cfg.gpus > 1 else ''} is more than global_batch="
-                         f"{cfg.global_batch} sequences per optimizer step, so it would train on more than asked; "
-                         f"set global_batch={cfg.micro_step_sequences} or more, or a smaller micro-batch.")
+                         f"{cfg.global_batch} sequences per optimizer step, so it would train on more than "
+                         f"asked; set global_batch={cfg.micro_step_sequences} or more, or a smaller "
+                         "micro-batch.")
     sets = parse_sets(args.set or [])
     model.check_lengths([cfg.max_length], "--set max_length" if "max_length" in sets
                         else f"max_length (default {cfg.max_length}; set it with --set max_length=N)")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
-    output_folder(log_dir, "--log-dir" if args.log_dir else "runs/probes", "Give the folder the probe's log goes in "
+    output_folder(log_dir, "--log-dir" if args.log_dir else "runs/probes",
+                  "Give the folder the probe's log goes in "
                   "(created if missing) with --log-dir.")
     writable_logs(log_dir.resolve(), "--log-dir" if args.log_dir else "")
     if not args.json:
         print(f"probing {model.ref} on {target.describe()} ...", file=sys.stderr)
-    with Runner(target, log_dir, standby=0, warmup_steps=settings.warmup_steps, timed_steps=settings.timed_steps,
-                max_probe_accumulation=settings.max_probe_accumulation,
+    with Runner(target, log_dir, standby=0, warmup_steps=settings.warmup_steps,
+                timed_steps=settings.timed_steps, max_probe_accumulation=settings.max_probe_accumulation,
                 dataset=ref.to_dict() if ref else None, data_cache=log_dir / "data") as runner:
         name = "probe-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         res = runner.run(cfg, model, name=name, timeout=settings.timeout_s)
@@ -99,7 +106,7 @@ def _presets_help() -> str:
     return "\n".join(f"  {name:<12} {PRESET_HELP[name]}" for name in PRESETS)
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     pr = sub.add_parser("probe", help="measure one configuration in a child process", formatter_class=fmt,
                         epilog=PROBE_EPILOG.format(keys=_keys_help(), presets=_presets_help()))
     pr.add_argument("--model", required=True, help="preset, local folder, config.json, or hub id")

@@ -7,12 +7,11 @@ import sys
 import textwrap
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-from autofit.cli.common import add_target_flags, fraction, gather, warn
+from autofit.cli.common import Formatter, Subcommands, add_target_flags, fraction, gather, warn
 from autofit.core.errors import AutofitError, RegressionFound, UsageError
 from autofit.run import locks, regress
-from autofit.run.rundir import SEARCH_LOCK, RunDir
+from autofit.run.rundir import HISTORY, SEARCH_LOCK, RunDir
 from autofit.run.session import busy_gpus
 
 
@@ -22,7 +21,8 @@ def cmd_regress(args: argparse.Namespace) -> int:
         try:
             speed, memory, consecutive, severe = gather(
                 lambda: fraction(args.tolerance, "--tolerance"),
-                lambda: None if args.memory_tolerance is None else fraction(args.memory_tolerance, "--memory-tolerance"),
+                lambda: None if args.memory_tolerance is None
+                else fraction(args.memory_tolerance, "--memory-tolerance"),
                 lambda: checks_in_a_row(args.consecutive), lambda: severe_factor(args.severe_factor))
             # before the baseline is read: a job that waited must compare with what the first one left
             run = Path(args.run)
@@ -30,12 +30,13 @@ def cmd_regress(args: argparse.Namespace) -> int:
                 held.enter_context(regress.one_at_a_time(run, warn))
             searching = locks.holder(run / SEARCH_LOCK)
             if searching:  # both would measure under the other's load, and both write best.json
-                raise UsageError(f"RUN: a search is running in {run} ({searching}); regress re-measures the winner "
-                                 "of a search that has ended: run it then.")
+                raise UsageError(f"RUN: a search is running in {run} ({searching}); regress re-measures the "
+                                 "winner of a search that has ended: run it then.")
             p = regress.plan(run, args.top, args.gpu, args.device, args.memory_limit,
                              args.allow_gpu_change, args.dataset)
             history = regress.read_history(p.run_dir, warn)
-            tol = regress.Tolerance(speed, regress.default_memory_tolerance(p.target) if memory is None else memory)
+            tol = regress.Tolerance(speed, regress.default_memory_tolerance(p.target) if memory is None
+                                    else memory)
             rule = regress.Rule(consecutive, severe, memory_exact=p.target.device == "cuda")
             env_now = regress.now_env()
             print(f"autofit regress: {p.run_dir} on {p.target.describe()}", file=sys.stderr)
@@ -51,7 +52,7 @@ def cmd_regress(args: argparse.Namespace) -> int:
             raise
         trend = regress.record(p, checks, tol, rule, env_now, reports, history)
         kept = regress.update_baseline(p, checks, env_now) if args.update_baseline else None
-    print(f"history: {p.run_dir / regress.HISTORY}; trend: {trend}")
+    print(f"history: {p.run_dir / HISTORY}; trend: {trend}")
     if kept is not None:
         print(f"baseline updated; the previous one is kept as {kept}")
         taken = regress.taken_in(checks)
@@ -97,9 +98,9 @@ def show(c: regress.Check) -> None:
     print(f"[{c.status.mark}] " + "\n        ".join(c.messages), flush=True)
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
-    rg = sub.add_parser("regress", help="re-measure a run's winner; exit 1 on a regression", formatter_class=fmt,
-                        epilog=textwrap.dedent("""\
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
+    rg = sub.add_parser("regress", help="re-measure a run's winner; exit 1 on a regression",
+                        formatter_class=fmt, epilog=textwrap.dedent("""\
                             examples:
                               autofit regress runs/<id>                               # nightly, same GPU
                               autofit regress runs/<id> --top 3 --junit regress.xml --json regress.json
@@ -127,24 +128,27 @@ def add_parser(sub: Any, fmt: Any) -> None:
                             or the re-baselined best.json after measuring). The --json and --junit files
                             are written first with an error ("did not finish") and replaced at the end:
                             with the checks, or with the error that stopped the job (a JUnit <error>).
-                            """))
+                            """))  # noqa: E501  the help text as printed
     rg.add_argument("run", help="a run folder made by autofit search")
-    rg.add_argument("--top", type=int, default=1, help="re-probe the winner and this many minus one runners-up")
+    rg.add_argument("--top", type=int, default=1,
+                    help="re-probe the winner and this many minus one runners-up")
     rg.add_argument("--tolerance", default="7%", help="slower than this is outside tolerance (default 7%%)")
     rg.add_argument("--memory-tolerance", default=None,
-                    help="heavier than this is outside tolerance (default 3%% on a GPU, 10%% on the CPU, where the "
-                         "peak is the process's resident memory and moves by several percent between runs)")
+                    help="heavier than this is outside tolerance (default 3%% on a GPU, 10%% on the CPU, "
+                         "where the peak is the process's resident memory and moves by several percent "
+                         "between runs)")
     rg.add_argument("--consecutive", default=str(regress.CONSECUTIVE), metavar="N",
-                    help="checks in a row outside tolerance that make a regression (default %(default)s; 1: every "
-                         "check outside tolerance fails, as before this rule)")
+                    help="checks in a row outside tolerance that make a regression (default %(default)s; 1: "
+                         "every check outside tolerance fails, as before this rule)")
     rg.add_argument("--severe-factor", default=f"{regress.SEVERE:g}", metavar="X",
-                    help="a check worse than X times the tolerance is a regression at once (default %(default)s; "
-                         "off: never at once)")
+                    help="a check worse than X times the tolerance is a regression at once (default "
+                         "%(default)s; off: never at once)")
     rg.add_argument("--json", metavar="PATH", help="write the checks and the verdict as JSON")
     rg.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per config; a suspect or "
                     "inconclusive check is <skipped>)")
     add_target_flags(rg)
-    rg.add_argument("--dataset", metavar="PATH", help="where the run's dataset is now, if it moved (its content "
+    rg.add_argument("--dataset", metavar="PATH",
+                    help="where the run's dataset is now, if it moved (its content "
                     "must be the one measured; a changed file exits 2, not as a regression)")
     rg.add_argument("--allow-gpu-change", action="store_true", help="compare across GPU models anyway")
     rg.add_argument("--update-baseline", action="store_true",

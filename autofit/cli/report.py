@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from autofit.cli.common import Formatter, Subcommands
+from autofit.core.documents import JSONObject
 from autofit.core.errors import CannotWrite
 from autofit.core.paths import shown
 from autofit.protocol.result import ProbeResult
 from autofit.run import locks
 from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.outputs import write_outputs
-from autofit.run.rundir import SEARCH_LOCK
+from autofit.run.rundir import SEARCH_LOCK, RunSpec
 from autofit.run.session import open_run_study, unstarted
-from autofit.search.study import finished, stop_reason_of, study_rows, untried_of
+from autofit.search.study import ProbeRow, finished, stop_reason_of, study_rows, untried_of
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if not locks.holder(run_dir / SEARCH_LOCK) and (spec := unstarted(run_dir)) is not None:
-        _write(run_dir, spec.to_dict(), [], [], "", {}, None, True)
-        print(f"not finished: the search was stopped before its first probe (its study was not made yet); nothing "
-              f"was measured. Continue with: autofit search --resume {shown(run_dir)}")
+        _write(run_dir, spec, [], [], "", {}, None, True)
+        print("not finished: the search was stopped before its first probe (its study was not made yet); "
+              f"nothing was measured. Continue with: autofit search --resume {shown(run_dir)}")
         return 0
     spec, study = open_run_study(run_dir)
     while True:
@@ -30,35 +31,37 @@ def cmd_report(args: argparse.Namespace) -> int:
         searching = locks.holder(run_dir / SEARCH_LOCK)
         reason = stop_reason_of(study)
         unfinished = not searching and not finished(reason)
-        best = _write(run_dir, spec.to_dict(), rows, timeline, reason, untried_of(study), searching, unfinished)
+        best = _write(run_dir, spec, rows, timeline, reason, untried_of(study), searching, unfinished)
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
             break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
     print(f"rebuilt {shown(run_dir / 'trials.jsonl')} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
           f"{'best.json, ' if best else ''}report.md and plots")
     if searching:  # the interim figures are not the search's result, and an export now would take them
-        print(f"in progress: a search is running in this folder ({searching}); these are its best so far, and "
-              "it rewrites them when it ends")
+        print(f"in progress: a search is running in this folder ({searching}); these are its best so far, "
+              "and it rewrites them when it ends")
     elif unfinished:
-        why = "its search was interrupted" if reason else ("the study records no end (its search was killed, or the "
-                                                           "folder copied while it ran)")
+        why = "its search was interrupted" if reason else ("the study records no end (its search was killed, "
+                                                           "or the folder copied while it ran)")
         print(f"not finished: {why}; these are the results so far. Continue with: autofit search --resume "
               f"{shown(run_dir)}")
     elif not best:  # what export and regress sent the user here to learn
-        why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows], spec.targets[0].memory_limit_bytes,
-                                   stop_reason_of(study))
+        why = nothing_fits_message([ProbeResult.from_dict(r) for r in rows],
+                                   spec.targets[0].memory_limit_bytes, stop_reason_of(study))
         print(f"no best.json: {why}")
     return 0
 
 
-def _write(run_dir: Path, *outputs: Any) -> dict[str, Any] | None:
+def _write(run_dir: Path, spec: RunSpec, rows: list[ProbeRow], timeline: list[tuple[float, float]],
+           stop_reason: str, untried: dict[str, int], searching: str | None,
+           unfinished: bool) -> JSONObject | None:
     """report.write_outputs, a refused write said as exit 4."""
     try:
-        return write_outputs(run_dir, *outputs)
+        return write_outputs(run_dir, spec, rows, timeline, stop_reason, untried, searching, unfinished)
     except OSError as e:  # a full or read-only disk, most often; whatever it is, the study is intact
         raise CannotWrite(f"RUN: cannot write the outputs in {shown(run_dir)} ({e.strerror or e}).") from None
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     rp = sub.add_parser("report", help="rebuild trials.jsonl, best.json and report.md from the study",
                         formatter_class=fmt, epilog="examples:\n  autofit report runs/<id>\n\n"
                         "exit codes: 0 rebuilt, 2 not a run folder (or its study is gone), 4 cannot write\n")

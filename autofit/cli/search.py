@@ -11,7 +11,8 @@ import sys
 from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
@@ -20,6 +21,8 @@ from rich.table import Table
 
 from autofit.cli.common import (
     EXIT_CODES,
+    Formatter,
+    Subcommands,
     add_data_flags,
     add_probe_flags,
     add_target_flags,
@@ -80,9 +83,10 @@ class Progress:
             self.live.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self.live is not None:
-            self.live.__exit__(*exc)
+            self.live.__exit__(kind, exc, tb)
 
     def _table(self) -> Table:
         """The config column takes what the others leave and is cut with an ellipsis: one line a row."""
@@ -96,7 +100,8 @@ class Progress:
             columns.append("worker")
         visible = [dict(zip(COLUMNS, row)) for row in self.rows[-25:]]
         widths = {c: max([len(c)] + [len(r[c]) for r in visible]) for c in columns}
-        widths["config"] = max(20, self.console.width - sum(widths[c] + 3 for c in columns if c != "config") - 3)
+        widths["config"] = max(20, self.console.width - sum(widths[c] + 3 for c in columns
+                                                            if c != "config") - 3)
         for col in columns:
             t.add_column(col, no_wrap=True, overflow="ellipsis", min_width=widths[col], max_width=widths[col],
                          justify="right" if col in ("#", "tok/s", "peak", "predicted") else "left")
@@ -109,8 +114,10 @@ class Progress:
         outcome = (r.outcome.value + (" (again)" if e.kind == "again" else "")) if r else f"skip: {e.kind}"
         tps = f"{r.tokens_per_s:,.0f}" if r and r.tokens_per_s else "-"
         if r and e.kind == "again" and len(r.measurements) > 1:
-            # the repeat's own figure in its column; the median of the runs, which the config now ranks by, beside
-            tps, outcome = f"{r.measurements[-1]:,.0f}", f"{r.outcome.value} (again; median {r.tokens_per_s:,.0f})"
+            # the repeat's own figure in its column; the median of the runs, which the config now ranks
+            # by, beside
+            tps = f"{r.measurements[-1]:,.0f}"
+            outcome = f"{r.outcome.value} (again; median {r.tokens_per_s:,.0f})"
         peak = format_size(r.peak_memory_bytes) if r else "-"
         row = (str(e.number), config_brief(e.config), outcome, tps, peak, format_size(e.predicted), e.worker)
         if e.best is not None:
@@ -153,8 +160,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             hold(session)
             regressing = locks.holder(session.run_dir / REGRESS_LOCK)
             if regressing:  # it measures the winner: two measurers on one machine measure each other's load
-                raise UsageError(f"--resume: autofit regress is measuring {shown(session.run_dir)} ({regressing}); resume "
-                                 "when it has finished.")
+                raise UsageError(f"--resume: autofit regress is measuring {shown(session.run_dir)} "
+                                 f"({regressing}); resume when it has finished.")
         try:
             session, study = start(session)
             if session.mode is Mode.NEW:  # a folder of its own (start reserves it)
@@ -168,14 +175,16 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def _searching(session: Session, who: str) -> None:
     if session.mode is Mode.JOIN:
-        raise UsageError(f"a worker of this study already runs in {shown(session.run_dir)} ({who}), joined from this "
-                         "folder; start another worker from another folder, or give it another --out.")
-    raise UsageError(f"--resume: a search is running in {shown(session.run_dir)} ({who}); wait for it to end, or stop "
-                     "it (Ctrl-C) and resume then.")
+        raise UsageError(f"a worker of this study already runs in {shown(session.run_dir)} ({who}), joined "
+                         "from this folder; start another worker from another folder, or give it another "
+                         "--out.")
+    raise UsageError(f"--resume: a search is running in {shown(session.run_dir)} ({who}); wait for it to "
+                     "end, or stop it (Ctrl-C) and resume then.")
 
 
 def _search(args: argparse.Namespace, session: Session, study: optuna.Study) -> int:
-    for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets), *_short_budget(args.budget)]:
+    for warning in [*session.spec.space.warnings(), *busy_gpus(session.spec.targets),
+                    *_short_budget(args.budget)]:
         warn(warning)
     if not args.json:
         print(_opening(session), file=sys.stderr)
@@ -231,7 +240,8 @@ def _closing(s: Summary) -> str:
     best = s.best or {}
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
     return (f"\nbest: {best['tokens_per_s']:,.0f} tokens/s, peak {format_size(best['peak_memory_bytes'])} "
-            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} probe{'s' if len(s.rows) != 1 else ''}"
+            f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} "
+            f"probe{'s' if len(s.rows) != 1 else ''}"
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
             + f"\nreport: {shown(s.run_dir / 'report.md')}\n"
@@ -253,10 +263,10 @@ examples:
   # several hosts, one study (each host runs the same command):
   autofit search --model llama2-7b --storage postgresql+psycopg://user:pw@db/autofit --study-name s1
 
-""" + EXIT_CODES
+""" + EXIT_CODES  # noqa: E501  the help text as printed
 
 
-def add_parser(sub: Any, fmt: Any) -> None:
+def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     se = sub.add_parser("search", help="find the fastest configuration that fits", formatter_class=fmt,
                         epilog=SEARCH_EPILOG)
     se.add_argument("--model", help="preset, local folder, config.json, or hub id")
@@ -271,12 +281,13 @@ def add_parser(sub: Any, fmt: Any) -> None:
     se.add_argument("--storage", help="Optuna storage URL shared by workers (postgresql+psycopg://..., "
                                       "sqlite:///...) or a .journal file path")
     se.add_argument("--study-name", help="study to create or join at --storage")
-    se.add_argument("--resume", metavar="RUN_FOLDER", help="continue a search; finished probes are not re-run")
+    se.add_argument("--resume", metavar="RUN_FOLDER",
+                    help="continue a search; finished probes are not re-run")
     se.add_argument("--json", action="store_true", help="print a JSON summary (no live table)")
     se.add_argument("--seed", type=int, default=0, help="sampler seed")
     se.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.EDGE.value,
-                    help="which probe comes next: edge (P(fit) x expected gain, cost-aware; default) or promise "
-                         "(the first version's order, kept for comparison)")
+                    help="which probe comes next: edge (P(fit) x expected gain, cost-aware; default) or "
+                         "promise (the first version's order, kept for comparison)")
     se.add_argument("--standby", type=int, default=None,
                     help="probe processes importing ahead of need, per worker (default: 2 on a GPU, "
                          "1 on the CPU); importing torch+transformers+peft takes 15-20 s on a GPU host")

@@ -14,9 +14,9 @@ import errno
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TextIO
+from typing import TextIO
 
 
 class Guarded:
@@ -43,7 +43,7 @@ class Guarded:
                 self._failed(e)
         return len(text)
 
-    def writelines(self, lines: Any) -> None:
+    def writelines(self, lines: Iterable[str]) -> None:
         for line in lines:
             self.write(line)
 
@@ -59,7 +59,7 @@ class Guarded:
     def isatty(self) -> bool:
         return not self.dropped and self.stream is not None and self.stream.isatty()
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self.stream, name)
 
     def _failed(self, e: OSError) -> None:
@@ -83,7 +83,8 @@ class Guarded:
 def _to_devnull(stream: TextIO | None) -> None:
     try:
         fd = stream.fileno() if stream is not None else -1
-    except (OSError, ValueError, AttributeError):  # an in-memory stream (a test's capture): nothing to redirect
+    # an in-memory stream (a test's capture): nothing to redirect
+    except (OSError, ValueError, AttributeError):
         return
     if fd < 0:
         return
@@ -99,10 +100,10 @@ def guarded() -> Iterator[tuple[Guarded, Guarded]]:
     """sys.stdout and sys.stderr guarded for the block (and restored after: tests call the CLI in-process).
     Standard output keeps a name that is not UTF-8 as its bytes (surrogateescape), as `ls` prints it."""
     old_out, old_err = sys.stdout, sys.stderr
-    if old_out is not None and old_out is sys.__stdout__ and hasattr(old_out, "reconfigure"):
+    if old_out is sys.__stdout__ and old_out is not None and hasattr(old_out, "reconfigure"):
         old_out.reconfigure(errors="surrogateescape")
     out, err = Guarded(old_out, "standard output"), Guarded(old_err, "standard error")
-    sys.stdout, sys.stderr = out, err  # type: ignore[assignment]
+    sys.stdout, sys.stderr = out, err
     try:
         yield out, err
     finally:

@@ -143,7 +143,8 @@ def describe(cfg: TrialConfig) -> str:
     """`2 GPUs, fsdp2 (reshard after forward, offload all)` for reports; '' for one GPU, no engine."""
     if cfg.gpus == 1 and cfg.engine == "none":
         return ""
-    parts = [f"{cfg.gpus} GPU{'s' if cfg.gpus > 1 else ''}", "data parallel" if cfg.engine == "none" else cfg.engine]
+    parts = [f"{cfg.gpus} GPU{'s' if cfg.gpus > 1 else ''}",
+             "data parallel" if cfg.engine == "none" else cfg.engine]
     extra = []
     if cfg.engine == "fsdp2":
         extra.append("reshard after forward" if cfg.reshard_after_forward else "no reshard after forward")

@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+
 from packaging.version import InvalidVersion, Version
 
 from autofit.config.spec import KEYS, keyed
@@ -55,7 +56,8 @@ def liger_problem(device: str) -> str | None:
     if found is None:
         return f"liger=on: liger-kernel is not installed (pip install 'liger-kernel>={LIGER_MIN_VERSION}')"
     if not _at_least(found, LIGER_MIN_VERSION):
-        return f"liger=on: liger-kernel {found} is older than {LIGER_MIN_VERSION}, the version autofit measured"
+        return (f"liger=on: liger-kernel {found} is older than {LIGER_MIN_VERSION}, the version autofit "
+                "measured")
     if _version("triton") is None and importlib.util.find_spec("triton") is None:
         return "liger=on: triton is not installed (Liger's kernels are written in Triton)"
     return None
@@ -78,7 +80,8 @@ def _flash_problem(impl: str, device: str) -> str | None:
     version = impl.rsplit("_", 1)[-1]
     dist = "flash-attn" if version == "2" else "flash-attn-3"
     found = _version(dist)
-    if device == "cuda" and found is not None and (version != "2" or _at_least(found, FLASH_ATTN_2_MIN_VERSION)):
+    if device == "cuda" and found is not None and (version != "2"
+                                                   or _at_least(found, FLASH_ATTN_2_MIN_VERSION)):
         return None
     if device == "cuda" and _kernels_package_usable():
         return None  # transformers falls back to kernels-community/flash-attn{version} (needs the hub cache)
@@ -103,7 +106,8 @@ def attention_problem(impl: str, device: str) -> str | None:
     if impl == "flex_attention":
         if device != "cuda":
             # torch 2.13 on the CPU: NotImplementedError "FlexAttention does not support backward on CPU".
-            return "attn_implementation=flex_attention: FlexAttention has no backward on the CPU (torch raises)"
+            return ("attn_implementation=flex_attention: FlexAttention has no backward on the CPU (torch "
+                    "raises)")
         # transformers wraps flex_attention in torch.compile: the same needs as torch_compile.
         why = compile_problem(device)
         return why.replace("torch_compile=on", "attn_implementation=flex_attention") if why else None
@@ -139,7 +143,8 @@ def liger_architecture_problem(model_type: str) -> str | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"liger=on: importing liger_kernel.transformers failed ({first[:200]})"
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        return f"liger=on: Liger has no kernels for model_type {model_type!r} (it would silently patch nothing)"
+        return (f"liger=on: Liger has no kernels for model_type {model_type!r} (it would silently patch "
+                "nothing)")
     return None
 
 

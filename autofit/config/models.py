@@ -138,8 +138,8 @@ def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
     empty = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
              if isinstance(data.get(k), int) and data[k] < 1]
     if empty:
-        raise UsageError(f"{flag}: {path} gives {', '.join(f'{k}={data[k]}' for k in empty)}; a model to fine-tune "
-                         "needs at least one of each. Fix the config.json, or use a preset "
+        raise UsageError(f"{flag}: {path} gives {', '.join(f'{k}={data[k]}' for k in empty)}; a model to "
+                         "fine-tune needs at least one of each. Fix the config.json, or use a preset "
                          f"({', '.join(PRESETS)}).")
     # Deferred: the config classes import torch (about two seconds), needed only for a config from a file.
     from huggingface_hub.errors import StrictDataclassError
@@ -147,7 +147,8 @@ def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity(logging.ERROR)  # its notes on a config (a token id it would drop) are the probe's to log
+    # its notes on a config (a token id it would drop) are the probe's to log
+    hf_logging.set_verbosity(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -180,8 +181,8 @@ def _check_model_type(model_type: str, path: Path, flag: str, remote_code: bool)
         return
     close = difflib.get_close_matches(model_type, sorted(known), n=3)
     hint = f" (close: {', '.join(close)})" if close else ""
-    raise UsageError(f"{flag}: {path} has model_type {model_type!r}, which the installed transformers does not "
-                     f"know{hint}; fix the config.json or use a preset ({', '.join(PRESETS)}).")
+    raise UsageError(f"{flag}: {path} has model_type {model_type!r}, which the installed transformers does "
+                     f"not know{hint}; fix the config.json or use a preset ({', '.join(PRESETS)}).")
 
 
 def _looks_like_path(text: str) -> bool:
@@ -199,7 +200,8 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
         return ModelSource("preset", text, dict(PRESETS[text]))
     path = Path(text).expanduser()
     # a FIFO or a device (a read that may never end), a symlink loop, a name too long: said before any read
-    paths.source(path, flag, f"Give a model folder, a config.json, a hub id or a preset ({', '.join(PRESETS)}).")
+    paths.source(path, flag, "Give a model folder, a config.json, a hub id or a preset "
+                             f"({', '.join(PRESETS)}).")
     if path.is_dir():
         cfg = path / "config.json"
         if not cfg.is_file():
@@ -210,9 +212,9 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
             )
         if weights and not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
             raise UsageError(
-                f"{flag}: folder {text} has a config.json but no weights (no .safetensors or .bin file); give "
-                f"{cfg} to measure the architecture with random weights (the same memory and speed), or the "
-                "folder the weights were saved to."
+                f"{flag}: folder {text} has a config.json but no weights (no .safetensors or .bin file); "
+                f"give {cfg} to measure the architecture with random weights (the same memory and speed), or "
+                "the folder the weights were saved to."
             )
         return ModelSource("local", str(path.resolve()), _read_json(cfg, flag))
     if path.is_file():

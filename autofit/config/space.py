@@ -8,9 +8,9 @@ naming the file, the key and the value.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -83,7 +83,8 @@ class Space:
         out: dict[str, Value] = {}
         for k, vals in self.dimensions.items():
             want = next((v for v in prefs.get(k, ()) if v in vals), None)
-            out[k] = want if want is not None else (min(map(int, vals)) if k == "micro_batch_size" else vals[0])
+            out[k] = want if want is not None else (min(map(int, vals)) if k == "micro_batch_size"
+                                                    else vals[0])
         return out
 
     def warnings(self) -> list[str]:
@@ -111,7 +112,8 @@ class Space:
         for k, vals in dims.items():
             flag = OVERRIDE_FLAGS.get(k)
             if flag is not None and len(set(map(str, vals))) != len(vals):
-                problems.append(f"{flag}: a value is listed twice in {','.join(map(str, vals))}; list each once.")
+                problems.append(f"{flag}: a value is listed twice in {','.join(map(str, vals))}; list each "
+                                "once.")
             problems += [f"{flag}: {msg}" for v in vals if flag is not None and (msg := KEYS[k].problem(v))]
         if problems:
             raise UsageError(problems)
@@ -145,7 +147,8 @@ def validate(space: Space) -> None:
                 problems.append(f"{where}: {section}.{key}: unknown key; known keys: {', '.join(KEYS)}")
                 continue
             if not isinstance(vals, list) or not vals:
-                problems.append(f"{where}: {section}.{key}: expected a non-empty list of values, got {vals!r}")
+                problems.append(f"{where}: {section}.{key}: expected a non-empty list of values, got "
+                                f"{vals!r}")
                 continue
             for v in vals:
                 if isinstance(v, str) and KEYS[key].type is not str:
@@ -165,8 +168,8 @@ def validate(space: Space) -> None:
     if not problems and not space.candidates():
         problems.append(f"{where}: no valid configuration: every combination breaks a rule (a micro-batch "
                         "larger than the global batch; with divisors_only, one that does not divide it; "
-                        "quantization with method: full). Allow smaller micro-batches or a larger global batch "
-                        "(--global-batch).")
+                        "quantization with method: full). Allow smaller micro-batches or a larger global "
+                        "batch (--global-batch).")
     if problems:
         raise UsageError(problems)
 
@@ -227,11 +230,13 @@ def load_space(ref: str | Path) -> Space:
         what = f"{ref} is a folder, not a file" if path.is_dir() else f"no such file {ref}"
         raise UsageError(f"--space: {what}; give a YAML path or a shipped space ({have}).")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506  a SafeLoader
+        data = yaml.load(path.read_text(encoding="utf-8"),
+                         Loader=_UniqueKeyLoader)  # noqa: S506  a SafeLoader
     except yaml.YAMLError as e:
         raise UsageError(f"--space: {path} is not valid YAML: {_yaml_problem(e)}") from None
     except (UnicodeDecodeError, OSError) as e:
-        raise UsageError(f"--space: cannot read {path} as UTF-8 text ({e}); give a YAML space file.") from None
+        raise UsageError(f"--space: cannot read {path} as UTF-8 text ({e}); give a YAML space "
+                         "file.") from None
     if not isinstance(data, dict):
         raise UsageError(f"--space: {path}: expected a mapping with 'fixed' and 'dimensions'.")
     problems = [f"{path}: unknown section {k!r}; expected fixed, dimensions, divisors_only, method"

@@ -97,7 +97,8 @@ Value = str | int | bool
 V = TypeVar("V", str, int, bool)
 
 Label = Callable[["TrialConfig"], "str | None"]
-"""A dimension's short label for the live table and the probe lines, from the whole config (None: not shown)."""
+"""A dimension's short label for the live table and the probe lines, from the whole config (None: not
+shown)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ class Dimension:
     """Whether a value is allowed (each dimension's check takes a value of its own type)."""
     expected: str = ""
     learning: bool = False
-    """The value changes what is learned (truncation, quantization, ...): the report says so beside the winner."""
+    """The value changes what is learned (truncation, quantization, ...): the report says so beside the
+    winner."""
     late: bool = False
     """Added after studies were stored: `TrialConfig.key()` leaves it out at its default, so an older study's
     configs keep their keys and `--resume` finds them."""
@@ -136,13 +138,14 @@ class Dimension:
     cost: bool = False
     """Enters the probe-time estimate's cost class (a quantized load, a compile, recomputation)."""
     fixed_cost: bool = False
-    """A value other than the default pays a one-off cost per probe (a quantized load, a compile, kernel builds)."""
+    """A value other than the default pays a one-off cost per probe (a quantized load, a compile, kernel
+    builds)."""
     label: Label | None = None
     label_at: int = 0
     """Its place in the live table's line (`brief`)."""
     training_argument: str | None = None
-    """The TrainingArguments field the value maps to (None: the recipe maps it in code). The probe and the Python
-    recipes pass it where the value is not the default, and so do the YAML formats in `kept_by`."""
+    """The TrainingArguments field the value maps to (None: the recipe maps it in code). The probe and the
+    Python recipes pass it where the value is not the default, and so do the YAML formats in `kept_by`."""
     argument: Callable[[Any], Any] | None = None
     """The value as `training_argument` takes it (None: as it is)."""
     kept_by: tuple[str, ...] = ("hf-trainer", "trl", "llama-factory")
@@ -208,55 +211,59 @@ class TrialConfig:
 
     method: str = dim("lora", "lora (adapters on a frozen base) or full fine-tuning", allowed=METHODS, gate=6,
                       label=lambda c: "full" if c.method == "full" else None, label_at=12)
-    max_length: int = dim(2048, "tokens per sequence; every probed sequence is this long", check=lambda v: v >= 8,
-                          expected="an integer >= 8", learning=True, memory=Memory.TOKENS, label=lambda c: f"L={c.max_length}",
-                          label_at=1)
+    max_length: int = dim(2048, "tokens per sequence; every probed sequence is this long",
+                          check=lambda v: v >= 8, expected="an integer >= 8", learning=True,
+                          memory=Memory.TOKENS, label=lambda c: f"L={c.max_length}", label_at=1)
     micro_batch_size: int = dim(1, "sequences per forward/backward pass", check=_positive,
                                 expected="an integer >= 1", memory=Memory.TOKENS,
                                 label=lambda c: f"mb={c.micro_batch_size}", label_at=2)
     global_batch: int = dim(
-        16, "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / micro_batch_size), or "
-        "for packed rows the data's samples per micro-batch into it (a step more than 10% off it is marked as "
-        "changing what is learned)", check=_positive, expected="an integer >= 1", memory=Memory.NONE,
-        label=lambda c: f"ga={c.gradient_accumulation_steps}", label_at=3)
+        16, "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / "
+        "micro_batch_size), or for packed rows the data's samples per micro-batch into it (a step more than "
+        "10% off it is marked as changing what is learned)", check=_positive, expected="an integer >= 1",
+        memory=Memory.NONE, label=lambda c: f"ga={c.gradient_accumulation_steps}", label_at=3)
     precision: str = dim("bf16", "bf16, fp16 (with loss scaling) or fp32", allowed=PRECISIONS, learning=True,
                          speed={"bf16": 1.0, "fp16": 1.0, "fp32": 0.35}, gate=4, boundary=3,
                          label=lambda c: c.precision, label_at=4)
     gradient_checkpointing: str = dim(
-        "off", "off | on (every layer) | every_N (every N-th layer), optionally +offload (saved activations in "
-        "host memory)", check=_check_ckpt,
+        "off", "off | on (every layer) | every_N (every N-th layer), optionally +offload (saved activations "
+        "in host memory)", check=_check_ckpt,
         expected="off, on, every_N or on+offload / every_N+offload (for example every_2)",
         # more recomputation is slower: every layer re-runs its forward (~1/3 of a step)
-        speed={"off": 1.0, "every_4": 0.93, "every_3": 0.91, "every_2": 0.86, "on": 0.75, "every_4+offload": 0.85,
-               "every_2+offload": 0.77, "on+offload": 0.65},
+        speed={"off": 1.0, "every_4": 0.93, "every_3": 0.91, "every_2": 0.86, "on": 0.75,
+               "every_4+offload": 0.85, "every_2+offload": 0.77, "on+offload": 0.65},
         gate=8, cost=True, label=lambda c: f"ckpt={c.gradient_checkpointing}", label_at=5)
-    quantization: str = dim("none", "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)", allowed=QUANTIZATIONS,
-                            learning=True, speed={"none": 1.0, "nf4": 0.8, "8bit": 0.55},  # dequantised per product
+    quantization: str = dim("none", "base weights: none, 8bit (LLM.int8) or nf4 (QLoRA)",
+                            allowed=QUANTIZATIONS, learning=True,
+                            speed={"none": 1.0, "nf4": 0.8, "8bit": 0.55},  # dequantised per product
                             gate=5, cost=True, fixed_cost=True, label_at=6,
                             label=lambda c: c.quantization if c.quantization != "none" else None)
-    optimizer: str = dim("adamw_torch_fused", "TrainingArguments `optim` name", allowed=OPTIMIZERS, learning=True,
-                         speed={"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98,
-                                "adamw_8bit": 0.99}, label=lambda c: c.optimizer, label_at=7)
+    optimizer: str = dim("adamw_torch_fused", "TrainingArguments `optim` name", allowed=OPTIMIZERS,
+                         learning=True, speed={"adamw_torch_fused": 1.0, "adamw_torch": 0.99,
+                                               "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
+                         label=lambda c: c.optimizer, label_at=7)
     attn_implementation: str = dim(
         "sdpa", "attention kernel: sdpa, eager, flex_attention (compiled; GPU only for training), "
-        "flash_attention_2/3 (where flash-attn is installed); others are `unsupported` here", allowed=ATTENTION,
-        memory=Memory.UNMODELED, speed={"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05,
-                                        "flash_attention_3": 1.05, "flex_attention": 1.0},
+        "flash_attention_2/3 (where flash-attn is installed); others are `unsupported` here",
+        allowed=ATTENTION, memory=Memory.UNMODELED,
+        speed={"sdpa": 1.0, "eager": 0.8, "flash_attention_2": 1.05, "flash_attention_3": 1.05,
+               "flex_attention": 1.0},
         gate=3, stock=("sdpa", "eager"), boundary=2, label_at=8,
         label=lambda c: c.attn_implementation if c.attn_implementation != "sdpa" else None)
     liger: bool = dim(
-        False, "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits are "
-        "never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels",
+        False, "Liger Triton kernels: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy (the logits "
+        "are never held in memory); GPU with triton and liger-kernel>=0.8.5; checked against stock kernels",
         late=True, speed={False: 1.0, True: 1.2}, gate=1, stock=(False,), boundary=4, cost=True,
         fixed_cost=True, label=lambda c: "liger" if c.liger else None, label_at=9)
     torch_compile: bool = dim(
-        False, "torch.compile (inductor) of each decoder block (regional: the loss stays eager); compile time is "
-        "measured apart and amortised over --train-tokens (or --train-steps); checked against stock kernels",
+        False, "torch.compile (inductor) of each decoder block (regional: the loss stays eager); compile "
+        "time is measured apart and amortised over --train-tokens (or --train-steps); checked against stock "
+        "kernels",
         late=True, speed={False: 1.0, True: 1.05}, gate=2, stock=(False,), cost=True, fixed_cost=True,
         label=lambda c: "torch_compile" if c.torch_compile else None, label_at=10)
     expandable_segments: bool = dim(
-        False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)", memory=Memory.ALLOCATOR,
-        relief=float,
+        False, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",
+        memory=Memory.ALLOCATOR, relief=float,
         speed={False: 1.0, True: 1.0},  # the allocator's segments move memory, not the step's work
         label=lambda c: "expandable" if c.expandable_segments else None, label_at=11)
     lora_r: int = dim(16, "LoRA rank (higher: more capacity, more memory)", check=_positive,
@@ -264,8 +271,8 @@ class TrialConfig:
     lora_alpha: int = dim(32, "LoRA scaling numerator", check=_positive, expected="an integer >= 1",
                           memory=Memory.NONE)
     lora_targets: str = dim(
-        "q_proj,v_proj", "comma-separated module names for adapters, or all-linear (peft's: every linear layer "
-        "but the output head)",
+        "q_proj,v_proj", "comma-separated module names for adapters, or all-linear (peft's: every linear "
+        "layer but the output head)",
         check=lambda v: v == ALL_LINEAR or bool(re.fullmatch(r"[A-Za-z0-9_.]+(,[A-Za-z0-9_.]+)*", v)),
         expected="comma-separated module names such as q_proj,v_proj, or all-linear", gate=7)
     lora_dropout: str = dim("0.0", "dropout on the adapter input",
@@ -273,20 +280,20 @@ class TrialConfig:
                             expected="a number in [0, 1) such as 0.05", memory=Memory.UNMODELED)
     batching: str = dim(
         "pad_max", "with --dataset: pad_max, pad_longest, group_by_length (sample order grouped by length), "
-        "padding_free (the micro-batch's samples flattened into one row) or packed (best-fit decreasing rows of "
-        "max_length, boundaries kept)", allowed=BATCHINGS, late=True, memory=Memory.UNMODELED, boundary=1,
+        "padding_free (the micro-batch's samples flattened into one row) or packed (best-fit decreasing rows "
+        "of max_length, boundaries kept)", allowed=BATCHINGS, late=True, memory=Memory.UNMODELED, boundary=1,
         label=lambda c: c.batching if c.batching != "pad_max" else None, label_at=13)
     gpus: int = dim(
-        1, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes with the gloo backend); "
-        "the global batch is kept: accumulation = ceil(global_batch / (micro_batch_size x gpus))", check=_positive,
-        expected="an integer >= 1", late=True,
-        # the group's tokens/s grows a little under linearly with the ranks (rough, from the engines' published
-        # scaling on one NVLink host; not yet measured by autofit)
+        1, "GPUs one probe spans (ranks launched with torchrun; on --device cpu: processes with the gloo "
+        "backend); the global batch is kept: accumulation = ceil(global_batch / (micro_batch_size x gpus))",
+        check=_positive, expected="an integer >= 1", late=True,
+        # the group's tokens/s grows a little under linearly with the ranks (rough, from the engines'
+        # published scaling on one NVLink host; not yet measured by autofit)
         speed={1: 1.0, 2: 1.9, 4: 3.7, 8: 7.2},
         label=lambda c: f"gpus={c.gpus}" if _engaged(c) else None, label_at=14)
     engine: str = dim(
-        "none", "with gpus > 1: none (plain data parallel), fsdp2 (Trainer fsdp_config, fsdp_version 2), zero2 or "
-        "zero3 (DeepSpeed ZeRO, where deepspeed is installed)", allowed=ENGINES, late=True,
+        "none", "with gpus > 1: none (plain data parallel), fsdp2 (Trainer fsdp_config, fsdp_version 2), "
+        "zero2 or zero3 (DeepSpeed ZeRO, where deepspeed is installed)", allowed=ENGINES, late=True,
         speed={"none": 1.0, "zero2": 0.95, "fsdp2": 0.92, "zero3": 0.88},  # sharding adds all-gathers
         label=lambda c: c.engine if _engaged(c) else None, label_at=15)
     reshard_after_forward: bool = dim(
@@ -294,8 +301,8 @@ class TrialConfig:
         "backward, more memory, fewer all-gathers)", late=True, speed={True: 1.0, False: 1.04},
         label=lambda c: "no-reshard" if _engaged(c) and not c.reshard_after_forward else None, label_at=16)
     cpu_offload: str = dim(
-        "off", "engine state in host memory: off, optimizer (ZeRO) or all (parameters, gradients and optimizer: "
-        "FSDP2's CPUOffloadPolicy, ZeRO-3 offload_param)", allowed=CPU_OFFLOADS, late=True,
+        "off", "engine state in host memory: off, optimizer (ZeRO) or all (parameters, gradients and "
+        "optimizer: FSDP2's CPUOffloadPolicy, ZeRO-3 offload_param)", allowed=CPU_OFFLOADS, late=True,
         speed={"off": 1.0, "optimizer": 0.6, "all": 0.35},  # the optimizer step (and weights) across PCIe
         label=lambda c: f"offload={c.cpu_offload}" if _engaged(c) and c.cpu_offload != "off" else None,
         label_at=17)
@@ -325,16 +332,18 @@ class TrialConfig:
         """The distributed settings' rules (each combination the engines cannot run)."""
         out = []
         if self.cpu_offload not in OFFLOADS_BY_ENGINE[self.engine]:
-            out.append(f"cpu_offload={self.cpu_offload} is not available with engine={self.engine} (it allows "
-                       f"{', '.join(OFFLOADS_BY_ENGINE[self.engine])})")
+            out.append(f"cpu_offload={self.cpu_offload} is not available with engine={self.engine} (it "
+                       f"allows {', '.join(OFFLOADS_BY_ENGINE[self.engine])})")
         if not self.reshard_after_forward and self.engine != "fsdp2":
             out.append("reshard_after_forward=off is an FSDP2 setting; it needs engine=fsdp2")
         if self.engine == "fsdp2" and self.gradient_checkpointing not in ("off", "on"):
             out.append(f"gradient_checkpointing={self.gradient_checkpointing} with engine=fsdp2: FSDP's own "
                        "activation_checkpointing wraps every layer; use off or on")
-        if self.engine in ("zero2", "zero3") and self.cpu_offload != "off" and not self.optimizer.startswith("adamw"):
-            out.append(f"optimizer={self.optimizer} with engine={self.engine} and cpu_offload={self.cpu_offload}: "
-                       "ZeRO-Offload steps DeepSpeed's own CPU AdamW; use an adamw optimizer or cpu_offload=off")
+        zero = self.engine in ("zero2", "zero3")
+        if zero and self.cpu_offload != "off" and not self.optimizer.startswith("adamw"):
+            out.append(f"optimizer={self.optimizer} with engine={self.engine} and "
+                       f"cpu_offload={self.cpu_offload}: ZeRO-Offload steps DeepSpeed's own CPU AdamW; use "
+                       "an adamw optimizer or cpu_offload=off")
         if self.engine != "none" and self.quantization != "none":
             out.append(f"quantization={self.quantization} with engine={self.engine}: a quantized base is not "
                        "sharded by autofit; use engine=none (plain data parallel) or quantization=none")
@@ -382,7 +391,8 @@ class TrialConfig:
 
     @property
     def lora_modules(self) -> list[str] | str:
-        """peft's `target_modules`: the names listed, or its "all-linear" (every linear layer but the head)."""
+        """peft's `target_modules`: the names listed, or its "all-linear" (every linear layer but the
+        head)."""
         return ALL_LINEAR if self.lora_targets == ALL_LINEAR else self.lora_targets.split(",")
 
     @property
@@ -418,7 +428,11 @@ class TrialConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrialConfig:
+    def from_dict(cls, d: Mapping[str, Any] | TrialConfig) -> TrialConfig:
+        """A config stored as JSON (`to_dict`; keys it does not know are left out, keys added since are their
+        defaults). A TrialConfig comes back as it is: `ProbeResult.config`, a dict in older callers' days."""
+        if isinstance(d, TrialConfig):
+            return d
         return cls(**{k: v for k, v in d.items() if k in KEYS})
 
     def key(self) -> str:

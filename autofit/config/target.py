@@ -109,7 +109,8 @@ def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | Non
     if problems:
         raise UsageError(problems)
     if per_probe == 1:
-        return [Target("cuda", i, found[i].name, limit, headroom, card_bytes=found[i].memory_bytes) for i in wanted]
+        return [Target("cuda", i, found[i].name, limit, headroom, card_bytes=found[i].memory_bytes)
+                for i in wanted]
     groups = [tuple(wanted[k:k + per_probe]) for k in range(0, len(wanted), per_probe)]
     return [Target("cuda", g[0], found[g[0]].name, limit, headroom, ranks=per_probe, gpu_indices=g,
                    card_bytes=min(found[i].memory_bytes for i in g)) for g in groups]

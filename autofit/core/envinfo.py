@@ -18,8 +18,8 @@ from typing import Any
 PACKAGES = ("autofit", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl")
 
 Env = dict[str, Any]
-"""env.json as JSON (`collect`): python, platform, packages, torch_cuda_build, driver, cuda_driver, gpus. Older
-run folders hold fewer keys, so its readers (regress's version check) take each with a default."""
+"""env.json as JSON (`collect`): python, platform, packages, torch_cuda_build, driver, cuda_driver, gpus.
+Older run folders hold fewer keys, so its readers (regress's version check) take each with a default."""
 
 
 @dataclass(frozen=True)

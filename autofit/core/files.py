@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 """The errors of a disk or folder that does not take writes: full, over quota, read-only, not ours,
 a file over the file system's size limit."""
-STORAGE_WORDS = ("disk is full", "disk i/o error", "readonly database", "read-only", "database or disk is full")
+STORAGE_WORDS = ("disk is full", "disk i/o error", "readonly database", "read-only",
+                 "database or disk is full")
 """What database drivers say for the same (SQLite: "database or disk is full", "attempt to write a
 readonly database")."""
 
@@ -39,8 +40,10 @@ def cannot_write(e: BaseException) -> bool:
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed.
     An OSError (a full disk) leaves no temporary file and the old `path` as it was. An existing target
-    that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is written into as asked, never replaced."""
-    target = Path(os.path.realpath(path))  # a link is written through: `latest.json` -> a dated report stays a link
+    that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is written into as asked, never
+    replaced."""
+    # a link is written through: `latest.json` -> a dated report stays a link
+    target = Path(os.path.realpath(path))
     if _special(target):
         with open(target, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)

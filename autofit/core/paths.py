@@ -13,7 +13,8 @@ from pathlib import Path
 
 from autofit.core.errors import UsageError
 
-KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device",
          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link"}
 
 
@@ -121,7 +122,8 @@ def source(path: str | os.PathLike[str], flag: str, remedy: str = "") -> os.stat
     except OSError as e:
         raise UsageError(f"{flag}: {shown(path)} {problem(e)}.{_then(remedy)}") from None
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-        raise UsageError(f"{flag}: {shown(path)} is {kind(st.st_mode)}, not a file or a folder.{_then(remedy)}")
+        raise UsageError(f"{flag}: {shown(path)} is {kind(st.st_mode)}, not a file or a "
+                         f"folder.{_then(remedy)}")
     return st
 
 
@@ -157,5 +159,5 @@ def _creatable(p: Path, flag: str, remedy: str) -> None:
     missing = p.absolute().relative_to(base).parts
     too_long = next((part for part in missing if len(os.fsencode(part)) > longest), None)
     if too_long is not None:
-        raise UsageError(f"{flag}: {shown(p)} has a name of {len(os.fsencode(too_long))} bytes, longer than the "
-                         f"{longest} the file system takes.{_then(remedy)}")
+        raise UsageError(f"{flag}: {shown(p)} has a name of {len(os.fsencode(too_long))} bytes, longer than "
+                         f"the {longest} the file system takes.{_then(remedy)}")

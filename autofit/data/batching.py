@@ -135,8 +135,8 @@ class StepShape:
         n = f"{self.samples:,.1f}".removesuffix(".0")
         if self.keeps_global_batch:
             return f"{n} samples per optimizer step (global batch {self.global_batch})"
-        return (f"{n} samples per optimizer step, {self.samples / self.global_batch - 1:+.0%} against the global "
-                f"batch of {self.global_batch}: changes what is learned")
+        return (f"{n} samples per optimizer step, {self.samples / self.global_batch - 1:+.0%} against the "
+                f"global batch of {self.global_batch}: changes what is learned")
 
     def to_dict(self) -> dict[str, float | int | bool]:
         return {"gradient_accumulation_steps": self.accumulation, "samples_per_step": round(self.samples, 2),
@@ -215,7 +215,8 @@ def length_grouped(order: Sequence[int], cut: Sequence[int], batch_size: int) ->
     """transformers' get_length_grouped_indices on a given permutation."""
     mult = min(len(order) // (batch_size * 4), MEGA_BATCH_MULT) or 1
     size = mult * batch_size
-    megas = [sorted(order[i:i + size], key=lambda j: cut[j], reverse=True) for i in range(0, len(order), size)]
+    megas = [sorted(order[i:i + size], key=lambda j: cut[j], reverse=True)
+             for i in range(0, len(order), size)]
     top = max(range(len(megas)), key=lambda m: cut[megas[m][0]])
     megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
     return [i for m in megas for i in m]

@@ -17,16 +17,22 @@ Layouts (labels are -100 where nothing is learned; the model shifts labels itsel
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.data.batching import Batching, MicroBatch
+
+if TYPE_CHECKING:
+    import torch
+
+Batch = dict[str, "torch.Tensor"]
+"""A collated micro-batch: its tensors by name (the model's inputs, and `segments`)."""
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 def collate(strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int,
-            max_length: int, flatten_packed: bool = False) -> dict[str, Any]:
+            max_length: int, flatten_packed: bool = False) -> Batch:
     """Model inputs plus `segments`; samples are truncated to max_length. `flatten_packed` lays
     PACKED bins out as TRL 1.16 does (`packing_strategy="bfd"` turns padding_free on: the bins of
     a micro-batch flattened into one row, no tail padding)."""
@@ -40,11 +46,11 @@ def collate(strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[
     return packed_rows(batch, token_ids, pad_id, max_length)
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+def model_inputs(batch: Batch) -> Batch:
     return {k: v for k, v in batch.items() if k in MODEL_KEYS}
 
 
-def _padded(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int) -> dict[str, Any]:
+def _padded(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int) -> Batch:
     import torch
 
     n, width = len(batch.rows), batch.row_length
@@ -60,7 +66,7 @@ def _padded(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "segments": seg}
 
 
-def _flattened(batch: MicroBatch, token_ids: Sequence[Sequence[int]], max_length: int) -> dict[str, Any]:
+def _flattened(batch: MicroBatch, token_ids: Sequence[Sequence[int]], max_length: int) -> Batch:
     import torch
     from transformers import DataCollatorWithFlattening  # the library's own collator, as exported
 
@@ -72,7 +78,7 @@ def _flattened(batch: MicroBatch, token_ids: Sequence[Sequence[int]], max_length
 
 
 def packed_rows(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int,
-                boundaries: bool = True) -> dict[str, Any]:
+                boundaries: bool = True) -> Batch:
     """PACKED layout; `boundaries=False` is the deliberately leaking variant (tests only): one
     running position and an all-ones attention mask, so samples attend to each other."""
     import torch

@@ -20,7 +20,6 @@ key and study (issue 11: "once per search"), and a key that failed skips its oth
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from autofit.config.spec import keyed
 
@@ -36,7 +35,7 @@ checkpointing do not enter: the check runs its own small batch without gradients
 and the LoRA settings change the weights' rounding, never which tokens attend to which."""
 
 
-def boundary_key(cfg: Any) -> str:
+def boundary_key(cfg: object) -> str:
     """The settings one loss-check verdict covers (no torch: the search computes it)."""
     return keyed(cfg, lambda d: d.boundary)  # the dimensions declared with a place in it
 
@@ -50,6 +49,6 @@ class BoundaryCheck:
     floor: float = 0.0
     """This model's rounding between two correct layouts (`rounding_floor`)."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"ok": self.ok, "max_loss_diff": self.max_loss_diff, "tolerance": self.tolerance,
                 "reason": self.reason, "floor": self.floor}

@@ -11,8 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from autofit.core.documents import JSONObject
 from autofit.core.files import write_atomic
 from autofit.data.loading import Sample, SampleSet
 from autofit.data.tokenizer import RejectedChats, TextTokenizer
@@ -37,12 +37,12 @@ class LengthTable:
     def total_tokens(self) -> int:
         return sum(self.lengths)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"dataset_hash": self.dataset_hash, "tokenizer": self.tokenizer,
                 "approximate": self.approximate, "note": self.note, "lengths": list(self.lengths)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LengthTable:
+    def from_dict(cls, d: JSONObject) -> LengthTable:
         return cls(tuple(int(x) for x in d["lengths"]), d["dataset_hash"], d["tokenizer"],
                    bool(d["approximate"]), d.get("note", ""))
 
@@ -53,7 +53,8 @@ def cache_key(dataset_hash: str, tokenizer: str) -> str:
 
 def length_table(data: SampleSet, tok: TextTokenizer, cache_dir: str | Path | None = None) -> LengthTable:
     """Token counts of every sample; read from / written to `cache_dir` when given."""
-    path = Path(cache_dir) / f"lengths-{cache_key(data.content_hash, tok.identity)}.json" if cache_dir else None
+    name = f"lengths-{cache_key(data.content_hash, tok.identity)}.json"
+    path = Path(cache_dir) / name if cache_dir else None
     if path is not None and path.is_file():
         try:
             table = LengthTable.from_dict(json.loads(path.read_text()))

@@ -121,7 +121,8 @@ def load_samples(path: str | Path, text_field: str = "text", messages_field: str
     options = f"{kind.value}|{text_field}|{messages_field}" + (f"|{source.mode}" if source.mode else "")
     samples = tuple(Sample(messages=tuple(Message(m["role"], m["content"]) for m in s["messages"]),
                            line=s.get("line"))
-                    if "messages" in s else Sample(text=s["text"], line=s.get("line")) for s in source.samples)
+                    if "messages" in s else Sample(text=s["text"], line=s.get("line"))
+                    for s in source.samples)
     content = hashlib.sha256(f"{source.digest}|{options}".encode()).hexdigest()
     return SampleSet(str(Path(path).expanduser()), kind, samples, _collect(source.bad), content,
                      TextMode(source.mode) if source.mode else None)
@@ -139,7 +140,8 @@ def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_
         hint = f"To read it as plain text, give --text-field {messages_field} without --messages-field."
         return (f"{flag}: {p}: every row's '{messages_field}' is a string, not a chat (a list of "
                 f"{{role, content}}), and --messages-field reads it as a chat. {hint}")
-    chats = (f" or a '{messages_field}' list of {{role, content}} strings (ShareGPT's {{from, value}} is read too)"
+    chats = (f" or a '{messages_field}' list of {{role, content}} strings (ShareGPT's {{from, value}} is "
+             "read too)"
              if messages_field else " (--text-field alone: chats are not read)")
-    return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty '{text_field}' string"
-            f"{chats}; name the fields with --text-field / --messages-field.")
+    return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty '{text_field}' "
+            f"string{chats}; name the fields with --text-field / --messages-field.")

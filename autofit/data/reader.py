@@ -25,6 +25,8 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterable
+from typing import TypedDict
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -36,6 +38,19 @@ _SNIFF_BYTES = 8192
 _SNIFF_LINES = 5
 
 
+class Message(TypedDict):
+    role: str
+    content: str
+
+
+class RawSample(TypedDict, total=False):
+    """A sample as read: its "text" or its "messages", and the row's "line" where it came from a row."""
+
+    text: str
+    messages: list[Message]
+    line: int
+
+
 class DatasetError(ValueError):
     """The dataset cannot be read; the message names the file and says what to do."""
 
@@ -43,7 +58,7 @@ class DatasetError(ValueError):
 class NoUsableRows(DatasetError):
     """Rows were read but none gives a sample: `bad` says why, by reason."""
 
-    def __init__(self, message, bad):
+    def __init__(self, message: str, bad: list[tuple[str, int]]) -> None:
         super().__init__(message)
         self.bad = bad
 
@@ -53,7 +68,8 @@ class DatasetSource:
     "text" or "messages", and the row's "line" where it came from a row), the skipped rows as
     (reason, line) pairs, and a digest of what was read."""
 
-    def __init__(self, kind, mode, samples, bad, digest, chat_keys=None, roles=()):
+    def __init__(self, kind: str, mode: str | None, samples: list[RawSample], bad: list[tuple[str, int]],
+                 digest: str, chat_keys: tuple[str, str] | None = None, roles: tuple[str, ...] = ()) -> None:
         self.kind, self.mode, self.samples, self.bad, self.digest = kind, mode, samples, bad, digest
         self.chat_keys = chat_keys
         """The keys of a message in the source's first chat, ("role", "content") or ShareGPT's
@@ -62,15 +78,18 @@ class DatasetSource:
         """The role names the chats use, as written (ShareGPT's human/gpt before they are mapped)."""
 
     @property
-    def chats(self):
+    def chats(self) -> int:
         return sum(1 for s in self.samples if "messages" in s)
 
 
-def read_dataset(path, text_field="text", messages_field="messages", text_mode="auto"):
+def read_dataset(path: str | os.PathLike[str], text_field: str = "text", messages_field: str = "messages",
+                 text_mode: str = "auto") -> DatasetSource:
     """Read `path` into a DatasetSource, or raise DatasetError."""
     path = os.path.expanduser(str(path))
     check_path(path)
     kind = source_kind(path)
+    rows: Iterable[tuple[int, object]]
+    mode: str | None
     if kind in ("arrow", "parquet"):
         digest, rows = arrow_rows(path, kind)
         mode = None
@@ -82,13 +101,17 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
             kind = "jsonl"
         if kind == "text":
             mode = pick_mode(text, text_mode)
-            samples = [{"text": t} for t in split_text(raw if mode == "whole" else text, mode)]
-            if not samples:
-                raise DatasetError(f"{path} has no text (only blank lines). Give a file with one sample per line.")
-            return DatasetSource(kind, mode, samples, [], digest)
+            texts: list[RawSample] = [{"text": t} for t in split_text(raw if mode == "whole" else text, mode)]
+            if not texts:
+                raise DatasetError(f"{path} has no text (only blank lines). Give a file with one sample per "
+                                   "line.")
+            return DatasetSource(kind, mode, texts, [], digest)
         rows = csv_rows(text, path) if kind == "csv" else json_rows(text, path)
         mode = None
-    samples, bad, chat_keys, roles = [], [], None, set()
+    samples: list[RawSample] = []
+    bad: list[tuple[str, int]] = []
+    chat_keys: tuple[str, str] | None = None
+    roles: set[str] = set()
     for n, row in rows:
         sample, reason = row_sample(row, text_field, messages_field)
         if sample is None:
@@ -96,7 +119,7 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
             continue
         sample["line"] = n
         samples.append(sample)
-        if "messages" in sample:
+        if "messages" in sample and isinstance(row, dict):
             first = row[messages_field][0]
             chat_keys = chat_keys or (("role", "content") if "role" in first else ("from", "value"))
             roles.update(m.get(chat_keys[0]) for m in row[messages_field])
@@ -105,30 +128,31 @@ def read_dataset(path, text_field="text", messages_field="messages", text_mode="
     return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
 
 
-GIVE = ("Give a .jsonl file, a text file, a CSV file, a folder saved with datasets.save_to_disk, or a parquet "
-        "file.")
-PATH_PROBLEMS = {errno.ENOENT: "no such file or folder: {path}", errno.ENOTDIR: "no such file or folder: {path}",
+GIVE = ("Give a .jsonl file, a text file, a CSV file, a folder saved with datasets.save_to_disk, or a "
+        "parquet file.")
+PATH_PROBLEMS = {errno.ENOENT: "no such file or folder: {path}",
+                 errno.ENOTDIR: "no such file or folder: {path}",
                  errno.ELOOP: "{path} is a symbolic link loop (or a chain of links too long to follow)",
                  errno.ENAMETOOLONG: "{path} is a name too long for the file system",
                  errno.EACCES: "cannot read {path} (permission denied)"}
-KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-         stat.S_IFSOCK: "a socket"}
+KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
-def check_path(path):
+def check_path(path: str) -> None:
     """A regular file or a folder, or a DatasetError saying what is there instead: a FIFO or a device is
     never read (a read of /dev/zero or of a pipe nobody writes to would not end)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        said = PATH_PROBLEMS.get(e.errno, "cannot read {path} ({why})").format(path=path, why=e.strerror)
+        said = PATH_PROBLEMS.get(e.errno or 0, "cannot read {path} ({why})").format(path=path, why=e.strerror)
         raise DatasetError(f"{said}. {GIVE}") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise DatasetError(f"{path} is {KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a file of "
                            f"samples. {GIVE}")
 
 
-def source_kind(path):
+def source_kind(path: str) -> str:
     """jsonl, csv, text, parquet or arrow, by the name (a text file may still turn out to be JSONL)."""
     if os.path.isdir(path):
         has_arrow = any(f.endswith(".arrow") for _, _, fs in os.walk(path) for f in fs)
@@ -144,7 +168,7 @@ def source_kind(path):
     return "text"
 
 
-def decode(path):
+def decode(path: str) -> tuple[bytes, str]:
     """(the file's bytes, its text: UTF-8 with a byte-order mark dropped), or a DatasetError saying what the
     bytes are."""
     try:
@@ -171,7 +195,7 @@ def decode(path):
     return data, text
 
 
-def looks_like_rows(text):
+def looks_like_rows(text: str) -> bool:
     """JSON rows under a name that does not say so: the first non-blank lines (up to five) are all JSON
     objects, or the whole file is one JSON array of objects."""
     if text.lstrip().startswith("["):
@@ -187,7 +211,7 @@ def looks_like_rows(text):
         return False
 
 
-def pick_mode(raw, mode):
+def pick_mode(raw: str, mode: str) -> str:
     if mode not in TEXT_MODES:
         raise DatasetError(f"text mode {mode!r} is not one of {', '.join(TEXT_MODES)}")
     if mode != "auto":
@@ -197,41 +221,43 @@ def pick_mode(raw, mode):
     return "paragraphs" if len(blocks) > 1 and multi_line * 2 > len(blocks) else "lines"
 
 
-def split_text(raw, mode):
+def split_text(raw: str, mode: str) -> list[str]:
     if mode == "whole":
         return [raw] if raw.strip() else []
     if mode == "paragraphs":
         return [b.strip("\n") for b in _PARAGRAPH_BREAK.split(raw) if b.strip()]
-    return [line for line in raw.splitlines() if line.strip()]  # as str.splitlines breaks lines (form feed too)
+    # as str.splitlines breaks lines (form feed too)
+    return [line for line in raw.splitlines() if line.strip()]
 
 
 class NotJson:
     """Marks a line that did not parse."""
 
 
-def json_rows(raw, path):
+def json_rows(raw: str, path: str) -> list[tuple[int, object]]:
     """(line, row) pairs: one row a line (split on newlines only: U+2028 may sit inside a string), or the
     items of a file that is one JSON array, numbered from 1."""
     head = raw.lstrip()
     if head.startswith(("[", "{")):
+        error: json.JSONDecodeError | None = None
         try:
             whole = json.loads(raw)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             whole, error = None, e
-        else:
-            error = None
+        except ValueError:
+            whole = None
         if isinstance(whole, list):
             return list(enumerate(whole, start=1))
         first = head.split("\n", 1)[0]
         if head.startswith("[") and error is not None and not _parses(first):
-            raise DatasetError(f"{path} is not a valid JSON array ({error.msg} at line {error.lineno}, column "
-                               f"{error.colno}). Fix it, or write one JSON object a line (JSONL).")
+            raise DatasetError(f"{path} is not a valid JSON array ({error.msg} at line {error.lineno}, "
+                               f"column {error.colno}). Fix it, or write one JSON object a line (JSONL).")
         if isinstance(whole, dict) and "\n" in raw.strip() and not _parses(first):
             lists = [k for k, v in whole.items() if isinstance(v, list)]
             where = f"; its rows may be the list under {', '.join(repr(k) for k in lists)}" if lists else ""
             raise DatasetError(f"{path} is one JSON object spread over several lines, not rows{where}. Give "
                                "a JSON array of rows or one JSON object a line (JSONL).")
-    rows = []
+    rows: list[tuple[int, object]] = []
     for n, line in enumerate(raw.split("\n"), start=1):
         if line.strip():
             try:
@@ -241,7 +267,7 @@ def json_rows(raw, path):
     return rows
 
 
-def _parses(line):
+def _parses(line: str) -> bool:
     try:
         json.loads(line)
     except ValueError:
@@ -249,14 +275,15 @@ def _parses(line):
     return True
 
 
-def csv_rows(raw, path):
+def csv_rows(raw: str, path: str) -> list[tuple[int, object]]:
     """(first line, row) pairs of a CSV (a TSV for .tsv: tabs, no quoting) whose first line names the
     columns; an empty cell is no value."""
     tsv = path.lower().endswith(".tsv")
     csv.field_size_limit(2**31 - 1)  # a long document in one cell (the default stops at 128 KiB)
     reader = csv.DictReader(io.StringIO(raw), dialect="excel-tab" if tsv else "excel",
                             quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
-    rows, start = [], 2
+    rows: list[tuple[int, object]] = []
+    start = 2
     try:
         for row in reader:
             rows.append((start, {k: v for k, v in row.items() if k is not None and v not in ("", None)}))
@@ -266,18 +293,20 @@ def csv_rows(raw, path):
     return rows
 
 
-def arrow_rows(path, kind):
+def arrow_rows(path: str, kind: str) -> tuple[str, Iterable[tuple[int, object]]]:
     """(digest, (row number, row) pairs) of a parquet file, or of a folder of .arrow or .parquet files."""
     try:  # deferred: pyarrow comes with `datasets`, which is not required
         import pyarrow.parquet as pq
         from pyarrow import ipc
     except ImportError:
-        raise DatasetError(f"reading {path} needs pyarrow (`pip install pyarrow`); or give a .jsonl file.") from None
+        raise DatasetError(f"reading {path} needs pyarrow (`pip install pyarrow`); or give a .jsonl "
+                           "file.") from None
     if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(os.path.join(path, "train")):
         path = os.path.join(path, "train")  # a DatasetDict saved with save_to_disk: its train split only
     suffix = ".arrow" if kind == "arrow" else ".parquet"
     files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                    if f.endswith(suffix) and os.path.isfile(os.path.join(d, f))),  # no FIFO, device, dead link
+                    # no FIFO, device, dead link
+                    if f.endswith(suffix) and os.path.isfile(os.path.join(d, f))),
                    key=lambda f: f.split(os.sep)) if os.path.isdir(path) else [path]
     if not files:
         raise DatasetError(f"folder {path} has no .arrow or .parquet files; give a folder saved with "
@@ -294,7 +323,7 @@ def arrow_rows(path, kind):
     return digest.hexdigest(), enumerate((row for t in tables for row in t.to_pylist()), start=1)
 
 
-def row_sample(row, text_field, messages_field):
+def row_sample(row: object, text_field: str, messages_field: str) -> tuple[RawSample | None, str]:
     """({"text": ...} or {"messages": [...]}, None) for a usable row, else (None, why not)."""
     if row is NotJson:
         return None, "not JSON"
@@ -309,7 +338,7 @@ def row_sample(row, text_field, messages_field):
             return None, f"malformed '{messages_field}'"
         if not all(unicode_ok(m["content"]) for m in messages):
             return None, f"'{messages_field}' not valid Unicode"
-        return {"messages": messages}, None
+        return {"messages": messages}, ""
     text = row.get(text_field)
     if text is None:
         return None, f"missing '{text_field}'"
@@ -319,19 +348,19 @@ def row_sample(row, text_field, messages_field):
         return None, f"empty '{text_field}'"
     if not unicode_ok(text):
         return None, f"'{text_field}' not valid Unicode"
-    return {"text": text}, None
+    return {"text": text}, ""
 
 
-def not_messages(messages_field):
+def not_messages(messages_field: str) -> str:
     """The reason for a row whose messages field holds plain text."""
     return f"'{messages_field}' a string, not messages"
 
 
-def chat(value):
+def chat(value: object) -> list[Message] | None:
     """A list of {role, content} strings (ShareGPT's {from, value} mapped), or None."""
     if not isinstance(value, list) or not value:
         return None
-    out = []
+    out: list[Message] = []
     for m in value:
         if not isinstance(m, dict):
             return None
@@ -343,8 +372,9 @@ def chat(value):
     return out if any(m["content"].strip() for m in out) else None
 
 
-def unicode_ok(text):
-    """The text encodes as UTF-8 (a JSON escape such as \\ud800 decodes to a lone surrogate, which does not)."""
+def unicode_ok(text: str) -> bool:
+    """The text encodes as UTF-8 (a JSON escape such as \\ud800 decodes to a lone surrogate, which does
+    not)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from autofit.core import paths
+from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
 from autofit.data.loading import SampleSet, TextMode, load_samples
 
@@ -39,11 +39,11 @@ class DatasetRef:
         return cls(str(Path(data.path).resolve()), data.content_hash, text_field, messages_field, mode,
                    len(data))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DatasetRef:
+    def from_dict(cls, d: JSONObject) -> DatasetRef:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def load(self, path: str | None = None) -> tuple[RefState, SampleSet | None]:
@@ -60,7 +60,8 @@ class DatasetRef:
             return RefState.CHANGED, None
         return (RefState.SAME if data.content_hash == self.content_hash else RefState.CHANGED), data
 
-    def found(self, path: str | None = None, measured: str = "the run was measured on", note: str = "") -> DatasetRef:
+    def found(self, path: str | None = None, measured: str = "the run was measured on",
+              note: str = "") -> DatasetRef:
         """This reference, read again (from `path` where the file moved): the same content, else a
         UsageError that says what changed and what to do (a changed file is not a regression)."""
         if path:  # a FIFO, a device, a symlink loop, a name too long: said as such
@@ -73,27 +74,28 @@ class DatasetRef:
             except UsageError as e:
                 raise UsageError([f"--dataset: {p}" for p in e.problems]) from None
         if state is RefState.MISSING and path:
-            raise UsageError(f"--dataset: no such file or folder: {path}. Give the file the run was measured on "
-                             f"({self.path}) at its new place.")
+            raise UsageError(f"--dataset: no such file or folder: {path}. Give the file the run was measured "
+                             f"on ({self.path}) at its new place.")
         if state is RefState.MISSING:
             raise UsageError(f"--dataset: the run's dataset {self.path} is missing; give its new place "
                              "with --dataset PATH.")
         if state is RefState.CHANGED or data is None:
             what = (f"{path} does not have the content" if path and Path(path).expanduser().resolve()
                     != Path(self.path) else f"{path or self.path} no longer has the content")
-            raise UsageError(f"dataset changed since the run: {what} {measured} (hash {self.content_hash[:12]}, "
-                             f"from {self.path}); {note}give that file, or search again on the new data.")
+            raise UsageError(f"dataset changed since the run: {what} {measured} (hash "
+                             f"{self.content_hash[:12]}, from {self.path}); {note}give that file, or search "
+                             "again on the new data.")
         return DatasetRef.of(data, self.text_field, self.messages_field) if path else self
 
 
-def stored_dataset(spec: dict[str, Any], path: str | None = None, measured: str = "the run was measured on",
-                   note: str = "") -> DatasetRef | None:
-    """The dataset a run's spec names, read again (from `path` where it moved); None for a run searched
-    on random tokens, where a `path` is a usage error."""
-    if not spec.get("dataset"):
+def stored_dataset(stored: DatasetRef | None, path: str | None = None,
+                   measured: str = "the run was measured on", note: str = "") -> DatasetRef | None:
+    """The dataset a run's spec names (`RunSpec.dataset`), read again (from `path` where it moved); None for a
+    run searched on random tokens, where a `path` is a usage error."""
+    if stored is None:
         if path:
-            raise UsageError("--dataset: this run was searched on random tokens; it has no dataset to replace. "
-                             "Search with --dataset to measure on your data.")
+            raise UsageError("--dataset: this run was searched on random tokens; it has no dataset to "
+                             "replace. Search with --dataset to measure on your data.")
         return None
-    return DatasetRef.from_dict(spec["dataset"]).found(path, measured, note)
+    return stored.found(path, measured, note)
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autofit.config.models import ModelSource
+from autofit.core.documents import JSONObject
 from autofit.data.batching import Batching, StepShape, plan, step_shape
 from autofit.data.reference import DatasetRef
 
@@ -56,7 +58,8 @@ class TokenShapes:
             return self._cache[key]
 
 
-def shapes_of(dataset: dict | None, model, cache_dir: str | Path | None, seed: int = 0) -> TokenShapes | None:
+def shapes_of(dataset: JSONObject | None, model: ModelSource, cache_dir: str | Path | None,
+              seed: int = 0) -> TokenShapes | None:
     """The stored dataset's shapes (its length table, cached in the run folder); None without one or
     where it cannot be read now (the search then expects speed as for full rows)."""
     if dataset is None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from autofit.config.models import ModelSource
 from autofit.core.files import write_json
@@ -32,7 +31,7 @@ class DataSummary:
         pic = f"\nhistogram: {shown(self.histogram)}" if self.histogram else ""
         return f"{head}\n{format_stats(self.stats)}{pic}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         s = self.stats
         return {"dataset": self.ref.to_dict(), "bad_rows": {"count": self.data.bad.count,
                 "by_reason": {k: list(v) for k, v in self.data.bad.by_reason.items()},

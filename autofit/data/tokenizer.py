@@ -16,12 +16,15 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.config.models import ModelSource
 from autofit.core.errors import UsageError
 from autofit.core.files import write_atomic
 from autofit.data.loading import Sample, SampleSet
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 PLAIN_CHAT = "<|{role}|>\n{content}\n"
 _STANDIN_SPECIALS = ["<pad>", "<eos>"]
@@ -99,11 +102,10 @@ def model_tokenizer(ref: str) -> TextTokenizer:
         raise UsageError(f"--model: cannot load the tokenizer of {ref} offline ({str(e).splitlines()[0]}). "
                          "Give a folder with tokenizer files, or download the model once.") from None
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    template = None
-    if getattr(tok, "chat_template", None):
-        def template(sample: Sample) -> str:
-            msgs = [{"role": m.role, "content": m.content} for m in sample.messages or ()]
-            return str(tok.apply_chat_template(msgs, tokenize=False))
+    def chat(sample: Sample) -> str:
+        msgs = [{"role": m.role, "content": m.content} for m in sample.messages or ()]
+        return str(tok.apply_chat_template(msgs, tokenize=False))
+    template = chat if getattr(tok, "chat_template", None) else None
     ident = f"{ref}@{getattr(tok, 'name_or_path', ref)}:{len(tok)}"
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
@@ -118,7 +120,8 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
 
     key = hashlib.sha256(f"{data.content_hash}|{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"standin-bpe-{key}.json" if cache_dir else None
-    if path is not None and path.is_file():  # read and written as text: tokenizers takes no path that is not UTF-8
+    # read and written as text: tokenizers takes no path that is not UTF-8
+    if path is not None and path.is_file():
         tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
     else:
         tok = _train_bpe([render_plain_chat(s) if s.is_chat else s.text or "" for s in data.samples],
@@ -131,18 +134,21 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
         return [e.ids for e in tok.encode_batch(texts)]
     note = (f"lengths are approximate: the model is a shape preset without a tokenizer; a byte-level BPE "
             f"trained on the dataset to {tok.get_vocab_size()} tokens (asked {vocab_size}) stands in")
-    return TextTokenizer(f"standin-bpe-{key}", True, tok.token_to_id("<pad>"), encode_batch, None, note,
+    pad = tok.token_to_id("<pad>")
+    if pad is None:  # one of _STANDIN_SPECIALS: every trained stand-in has it
+        raise RuntimeError(f"the stand-in tokenizer {key} has no <pad> token")
+    return TextTokenizer(f"standin-bpe-{key}", True, pad, encode_batch, None, note,
                          plain_chat_note("the stand-in tokenizer"))
 
 
 def plain_chat_note(whose: str) -> str:
     """The note for chats rendered without a chat template: a format the user did not choose, said once."""
-    return (f"{whose} has no chat template: chats are rendered as plain text, each message as <|role|> and its "
-            "content on lines of their own (the probes and the exported recipe do the same); give --model a "
-            "tokenizer with a chat template to measure the format it trains with")
+    return (f"{whose} has no chat template: chats are rendered as plain text, each message as <|role|> and "
+            "its content on lines of their own (the probes and the exported recipe do the same); give "
+            "--model a tokenizer with a chat template to measure the format it trains with")
 
 
-def _train_bpe(texts: list[str], vocab_size: int) -> Any:
+def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -152,9 +158,10 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() > vocab_size:  # a preset smaller than the byte alphabet: cannot honour it
-        raise UsageError(f"--model: vocabulary {vocab_size} is smaller than a byte-level stand-in needs (300).")
+        raise UsageError(f"--model: vocabulary {vocab_size} is smaller than a byte-level stand-in needs "
+                         "(300).")
     return tok
 
 
-def describe(tok: TextTokenizer) -> dict[str, Any]:
+def describe(tok: TextTokenizer) -> dict[str, object]:
     return {"tokenizer": tok.identity, "approximate": tok.approximate, "note": tok.note}

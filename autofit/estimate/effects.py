@@ -14,12 +14,11 @@ import math
 import statistics
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any
 
-from autofit.config.spec import KEYS, TrialConfig
+from autofit.config.spec import KEYS, TrialConfig, Value
 from autofit.data.shapes import TokenShapes
 
-SPEED: dict[str, Mapping[Any, float]] = {k: d.speed for k, d in KEYS.items() if d.speed is not None}
+SPEED: dict[str, Mapping[Value, float]] = {k: d.speed for k, d in KEYS.items() if d.speed is not None}
 """Each dimension's declared factors (`Dimension.speed` in config/spec.py)."""
 HALF_TOKENS = 512
 """Tokens per micro-batch at which a GPU reaches half its matrix-product throughput: tokens/s rises
@@ -71,7 +70,8 @@ def declared(cfg: TrialConfig) -> float:
 
 
 def micro_batch_tokens(cfg: TrialConfig, shapes: TokenShapes | None = None) -> tuple[float, float]:
-    """(trained, tensor) tokens of cfg's mean micro-batch: full rows without a dataset, else the data's plan."""
+    """(trained, tensor) tokens of cfg's mean micro-batch: full rows without a dataset, else the data's
+    plan."""
     if shapes is None:
         return float(cfg.tokens_per_micro_batch), float(cfg.tokens_per_micro_batch)
     return shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
@@ -85,7 +85,8 @@ def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: 
     return measured * factor(cfg, shapes, half) / ref if ref > 0 else 0.0
 
 
-def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShapes | None = None) -> float | None:
+def fitted_half_tokens(fits: list[tuple[TrialConfig, float]],
+                       shapes: TokenShapes | None = None) -> float | None:
     """The micro-step's fixed cost in tokens, learned from measured fits of different micro-batches
     (the median over such pairs; their other keys' declared effects divided out), else None.
 
@@ -94,8 +95,9 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
     = (T_b + H) / (T_a + H), so H = (T_b - q T_a) / (q - 1): from 0 (q = T_b / T_a, a micro-step's
     time follows its tokens) up without bound (q = 1, all of it fixed cost; bounded here by
     HALF_TOKENS_CAP x T_a). Where each micro-step pays a large fixed cost (a launch-bound step, a
-    4-bit base dequantised on every product), H is many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x micro-batch 1 (H ~ 27,000 tokens), where
-    HALF_TOKENS predicts 1.2x; the policy's expectations and the budget's estimates must know it.
+    4-bit base dequantised on every product), H is many times HALF_TOKENS: S5's micro-batch 2 ran 1.93x
+    micro-batch 1 (H ~ 27,000 tokens), where HALF_TOKENS predicts 1.2x; the policy's expectations and the
+    budget's estimates must know it.
     """
     found = []
     for i, (a, sa) in enumerate(fits):
@@ -116,7 +118,8 @@ def fitted_half_tokens(fits: list[tuple[TrialConfig, float]], shapes: TokenShape
 
 
 SAME_TOKENS = frozenset({"max_length", "batching", "gpus", "engine"})
-"""Keys two fits must share to tell the fixed cost of a micro-step: what a micro-batch holds and where it runs."""
+"""Keys two fits must share to tell the fixed cost of a micro-step: what a micro-batch holds and where it
+runs."""
 
 
 MINOR = 0.25
@@ -145,5 +148,6 @@ def differences(a: TrialConfig, b: TrialConfig) -> float:
 
 
 def uncertainty(n_differences: float) -> float:
-    """Relative spread of an estimate made across n (weighted) differing keys (a measured config: the noise)."""
+    """Relative spread of an estimate made across n (weighted) differing keys (a measured config: the
+    noise)."""
     return 0.03 + 0.06 * math.sqrt(n_differences)

@@ -12,9 +12,9 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
 
-from autofit.config.spec import ALL_LINEAR, KEYS, Dimension, Memory, TrialConfig
+from autofit.config.models import ModelConfig
+from autofit.config.spec import ALL_LINEAR, KEYS, Dimension, Memory, TrialConfig, Value
 from autofit.core.errors import UsageError
 from autofit.core.units import format_size
 from autofit.protocol.result import ProbeResult
@@ -54,7 +54,7 @@ class Shape:
     tied: bool
 
     @classmethod
-    def from_config(cls, c: dict[str, Any]) -> Shape:
+    def from_config(cls, c: ModelConfig) -> Shape:
         heads = int(c.get("num_attention_heads", 1))
         return cls(hidden=int(c.get("hidden_size", 0)), layers=int(c.get("num_hidden_layers", 0)),
                    intermediate=int(c.get("intermediate_size", 4 * int(c.get("hidden_size", 0)))),
@@ -64,7 +64,8 @@ class Shape:
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer in one decoder layer."""
-        h, kv = self.hidden, self.hidden // max(self.heads, 1) * self.kv_heads  # a config of 0 heads: no division
+        # a config of 0 heads: no division
+        h, kv = self.hidden, self.hidden // max(self.heads, 1) * self.kv_heads
         return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
                 "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
                 "down_proj": (self.intermediate, h)}
@@ -149,7 +150,8 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
     boundary = tokens * _stream_bytes(cfg) * shape.hidden  # a checkpointed layer keeps only its input
     every, offload = cfg.checkpoint_every, cfg.checkpoint_offload
     ck = len(range(0, shape.layers, every)) if every else 0
-    activations = (shape.layers - ck) * per_layer + ck * (0 if offload else boundary) + (per_layer if ck else 0)
+    activations = ((shape.layers - ck) * per_layer + ck * (0 if offload else boundary)
+                   + (per_layer if ck else 0))
     if cfg.torch_compile and not every:
         # inductor's partitioner recomputes cheap pointwise ops instead of saving them (S1, H200:
         # about a quarter of the activations). None assumed with checkpointing (pytorch#193193:
@@ -158,8 +160,8 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
     logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
     logits += _nf4_head_copy_bytes(cfg, shape, b)
     outside = (CUDA_CONTEXT + (NCCL_BUFFERS if cfg.gpus > 1 else 0)) if on_gpu else 0
-    b = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers)
-    return replace(b, allocator=int(b.allocated() * ALLOCATOR_SLACK))
+    out = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers)
+    return replace(out, allocator=int(out.allocated() * ALLOCATOR_SLACK))
 
 
 def rank_state(cfg: TrialConfig, shape: Shape) -> RankState:
@@ -217,8 +219,8 @@ bnb_4bit_use_double_quant): two 4-bit codes a byte, one 8-bit absmax per block o
 blocksize for 4 bits), and one fp32 absmax per 256 of those (the absmax quantized blockwise in 256s):
 bitsandbytes functional.quantize_4bit."""
 KBIT_UPCAST_BYTES = 4
-"""peft's prepare_model_for_kbit_training (the recipe's k-bit preparation) casts every 16-bit parameter that is
-not a 4-bit one to fp32: embeddings, lm_head and norms stay in 4 bytes a parameter on a quantized base."""
+"""peft's prepare_model_for_kbit_training (the recipe's k-bit preparation) casts every 16-bit parameter that
+is not a 4-bit one to fp32: embeddings, lm_head and norms stay in 4 bytes a parameter on a quantized base."""
 
 
 def _base_bytes(cfg: TrialConfig, lin: int, emb: int, weight_b: int) -> int:
@@ -230,17 +232,19 @@ def _base_bytes(cfg: TrialConfig, lin: int, emb: int, weight_b: int) -> int:
 
 
 def _stream_bytes(cfg: TrialConfig) -> int:
-    """Bytes per element of the residual stream between decoder layers (what a checkpointed layer keeps). On an
-    nf4 base the embeddings are fp32 (KBIT_UPCAST_BYTES), so is their output, and each layer adds its 16-bit
-    attention and MLP outputs to it in fp32 (type promotion): the stream stays fp32 whatever the compute dtype."""
+    """Bytes per element of the residual stream between decoder layers (what a checkpointed layer keeps). On
+    an nf4 base the embeddings are fp32 (KBIT_UPCAST_BYTES), so is their output, and each layer adds its
+    16-bit attention and MLP outputs to it in fp32 (type promotion): the stream stays fp32 whatever the
+    compute dtype."""
     return 4 if cfg.quantization == "nf4" else compute_bytes(cfg)
 
 
 def _nf4_mlp_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
     """What an nf4 layer keeps for backward beyond a 16-bit one: bitsandbytes' Linear4bit returns its input's
     dtype (the matmul runs in the compute dtype, the output is cast back), and the MLP's input is the fp32
-    stream's norm, so gate_proj's and up_proj's outputs and silu(gate), kept for backward, are fp32, not 16-bit
-    (Liger's SwiGLU keeps gate and up only). Attention's inputs are cast back to 16 bits by autocast before
+    stream's norm, so gate_proj's and up_proj's outputs and silu(gate), kept for backward, are fp32, not
+    16-bit (Liger's SwiGLU keeps gate and up only). Attention's inputs are cast back to 16 bits by autocast
+    before
     sdpa keeps them: no more there."""
     if cfg.quantization != "nf4":
         return 0
@@ -249,9 +253,10 @@ def _nf4_mlp_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
 
 
 def _nf4_head_copy_bytes(cfg: TrialConfig, shape: Shape, b: int) -> int:
-    """On an nf4 base lm_head is fp32 (KBIT_UPCAST_BYTES): autocast casts its weight to the compute dtype for each
-    forward's product, and the product keeps that copy until backward (its input's gradient needs it); a tied
-    head is the same matrix, cast the same way. Stock loss only: Liger's fused loss takes the weight itself."""
+    """On an nf4 base lm_head is fp32 (KBIT_UPCAST_BYTES): autocast casts its weight to the compute dtype for
+    each forward's product, and the product keeps that copy until backward (its input's gradient needs it); a
+    tied head is the same matrix, cast the same way. Stock loss only: Liger's fused loss takes the weight
+    itself."""
     if cfg.quantization != "nf4" or cfg.liger:
         return 0
     return shape.vocab * shape.hidden * b  # vocab x hidden, in the compute dtype
@@ -312,7 +317,8 @@ def group_key(cfg: TrialConfig) -> str:
     return repr(sorted(d.items()))
 
 
-MODELED = frozenset(k for k, d in KEYS.items() if d.memory in (Memory.TOKENS, Memory.MODELED, Memory.ALLOCATOR))
+MODELED = frozenset(k for k, d in KEYS.items()
+                    if d.memory in (Memory.TOKENS, Memory.MODELED, Memory.ALLOCATOR))
 """Keys whose effect on the peak the prior's terms model."""
 NO_MEMORY = frozenset(k for k, d in KEYS.items() if d.memory is Memory.NONE)
 """Keys that do not change the peak (accumulation steps, a scale factor)."""
@@ -358,7 +364,7 @@ class MemoryModel:
     def learn(self, res: ProbeResult, predicted: int | None = None) -> None:
         """What a probe shows about memory: its measured peak (it ran to the end, also one judged over
         the headroom), or a lower bound (it ran out of memory)."""
-        cfg = TrialConfig.from_dict(res.config)
+        cfg = res.config
         if res.tokens_per_s is not None and res.peak_memory_bytes:
             self.observe(cfg, res.peak_memory_bytes, predicted)
         elif res.outcome.is_memory() and (bound := res.peak_lower_bound()):
@@ -463,7 +469,7 @@ class MemoryModel:
         return int(saved * grow + slack)
 
 
-def _relieves(d: Dimension, before: Any, after: Any) -> bool:
+def _relieves(d: Dimension, before: Value, after: Value) -> bool:
     """`after` hands more of the allocator's reserved memory back than `before` (`Dimension.relief`)."""
     return d.relief is not None and d.relief(after) > d.relief(before)
 
@@ -497,7 +503,8 @@ def weights_floor(cfg: TrialConfig, shape: Shape) -> int:
     return loaded_bytes(cfg, replace(shape, tied=True, intermediate=shape.intermediate * 2 // 3))
 
 
-def beyond_reach(candidates: list[TrialConfig], shape: Shape, usable: int, margin: float = PRIOR_MARGIN) -> bool:
+def beyond_reach(candidates: list[TrialConfig], shape: Shape, usable: int,
+                 margin: float = PRIOR_MARGIN) -> bool:
     """Nothing in `candidates` can fit in `usable` bytes, for certain: each one's weights alone
     (`weights_floor`, what exists before the first step) exceed it by more than the prior's margin. A config
     merely predicted over is never counted here: the search probes it where its policy would."""
@@ -606,7 +613,7 @@ def _smaller(a: TrialConfig, b: TrialConfig) -> bool:
     return (a.micro_batch_size, a.tokens_per_micro_batch) < (b.micro_batch_size, b.tokens_per_micro_batch)
 
 
-def variants(candidates: list[TrialConfig], **changes: Any) -> list[TrialConfig]:
+def variants(candidates: list[TrialConfig], **changes: Value) -> list[TrialConfig]:
     """Each candidate with `changes`, where the result is a valid config (full + nf4 is not), once each."""
     out: dict[str, TrialConfig] = {}
     for c in candidates:
@@ -632,7 +639,8 @@ def four_bit(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: b
                   f"weights {format_size(weights)}, smallest predicted peak {format_size(peak)}", peak)
 
 
-def shorter_length(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+def shorter_length(candidates: list[TrialConfig], shape: Shape, usable: int,
+                   on_gpu: bool = True) -> Saving | None:
     """The longest max_length (a multiple of 8, the shortest a config takes) at which some config of the
     space is predicted to fit (the prior grows with tokens per micro-batch: bisected)."""
     if not candidates:
@@ -662,7 +670,8 @@ def scaled(shape: Shape, s: float) -> Shape:
                    intermediate=max(1, round(shape.intermediate * s)), layers=max(1, round(shape.layers * s)))
 
 
-def smaller_model(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:
+def smaller_model(candidates: list[TrialConfig], shape: Shape, usable: int,
+                  on_gpu: bool = True) -> Saving | None:
     """The largest model of this shape's family (`scaled`) whose smallest predicted peak in the space fits:
     its parameter count, bisected over the scale."""
     if not candidates or not shape.total_params():
@@ -675,7 +684,8 @@ def smaller_model(candidates: list[TrialConfig], shape: Shape, usable: int, on_g
 
     if not fits(0.0):
         return Saving(Change.MODEL, "a smaller model", False,
-                      "the vocabulary's embeddings and what is not weights exceed the usable memory at any size")
+                      "the vocabulary's embeddings and what is not weights exceed the usable memory at any "
+                      "size")
     lo, hi = 0.0, 1.0
     for _ in range(40):  # 2**-40 of the scale: far finer than a parameter count is told
         mid = (lo + hi) / 2
@@ -719,7 +729,8 @@ def larger_card(candidates: list[TrialConfig], shape: Shape, on_gpu: bool = True
 
 
 def _shardable(cfg: TrialConfig, engine: str) -> TrialConfig:
-    """cfg as a sharding engine runs it: a 16-bit base, nothing offloaded; FSDP2 checkpoints every layer or none."""
+    """cfg as a sharding engine runs it: a 16-bit base, nothing offloaded; FSDP2 checkpoints every layer or
+    none."""
     ckpt = cfg.gradient_checkpointing
     if engine == "fsdp2" and ckpt not in ("off", "on"):
         ckpt = "on"

@@ -40,4 +40,5 @@ def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendere
     return rendered
 
 
-__all__ = ["FORMATS", "SCRIPTS", "ExportRun", "Rendered", "export_run", "load_run", "stdout_notes", "write_rendered"]
+__all__ = ["FORMATS", "SCRIPTS", "ExportRun", "Rendered", "export_run", "load_run", "stdout_notes",
+           "write_rendered"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
 from autofit.config.spec import ALL_LINEAR, TrialConfig
 from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
@@ -16,7 +14,7 @@ from autofit.export.yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 def render(r: ExportRun) -> Rendered:
     cfg = r.config
     lost: list[str] = []
-    out: dict = {
+    out: dict[str, object] = {
         "base_model": r.weights_ref,
         "model_type": "AutoModelForCausalLM",
         "load_in_8bit": cfg.quantization == "8bit",
@@ -65,8 +63,9 @@ def render(r: ExportRun) -> Rendered:
         lost.append("expandable_segments=True: not an axolotl key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `axolotl train`")
     if cfg.torch_compile:
-        lost.append(f"torch_compile=on was measured compiled per decoder block (regional compilation, the loss "
-                    f"eager): not an axolotl key; export {REGIONAL_COMPILATION}=1 before `axolotl train`")
+        lost.append("torch_compile=on was measured compiled per decoder block (regional compilation, the "
+                    f"loss eager): not an axolotl key; export {REGIONAL_COMPILATION}=1 before `axolotl "
+                    "train`")
     out["datasets"] = [{"path": "data.jsonl", "type": "completion"}]
     if r.dataset is not None:  # searched with --dataset: the measured batching on the measured file
         batching, missing = axolotl_batching(cfg)
@@ -74,19 +73,19 @@ def render(r: ExportRun) -> Rendered:
         lost += missing
         form = data_form(r.dataset)
         if form.chat:  # rendered with the tokenizer's own chat template, as the probe measured
-            out["datasets"] = [{"path": r.dataset["path"], "type": "chat_template",
-                                "field_messages": r.dataset.get("messages_field", "messages"),
+            out["datasets"] = [{"path": r.dataset.path, "type": "chat_template",
+                                "field_messages": r.dataset.messages_field,
                                 "message_property_mappings": {"role": form.role, "content": form.content}}]
             out["chat_template"] = "tokenizer_default"
         else:
-            out["datasets"] = [{"path": r.dataset["path"], "type": "completion",
-                                "field": r.dataset.get("text_field", "text")}]
+            out["datasets"] = [{"path": r.dataset.path, "type": "completion",
+                                "field": r.dataset.text_field}]
         lost += [form.note] if form.note else []
     out["output_dir"] = "./autofit-out"
     return with_gpus(r, out, lost)
 
 
-def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
+def with_gpus(r: ExportRun, out: dict[str, object], lost: list[str]) -> Rendered:
     """The recipe with its multi-GPU keys, the files they name, and how to launch it."""
     cfg = r.config
     engine, companions, launch = engine_keys(cfg)
@@ -94,15 +93,18 @@ def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str]) -> Rendered:
         out["gradient_checkpointing"] = False
         out.pop("gradient_checkpointing_kwargs", None)
     out.update(engine)
-    assert set(out.get("fsdp_config", {})) <= AXOLOTL["fsdp_config"]  # the versioned key list moves with this
+    fsdp = out.get("fsdp_config", {})
+    # the versioned key list moves with this
+    assert isinstance(fsdp, dict) and set(fsdp) <= AXOLOTL["fsdp_config"]
     run = launch.format(recipe="this.yaml") if launch else "axolotl train this.yaml"
-    intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: {run}", *yaml_intro(cfg, companions)]
+    intro = [f"axolotl config (keys of axolotl {AXOLOTL['version']}). Run: {run}",
+             *yaml_intro(cfg, companions)]
     return with_engine(yaml_recipe(r, out, AXOLOTL["keys"], intro, lost, "axolotl"), companions, launch)
 
-def kernel_keys(cfg: TrialConfig) -> dict[str, Any]:
+def kernel_keys(cfg: TrialConfig) -> dict[str, object]:
     """Liger through axolotl's plugin, the kernels Trainer's `use_liger_kernel` applies by default
     (rope, rms_norm, glu, fused linear cross-entropy; the plain cross-entropy off); torch.compile."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     if cfg.liger:
         out.update({"plugins": [AXOLOTL_LIGER_PLUGIN], "liger_rope": True, "liger_rms_norm": True,
                     "liger_glu_activation": True, "liger_fused_linear_cross_entropy": True,

@@ -5,20 +5,22 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from autofit.config.models import ModelSource
 from autofit.config.spec import TrialConfig, not_kept, training_argument_values
+from autofit.core.envinfo import Env
 from autofit.core.errors import CannotWrite, UsageError
 from autofit.core.files import cannot_write, write_atomic
 from autofit.core.paths import output_file, readable, shown, source
 from autofit.core.units import format_size
 from autofit.data import DatasetRef, RefState, stored_dataset
-from autofit.run.best import read_best, read_env
-from autofit.run.rundir import RunDir, read_spec
+from autofit.run.best import Best, read_best, read_env
+from autofit.run.rundir import RunDir, load_spec
 
 
 @dataclass(frozen=True)
@@ -28,11 +30,11 @@ class ExportRun:
     run_dir: Path
     run_id: str
     config: TrialConfig
-    model: dict[str, Any]
-    best: dict[str, Any]
-    env: dict[str, Any]
-    dataset: dict[str, Any] | None = None
-    """The run's `DatasetRef` (spec.yaml) when it was searched with --dataset."""
+    model: ModelSource
+    best: Best
+    env: Env
+    dataset: DatasetRef | None = None
+    """The run's dataset (spec.yaml; where it is now, with --dataset) when it was searched with --dataset."""
     notes: list[str] = field(default_factory=list)
     """What the user should know of the export (a dataset that is not where the search read it)."""
 
@@ -41,25 +43,26 @@ class ExportRun:
         """Micro-steps per optimizer step as the probe trained them: on data, the plan decides a packed step's
         (rows hold however many samples fit: `data.batching.step_shape`, kept in best.json's extra); else, and
         for a run stored before the probe reported it, the config's."""
-        measured = (self.best.get("extra") or {}).get("gradient_accumulation_steps")
+        measured = self.best.step.gradient_accumulation_steps
         return measured if self.dataset is not None and measured else self.config.gradient_accumulation_steps
 
     @property
     def step_samples(self) -> str:
         """Samples one optimizer step trains, as the probe counted them (its plan's mean, on data)."""
-        measured = (self.best.get("extra") or {}).get("samples_per_step")
-        if self.dataset is None or not measured or self.accumulation == self.config.gradient_accumulation_steps:
+        measured = self.best.step.samples_per_step
+        as_config = self.accumulation == self.config.gradient_accumulation_steps
+        if self.dataset is None or not measured or as_config:
             return f"{self.config.effective_batch}"
         return f"{measured:,.1f}".removesuffix(".0") + " (on average: packed rows hold what fits)"
 
     @property
     def weights_ref(self) -> str:
         """The model to name in a config: the source, or a placeholder for a random-weight preset."""
-        return self.model["ref"] if self.model["kind"] not in ("preset", "config") else "PATH/TO/MODEL"
+        return self.model.ref if self.model.kind not in ("preset", "config") else "PATH/TO/MODEL"
 
     def repeats(self) -> str:
         """How often the probe's tokens/s was measured: what to expect of the recipe's own figure."""
-        runs = (self.best.get("extra") or {}).get("measurements") or []
+        runs = self.best.measurements
         if len(runs) > 1:
             return (f"Tokens/s: the median of {len(runs)} fresh processes "
                     f"({', '.join(f'{x:,.0f}' for x in runs)}).")
@@ -68,7 +71,7 @@ class ExportRun:
 
     def provenance(self) -> list[str]:
         """Comment lines: run id, GPU, limit, versions, measured tokens/s and peak."""
-        t = self.best.get("target") or {}
+        t = self.best.target
         gpu = t.get("gpu_name") or "CPU (no GPU)"
         limit = t.get("memory_limit_bytes")
         lim = f"{format_size(limit)} memory limit" if limit else "no memory limit"
@@ -80,14 +83,15 @@ class ExportRun:
             f"Measured on: {gpu}, {lim}" + (" (an emulated card: that card's memory, this GPU's speed)"
                                               if limit and t.get("device") == "cuda" else ""),
             f"Driver {self.env.get('driver') or '-'}, CUDA {self.env.get('cuda_driver') or '-'}; {vers}.",
-            (f"Probe: {self.best['tokens_per_s']:,.0f} tokens/s, peak {format_size(self.best['peak_memory_bytes'])} "
+            (f"Probe: {self.best.winner.tokens_per_s:,.0f} tokens/s, peak "
+             f"{format_size(self.best.winner.peak_memory_bytes)} "
              + (f"(every sequence {self.config.max_length} tokens; the recipe packs text into such blocks)."
-                if self.dataset is None else f"(trained tokens/s on {shown(self.dataset.get('path', ''))}, batching "
+                if self.dataset is None else f"(trained tokens/s on {shown(self.dataset.path)}, batching "
                 f"{self.config.batching}, max_length {self.config.max_length}).")),
             self.repeats(),
-            f"Model: {shown(self.model['ref'])} ({self.model['kind']})" + (
+            f"Model: {shown(self.model.ref)} ({self.model.kind})" + (
                 ": a shape preset with random weights, for measuring only; pass --model with real weights"
-                if self.model["kind"] in ("preset", "config") else ""),
+                if self.model.kind in ("preset", "config") else ""),
         ]
 
 
@@ -97,7 +101,8 @@ class Rendered:
     unexpressed: list[str] = field(default_factory=list)
     """Settings the target cannot express: written as comments and reported on stderr."""
     companions: dict[str, str] = field(default_factory=dict)
-    """Files the recipe names by a bare file name (a DeepSpeed JSON, an accelerate config), written beside it."""
+    """Files the recipe names by a bare file name (a DeepSpeed JSON, an accelerate config), written beside
+    it."""
     launch: str = ""
     """How to start the recipe on several GPUs, with `{recipe}` for its file; '' for one GPU."""
     notes: list[str] = field(default_factory=list)
@@ -113,23 +118,22 @@ def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
     again where it is: changed content is a UsageError; a file that is not here (on another machine, or
     moved) is written as stored, with a note saying so."""
     run_dir = Path(run)
-    spec = read_spec(run_dir)
+    spec = load_spec(run_dir)
     best = read_best(run_dir)
     outcome = best.doc.get("outcome", "fit")
     if outcome != "fit":
-        raise UsageError(f"RUN: {shown(best.path)} records a winner whose outcome is {outcome!r}, not a fit: it did "
-                         "not train to the end within the limit, so there is no measured recipe to export. Run "
-                         f"`autofit report {shown(run_dir)}` to rebuild best.json from the study's fits; where none "
-                         "fits, search again with the options its report suggests.")
+        raise UsageError(f"RUN: {shown(best.path)} records a winner whose outcome is {outcome!r}, not a fit: "
+                         "it did not train to the end within the limit, so there is no measured recipe to "
+                         f"export. Run `autofit report {shown(run_dir)}` to rebuild best.json from the "
+                         "study's fits; where none fits, search again with the options its report suggests.")
     notes: list[str] = []
     if dataset:
-        ref = stored_dataset(spec, dataset_path(dataset), "the winner was measured on")
-        stored = ref.to_dict() if ref else None
+        stored = stored_dataset(spec.dataset, dataset_path(dataset), "the winner was measured on")
     else:
-        stored = spec.get("dataset")
+        stored = spec.dataset
         notes += check_stored_dataset(stored) if stored else []
-    return ExportRun(run_dir, spec["run_id"], best.winner.config, spec["model"], best.doc, read_env(run_dir),
-                     stored, notes)
+    return ExportRun(run_dir, spec.run_id, best.winner.config, spec.model, best, read_env(run_dir), stored,
+                     notes)
 
 
 def dataset_path(path: str) -> str:
@@ -140,16 +144,17 @@ def dataset_path(path: str) -> str:
     return path
 
 
-def check_stored_dataset(stored: dict[str, Any]) -> list[str]:
+def check_stored_dataset(ref: DatasetRef) -> list[str]:
     """The run's dataset read again where the search found it: the notes to give (none where it is the
     same); changed content is a UsageError (the recipe would train on data that was not measured)."""
-    ref = DatasetRef.from_dict(stored)
     state, _ = ref.load()
     if state is RefState.MISSING:
-        return [f"the run's dataset {shown(ref.path)} is not here (moved, or on another machine): the recipe names "
-                "it where the search read it. If it moved, export with --dataset PATH (its content is checked)."]
+        return [f"the run's dataset {shown(ref.path)} is not here (moved, or on another machine): the recipe "
+                "names it where the search read it. If it moved, export with --dataset PATH (its content is "
+                "checked)."]
     if state is RefState.CHANGED:
-        ref.found(None, "the winner was measured on", "the recipe trains on the file it names: with --dataset PATH, ")
+        ref.found(None, "the winner was measured on",
+                  "the recipe trains on the file it names: with --dataset PATH, ")
     return []
 
 
@@ -166,22 +171,22 @@ class DataForm:
     """The role names the chats use, as written (human/gpt in ShareGPT data)."""
 
 
-def data_form(dataset: dict[str, Any]) -> DataForm:
+def data_form(dataset: DatasetRef) -> DataForm:
     """Read the run's dataset again (where it is) to tell chats from text."""
     from autofit.data import reader
 
     try:
-        source = reader.read_dataset(dataset["path"], dataset.get("text_field", "text"),
-                                     dataset.get("messages_field", "messages"), dataset.get("text_mode", "auto"))
+        source = reader.read_dataset(dataset.path, dataset.text_field, dataset.messages_field,
+                                     dataset.text_mode)
     except reader.DatasetError:
-        return DataForm(False, note=(f"the dataset {dataset['path']} is not here to read: written as text rows "
-                                     f"('{dataset.get('text_field', 'text')}'); export with --dataset PATH to "
+        return DataForm(False, note=(f"the dataset {dataset.path} is not here to read: written as text rows "
+                                     f"('{dataset.text_field}'); export with --dataset PATH to "
                                      "have its chats written as chats"))
     if not source.chats:
         return DataForm(False)
     note = "" if source.chats == len(source.samples) else (
-        f"the dataset mixes {source.chats} chats with {len(source.samples) - source.chats} text rows: written "
-        "as chats; its text rows are not read by this trainer")
+        f"the dataset mixes {source.chats} chats with {len(source.samples) - source.chats} text rows: "
+        "written as chats; its text rows are not read by this trainer")
     role, content = source.chat_keys or ("role", "content")
     return DataForm(True, role, content, note, source.roles)
 
@@ -212,7 +217,8 @@ def write_files(texts: dict[Path, str], force: bool, executable: Path | None = N
     paths = [checked_output(p) for p in texts]
     existing = [p for p in paths if p.is_file()]
     if existing and not force:
-        raise UsageError(f"-o: {shown(existing[0])} already exists; pass --force to overwrite it, or give another path.")
+        raise UsageError(f"-o: {shown(existing[0])} already exists; pass --force to overwrite it, or give "
+                         "another path.")
     special = [p for p in paths if p.exists() and not p.is_file()]  # /dev/null, /dev/stdout, a FIFO
     staged: list[tuple[Path, Path]] = []
     current = paths[0]
@@ -235,7 +241,8 @@ def write_files(texts: dict[Path, str], force: bool, executable: Path | None = N
             remedy = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "give a writable folder"
             raise CannotWrite(f"-o: cannot write {shown(current)} ({e.strerror or e}); nothing was written: "
                               f"{remedy}, and export again.") from None
-        raise UsageError(f"-o: cannot write {shown(current)} ({e.strerror or e}); give a writable path.") from None
+        raise UsageError(f"-o: cannot write {shown(current)} ({e.strerror or e}); give a writable "
+                         "path.") from None
 
 
 def _mode(path: Path, executable: bool) -> int | None:
@@ -260,27 +267,31 @@ def write_rendered(rendered: Rendered, out: Path, force: bool, executable: bool,
     The run's own records are never overwritten, --force or not."""
     beside = {checked_output(out.parent / name): text for name, text in rendered.companions.items()}
     if out.name in rendered.companions:
-        raise UsageError(f"-o: {shown(out)} is the name of the file the recipe names beside it; give the recipe "
-                         "another name.")
+        raise UsageError(f"-o: {shown(out)} is the name of the file the recipe names beside it; give the "
+                         "recipe another name.")
     records = [p for p in (checked_output(out), *beside) if RunDir(run_dir).owns(p)]
     if records:
-        raise UsageError(f"-o: {shown(records[0])} is one of the run's own records (its study, spec, winner or "
-                         "logs); writing the recipe there would destroy what was measured. Give a path outside "
-                         f"{shown(run_dir)}/, or a new file name in it such as {shown(run_dir / 'train.py')}.")
+        raise UsageError(f"-o: {shown(records[0])} is one of the run's own records (its study, spec, winner "
+                         "or logs); writing the recipe there would destroy what was measured. Give a path "
+                         f"outside {shown(run_dir)}/, or a new file name in it such as "
+                         f"{shown(run_dir / 'train.py')}.")
     in_the_way = [p for p, text in beside.items() if p.exists() and not force and _content(p) != text]
     if in_the_way:
-        raise UsageError([f"-o: {shown(p)} already exists with other content (the recipe {shown(out)} names it, so "
-                          "it is written beside it); pass --force to overwrite it, or give -o in another folder."
+        raise UsageError([f"-o: {shown(p)} already exists with other content (the recipe {shown(out)} names "
+                          "it, so it is written beside it); pass --force to overwrite it, or give -o in "
+                          "another folder."
                           for p in in_the_way])
     if out.is_file() and not force:  # an existing -o stops it all, before any companion is written
-        raise UsageError(f"-o: {shown(out)} already exists; pass --force to overwrite it, or give another path.")
+        raise UsageError(f"-o: {shown(out)} already exists; pass --force to overwrite it, or give another "
+                         "path.")
     new = {p: text for p, text in beside.items() if _content(p) != text}  # one with the same content is kept
     write_files({out: rendered.text, **new}, force=True, executable=out if executable else None)
     lines = [f"wrote {shown(p)}" for p in (out, *beside)]
     if rendered.launch:
         here = out.parent.resolve() == Path.cwd().resolve()
         recipe = shown(out) if here or not beside else shown(out.name)
-        cd = "" if here or not beside else f"cd {shown(out.parent)} && "  # companions are named relative to it
+        # companions are named relative to it
+        cd = "" if here or not beside else f"cd {shown(out.parent)} && "
         lines.append(f"launch: {cd}{rendered.launch_for(recipe)}")
     return lines
 
@@ -302,7 +313,7 @@ def _content(path: Path) -> str | None:
         return None
 
 
-def check_fields(names: set[str], keys: list[str] | set[str] | dict[str, Any], what: str) -> None:
+def check_fields(names: set[str], keys: Iterable[str], what: str) -> None:
     """Fail at export, not at training time, when an installed library renamed an argument
     (`names`: the installed argument names, `fields.installed_fields()`)."""
     missing = sorted(set(keys) - names)
@@ -337,13 +348,15 @@ def comment_block(lines: list[str], prefix: str = "# ") -> str:
 
 def one_line(text: str) -> str:
     """`text` without line breaks or other control characters (their escapes instead), as UTF-8 text."""
-    return readable("".join(ch if ch == "\t" or ord(ch) >= 32 else ch.encode("unicode_escape").decode() for ch in text))
+    return readable("".join(ch if ch == "\t" or ord(ch) >= 32 else ch.encode("unicode_escape").decode()
+                            for ch in text))
 
 
-def yaml_recipe(r: ExportRun, body: dict[str, Any], allowed: set[str], intro: list[str],
+def yaml_recipe(r: ExportRun, body: dict[str, object], allowed: set[str], intro: list[str],
                 lost: list[str], fmt: str) -> Rendered:
     """A YAML config: provenance and intro as comments, the keys, what could not be expressed. The dimensions
-    declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists as
+    declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists
+    as
     not expressed (`config.spec.training_argument_values`, `not_kept`)."""
     declared = training_argument_values(r.config, fmt)
     body, lost = {**body, **declared}, [*lost, *not_kept(r.config, fmt)]

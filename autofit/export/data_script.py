@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 
-from autofit.data import reader
+from autofit.data import DatasetRef, reader
 from autofit.export.common import one_line
 
 DATA_SETTINGS = '''
@@ -39,8 +39,8 @@ def reader_source() -> str:
     """autofit/data/reader.py without its module docstring, to be copied into a recipe."""
     source = inspect.getsource(reader)
     body = source[source.index('"""', 3) + 3:].strip("\n")
-    return ("\n\n# ---- autofit's dataset reader (autofit/data/reader.py), copied so that the recipe reads the data "
-            "as the search did\n\n" + body + "\n\n# ---- end of the reader")
+    return ("\n\n# ---- autofit's dataset reader (autofit/data/reader.py), copied so that the recipe reads "
+            "the data as the search did\n\n" + body + "\n\n# ---- end of the reader")
 
 
 DATA_HELPERS = reader_source() + '''
@@ -196,7 +196,7 @@ def data_below_one_step(ids, pad, per_device, accumulation, world_size):
     per_device = changes.get("per_device_train_batch_size", per_device)
     return below_one_step(len(rows), per_device * accumulation * world_size,
                           "sample" if BATCHING in ("pad_max", "pad_longest", "group_by_length") else "row")
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 HF_DATA_MAIN = '''
 
@@ -210,7 +210,7 @@ def main():
                                 args.world_size)
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
                       callbacks=[throughput_callback(token_counter(model), short)])
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 
 PACKED_DOC = """--dataset: JSONL with a "text" field per line, or a plain text file. The text is tokenized,
@@ -226,15 +226,15 @@ TEXT_MODE_WORDS = {"lines": "one sample a line", "paragraphs": "one sample a bla
                    "auto": "one sample a line, or a block where most blocks span several lines"}
 
 
-def dataset_fields(dataset: dict[str, object]) -> str:
+def dataset_fields(dataset: DatasetRef) -> str:
     """What the recipe reads as samples, in the run's own field names and text mode."""
-    mode = TEXT_MODE_WORDS.get(str(dataset.get("text_mode", "auto")), TEXT_MODE_WORDS["auto"])
-    chats = dataset.get("messages_field", "messages")
-    rows = f"'{dataset.get('text_field', 'text')}' text" + (f" or '{chats}' chats" if chats else "")
+    mode = TEXT_MODE_WORDS.get(dataset.text_mode, TEXT_MODE_WORDS["auto"])
+    chats = dataset.messages_field
+    rows = f"'{dataset.text_field}' text" + (f" or '{chats}' chats" if chats else "")
     return f"rows with {rows} (JSONL, CSV, parquet, a save_to_disk folder), or plain text ({mode})"
 
 
-def data_header(header: str, batching: str, dataset: dict[str, object]) -> str:
+def data_header(header: str, batching: str, dataset: DatasetRef) -> str:
     """The script's docstring says how this recipe batches (the packed-blocks paragraph replaced)."""
     assert PACKED_DOC in header  # script_parts.HEADER and this module move together
     fields = one_line(dataset_fields(dataset)).replace("\\", "\\\\").replace('"', '\\"')  # in the docstring
@@ -256,10 +256,11 @@ def main():
                                 config.world_size)
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                          callbacks=[throughput_callback(token_counter(model), short)])
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 
-def trl_batching(batching: str, micro_batch_size: int, max_length: int) -> tuple[dict[str, object], list[str]]:
+def trl_batching(batching: str, micro_batch_size: int,
+                 max_length: int) -> tuple[dict[str, object], list[str]]:
     """SFTConfig (TRL 1.16) settings for a strategy, and how they differ from what was measured."""
     if batching == "pad_max":
         return {"max_length": max_length, "packing": False, "padding_free": False,
@@ -270,18 +271,16 @@ def trl_batching(batching: str, micro_batch_size: int, max_length: int) -> tuple
     if batching == "padding_free":
         return ({"max_length": micro_batch_size * max_length, "packing": True, "packing_strategy": "bfd",
                  "per_device_train_batch_size": 1},
-                [("padding_free as TRL bfd packing into one row of up to micro_batch_size x max_length tokens: the "
-                  "probe flattened micro_batch_size samples a row in a seeded order, so a row here holds more "
-                  "samples (best-fit-decreasing)")])
+                [("padding_free as TRL bfd packing into one row of up to micro_batch_size x max_length "
+                  "tokens: the probe flattened micro_batch_size samples a row in a seeded order, so a row "
+                  "here holds more samples (best-fit-decreasing)")])
     return ({"max_length": max_length, "packing": True, "packing_strategy": "bfd"},
             [("packed as TRL lays bfd bins out: flattened into one row per micro-batch (the probe measured "
              "max_length rows)")])
 
 
-def data_settings(batching: str, micro_batch_size: int, dataset: dict[str, object]) -> str:
+def data_settings(batching: str, micro_batch_size: int, dataset: DatasetRef) -> str:
     return DATA_SETTINGS.format(batching=batching, micro_batch_size=micro_batch_size,
-                                text_field=dataset.get("text_field", "text"),
-                                messages_field=dataset.get("messages_field", "messages"),
-                                text_mode=dataset.get("text_mode", "auto"),
-                                dataset_path=dataset.get("path"),
+                                text_field=dataset.text_field, messages_field=dataset.messages_field,
+                                text_mode=dataset.text_mode, dataset_path=dataset.path,
                                 dataset_help=dataset_fields(dataset))

@@ -10,12 +10,10 @@ of a batch, to a multiple of 8).
 
 from __future__ import annotations
 
-from typing import Any
-
 from autofit.config.spec import TrialConfig
 
 
-def axolotl_batching(cfg: TrialConfig) -> tuple[dict[str, Any], list[str]]:
+def axolotl_batching(cfg: TrialConfig) -> tuple[dict[str, object], list[str]]:
     b, flash = cfg.batching, cfg.attn_implementation.startswith("flash_attention")
     if b == "pad_max":
         return {"sample_packing": False, "pad_to_sequence_len": True}, []
@@ -32,15 +30,16 @@ def axolotl_batching(cfg: TrialConfig) -> tuple[dict[str, Any], list[str]]:
         "batching=packed: axolotl's multipack binning is not best-fit-decreasing; rows fill differently"]
 
 
-def llama_factory_batching(cfg: TrialConfig) -> tuple[dict[str, Any], list[str]]:
+def llama_factory_batching(cfg: TrialConfig) -> tuple[dict[str, object], list[str]]:
     b = cfg.batching
     if b == "packed":  # neat_packing: no attention across samples; cutoff_len loses one token when packing
         return {"packing": True, "neat_packing": True, "cutoff_len": cfg.max_length + 1}, [
             "batching=packed: LLaMA-Factory packs by a greedy knapsack, not best-fit-decreasing"]
-    out: dict[str, Any] = {"packing": False, **({"group_by_length": True} if b == "group_by_length" else {})}
+    out: dict[str, object] = {"packing": False, **({"group_by_length": True} if b == "group_by_length"
+                                                   else {})}
     if b == "pad_max":
-        return out, [("batching=pad_max: LLaMA-Factory pads to the longest of a batch (a multiple of 8), not to "
-                     "cutoff_len; written as dynamic padding, which uses less memory than measured")]
+        return out, [("batching=pad_max: LLaMA-Factory pads to the longest of a batch (a multiple of 8), not "
+                     "to cutoff_len; written as dynamic padding, which uses less memory than measured")]
     if b == "padding_free":
         return out, [("batching=padding_free: LLaMA-Factory has no flattening option; written as dynamic "
                      "padding (pad_longest), slower than measured")]

@@ -14,9 +14,9 @@ import hashlib
 import inspect
 import json
 import re
+from collections.abc import Callable
 from importlib import util
 from pathlib import Path
-from typing import Any
 
 from autofit.core.envinfo import cache_dir, package_versions
 from autofit.core.files import write_json
@@ -26,7 +26,8 @@ LIBRARIES = ("transformers", "peft", "trl", "accelerate")
 """Their versions key the cache (accelerate: TrainingArguments' fields depend on it too)."""
 
 
-READ = ("TrainingArguments", "fsdp_config", "BitsAndBytesConfig", "LoraConfig", "prepare_model_for_kbit_training")
+READ = ("TrainingArguments", "fsdp_config", "BitsAndBytesConfig", "LoraConfig",
+        "prepare_model_for_kbit_training")
 """What `installed_fields` always holds (SFTConfig too where TRL is installed)."""
 
 
@@ -39,14 +40,15 @@ def trl_installed() -> bool:
     return util.find_spec("trl") is not None
 
 
-def names_of(obj: Any) -> list[str]:
+def names_of(obj: Callable[..., object]) -> list[str]:
     """The keyword arguments a class or function takes: a class's constructor parameters with its dataclass
     fields (transformers 5.25 made BitsAndBytesConfig's base a dataclass of one field, `quant_method`, while
     its own __init__ takes load_in_4bit and the rest), or a callable's parameters."""
     names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
     target = obj.__init__ if inspect.isclass(obj) else obj
     skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    names |= {n for n, p in inspect.signature(target).parameters.items() if p.kind not in skip and n != "self"}
+    names |= {n for n, p in inspect.signature(target).parameters.items() if p.kind not in skip
+              and n != "self"}
     return sorted(names)
 
 
@@ -80,9 +82,9 @@ def _read_installed() -> dict[str, list[str]]:
            "LoraConfig": names_of(peft.LoraConfig),
            "prepare_model_for_kbit_training": names_of(peft.prepare_model_for_kbit_training)}
     if trl_installed():
-        import trl
+        from trl.trainer.sft_config import SFTConfig
 
-        out["SFTConfig"] = names_of(trl.SFTConfig)
+        out["SFTConfig"] = names_of(SFTConfig)
     return out
 
 
@@ -108,7 +110,8 @@ def installed_fields() -> dict[str, set[str]]:
     fields = _read_installed()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"versions": v, "fields": fields})  # whole or not at all: a full disk leaves no scrap
+        # whole or not at all: a full disk leaves no scrap
+        write_json(path, {"versions": v, "fields": fields})
     except OSError:
         pass  # not cached: the next export reads them again
     return {k: set(n) for k, n in fields.items()}

@@ -33,16 +33,20 @@ def main():
 
 def render(r: ExportRun) -> Rendered:
     names, have, v = checked_names(r), installed_fields(), versions()
-    check_fields(have["TrainingArguments"], names["training"], f"transformers {v['transformers']} TrainingArguments")
+    check_fields(have["TrainingArguments"], names["training"],
+                 f"transformers {v['transformers']} TrainingArguments")
     check_fsdp_fields(names, have)
     check_fields(have["LoraConfig"], names["lora"], f"peft {v['peft']} LoraConfig")
-    check_fields(have["BitsAndBytesConfig"], names["quant"], f"transformers {v['transformers']} BitsAndBytesConfig")
+    check_fields(have["BitsAndBytesConfig"], names["quant"],
+                 f"transformers {v['transformers']} BitsAndBytesConfig")
     check_fields(have["prepare_model_for_kbit_training"], names["kbit"],
                  f"peft {v['peft']} prepare_model_for_kbit_training")
     cfg = r.config
     if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
         return Rendered(data_header(header(r, "train.py"), cfg.batching, r.dataset) + settings(r)
-                        + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS + DATA_HELPERS
+                        + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS
+                        + DATA_HELPERS
                         + script_main(HF_DATA_MAIN, cfg) + TAIL, launch=script_launch(cfg))
-    return Rendered(header(r, "train.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, cfg) + TAIL,
+    return Rendered(header(r, "train.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, cfg)
+                    + TAIL,
                     launch=script_launch(cfg))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
 from autofit.config.spec import ALL_LINEAR
@@ -17,14 +16,15 @@ from autofit.export.yaml_targets import LLAMA_FACTORY
 def render(r: ExportRun) -> Rendered:
     cfg = r.config
     lost: list[str] = []
-    out: dict = {
+    out: dict[str, object] = {
         "model_name_or_path": r.weights_ref,
         "stage": "sft",
         "do_train": True,
         "finetuning_type": cfg.method,
     }
     if cfg.method == "lora":
-        out.update({"lora_rank": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": float(cfg.lora_dropout),
+        out.update({"lora_rank": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
+                    "lora_dropout": float(cfg.lora_dropout),
                     "lora_target": "all" if cfg.lora_targets == ALL_LINEAR else cfg.lora_targets})
     if cfg.quantization != "none":
         out.update({"quantization_bit": 4 if cfg.quantization == "nf4" else 8,
@@ -56,17 +56,17 @@ def render(r: ExportRun) -> Rendered:
         form = data_form(r.dataset)
         lost += [form.note] if form.note else []
         if form.chat:
-            entry = {"file_name": r.dataset["path"], "formatting": "sharegpt",
-                     "columns": {"messages": r.dataset.get("messages_field", "messages")},
+            entry = {"file_name": r.dataset.path, "formatting": "sharegpt",
+                     "columns": {"messages": r.dataset.messages_field},
                      "tags": {"role_tag": form.role, "content_tag": form.content,
                               "user_tag": "human" if "human" in form.roles else "user",
                               "assistant_tag": "gpt" if "gpt" in form.roles else "assistant",
                               "system_tag": "system"}}
-            lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` to "
-                        "your model's LLaMA-Factory template name (empty adds no role markers)")
+            lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` "
+                        "to your model's LLaMA-Factory template name (empty adds no role markers)")
         else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
             out["stage"] = "pt"
-            entry = {"file_name": r.dataset["path"], "columns": {"prompt": r.dataset.get("text_field", "text")}}
+            entry = {"file_name": r.dataset.path, "columns": {"prompt": r.dataset.text_field}}
         register = f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
@@ -76,9 +76,9 @@ def render(r: ExportRun) -> Rendered:
     if cfg.torch_compile:
         out["torch_compile"] = True  # a TrainingArguments field, passed through
     if cfg.method == "full" and cfg.precision == "bf16" and cfg.engine == "zero3":
-        lost.append(f"method=full with precision=bf16 and engine=zero3: LLaMA-Factory {LLAMA_FACTORY['version']} "
-                    "refuses pure_bf16 under ZeRO-3; written without it (DeepSpeed's bf16 mode keeps fp32 master "
-                    "weights of its own, as in the probe)")
+        lost.append("method=full with precision=bf16 and engine=zero3: LLaMA-Factory "
+                    f"{LLAMA_FACTORY['version']} refuses pure_bf16 under ZeRO-3; written without it "
+                    "(DeepSpeed's bf16 mode keeps fp32 master weights of its own, as in the probe)")
     elif cfg.method == "full" and cfg.precision == "bf16":
         out["pure_bf16"] = True  # autofit trained bf16 weights directly
     flash = LLAMA_FACTORY["flash_attn"].get(cfg.attn_implementation)
@@ -87,8 +87,8 @@ def render(r: ExportRun) -> Rendered:
     else:
         lost.append(f"attn_implementation={cfg.attn_implementation}: no LLaMA-Factory flash_attn value")
     if cfg.torch_compile:
-        lost.append(f"torch_compile=on was measured compiled per decoder block (regional compilation, the loss "
-                    f"eager): not a LLaMA-Factory key; export {REGIONAL_COMPILATION}=1 before "
+        lost.append("torch_compile=on was measured compiled per decoder block (regional compilation, the "
+                    f"loss eager): not a LLaMA-Factory key; export {REGIONAL_COMPILATION}=1 before "
                     "`llamafactory-cli train`")
     if cfg.expandable_segments:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
@@ -96,7 +96,7 @@ def render(r: ExportRun) -> Rendered:
     return with_gpus(r, out, lost, register)
 
 
-def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str], register: str) -> Rendered:
+def with_gpus(r: ExportRun, out: dict[str, object], lost: list[str], register: str) -> Rendered:
     """The recipe with its multi-GPU keys, the files they name, and how to launch it."""
     cfg = r.config
     engine, companions, launch = engine_keys(cfg)
@@ -108,4 +108,5 @@ def with_gpus(r: ExportRun, out: dict[str, Any], lost: list[str], register: str)
         intro += [f"FSDP2 through accelerate ({ACCELERATE_FSDP}, as LLaMA-Factory 0.9.4's "
                   "examples/accelerate/fsdp2_config.yaml; src/train.py of a checkout runs the same as "
                   "-m llamafactory.launcher); FSDP's activation checkpointing replaces LLaMA-Factory's."]
-    return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost, "llama-factory"), companions, launch)
+    return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost, "llama-factory"), companions,
+                       launch)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any
 
 import yaml
 
@@ -76,11 +75,11 @@ def deepspeed_json(cfg: TrialConfig) -> str:
     return json.dumps(distributed.deepspeed_config(cfg), indent=2) + "\n"
 
 
-def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
+def axolotl(cfg: TrialConfig) -> tuple[dict[str, object], dict[str, str], str]:
     """(axolotl keys, companion files, launch command with `{recipe}`) for the config's engine."""
     if not distributed.launched(cfg):
         return {}, {}, ""
-    keys: dict[str, Any] = {}
+    keys: dict[str, object] = {}
     companions: dict[str, str] = {}
     if cfg.engine == "fsdp2":
         keys = {"fsdp_version": 2, "fsdp_config": distributed.fsdp_options(cfg)}
@@ -91,12 +90,13 @@ def axolotl(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
     return keys, companions, launch
 
 
-def llama_factory(cfg: TrialConfig) -> tuple[dict[str, Any], dict[str, str], str]:
+def llama_factory(cfg: TrialConfig) -> tuple[dict[str, object], dict[str, str], str]:
     """(LLaMA-Factory keys, companion files, launch command with `{recipe}`) for the config's engine."""
     if not distributed.launched(cfg):
         return {}, {}, ""
     if cfg.engine == "fsdp2":  # the activation checkpointing is FSDP's (in the accelerate config)
-        # the module llamafactory-cli's torchrun starts; a checkout's src/train.py (the examples' way) is the same
+        # the module llamafactory-cli's torchrun starts; a checkout's src/train.py (the examples' way) is the
+        # same
         launch = f"accelerate launch --config_file {ACCELERATE_FSDP} -m llamafactory.launcher {{recipe}}"
         return {"disable_gradient_checkpointing": True}, {ACCELERATE_FSDP: accelerate_fsdp(cfg)}, launch
     launch = f"FORCE_TORCHRUN=1 NPROC_PER_NODE={cfg.gpus} llamafactory-cli train {{recipe}}"
@@ -109,18 +109,20 @@ def yaml_intro(cfg: TrialConfig, companions: dict[str, str]) -> list[str]:
     """Header lines of a YAML recipe on its GPUs and the files beside it ([] for one plain GPU)."""
     if not distributed.launched(cfg):
         return []
-    return [f"Several GPUs: {distributed.describe(cfg)}; the global batch kept: {cfg.rank_batch} sequences per rank "
-            f"and optimizer step, {cfg.effective_batch} in all."] + [
+    return [f"Several GPUs: {distributed.describe(cfg)}; the global batch kept: {cfg.rank_batch} sequences "
+            f"per rank and optimizer step, {cfg.effective_batch} in all."] + [
         f"{n} (written beside this file by autofit export -o) is named relative to the folder you run in."
         for n in companions]
 
 
 def accelerate_fsdp(cfg: TrialConfig) -> str:
-    """An accelerate config file for FSDP2 (the keys of LLaMA-Factory's examples/accelerate/fsdp2_config.yaml)."""
+    """An accelerate config file for FSDP2 (the keys of LLaMA-Factory's
+    examples/accelerate/fsdp2_config.yaml)."""
+    fsdp_config = {"fsdp_version": 2, **{f"fsdp_{k}": v for k, v in distributed.fsdp_options(cfg).items()}}
     doc = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "fsdp_config": {"fsdp_version": 2, **{f"fsdp_{k}": v for k, v in distributed.fsdp_options(cfg).items()}},
+        "fsdp_config": fsdp_config,
         "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(cfg.precision, "no"),
         "machine_rank": 0,
         "num_machines": 1,
@@ -129,6 +131,7 @@ def accelerate_fsdp(cfg: TrialConfig) -> str:
         "same_network": True,
         "use_cpu": False,
     }
-    assert set(doc) <= ACCELERATE["keys"] and set(doc["fsdp_config"]) <= ACCELERATE["fsdp_config"]
-    return (f"# accelerate config for LLaMA-Factory: {distributed.describe(cfg)}, written by autofit export.\n"
+    assert set(doc) <= ACCELERATE["keys"] and set(fsdp_config) <= ACCELERATE["fsdp_config"]
+    return (f"# accelerate config for LLaMA-Factory: {distributed.describe(cfg)}, written by autofit "
+            "export.\n"
             + yaml.safe_dump(doc, sort_keys=False))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import errno
 import pprint
-from typing import Any
 
 from autofit.config import distributed, recipe
+from autofit.config.recipe import Arguments
 from autofit.core.files import WRITE_FAILURES
 from autofit.export.common import ExportRun, check_fields, comment_block
 from autofit.export.fields import versions
@@ -395,7 +395,7 @@ def emulate(limit_gib):
         free, total = torch.cuda.mem_get_info()
         outside = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction((limit_gib * 2**30 - outside) / total)
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 HELPERS = HELPERS.replace("{write_failures}", "{" + ", ".join(f"errno.{errno.errorcode[e]}"
                                                                 for e in sorted(WRITE_FAILURES)) + "}")
@@ -461,21 +461,22 @@ def prepare():
     tokenizer = load_tokenizer(a.model)
     blocks = packed_blocks(a.dataset, texts, tokenizer, MAX_LENGTH)
     return a, tokenizer, blocks, adapt(build_model(a.model))
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 
 def settings(r: ExportRun, max_steps: int = 1000) -> str:
     cfg = r.config
-    on_cpu = (r.best.get("target") or {}).get("device") == "cpu"
-    args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps, gradient_accumulation_steps=r.accumulation)
+    on_cpu = r.best.target.get("device") == "cpu"
+    args = recipe.training_arguments(cfg, on_cpu=on_cpu, max_steps=max_steps,
+                                     gradient_accumulation_steps=r.accumulation)
     args["logging_steps"] = 10
 
-    def fmt(obj: Any) -> str:
+    def fmt(obj: object) -> str:
         return pprint.pformat(obj, indent=1, width=100, sort_dicts=False)
 
     return SETTINGS.format(
-        model=r.model["ref"] if r.model["kind"] not in ("preset", "config") else None,
-        model_config=fmt(r.model["config"]) if r.model["kind"] in ("preset", "config") else "None",
+        model=r.model.ref if r.model.kind not in ("preset", "config") else None,
+        model_config=fmt(r.model.config) if r.model.kind in ("preset", "config") else "None",
         max_length=cfg.max_length, dtype=recipe.weights_dtype(cfg), attn=cfg.attn_implementation,
         effective=r.step_samples, training_args=fmt(args), lora=fmt(recipe.lora_arguments(cfg)),
         quant=fmt(recipe.quantization_arguments(cfg)), kbit=fmt(recipe.kbit_preparation(cfg)))
@@ -489,13 +490,14 @@ def header(r: ExportRun, name: str) -> str:
                          usage=usage, distributed=script_doc(r.config))
 
 
-def check_fsdp_fields(names: dict[str, Any], have: dict[str, Any]) -> None:
+def check_fsdp_fields(names: dict[str, Arguments], have: dict[str, set[str]]) -> None:
     """The engine's fsdp_config keys against transformers' documented ones (both script formats)."""
     check_fields(have["fsdp_config"], names["training"].get("fsdp_config", {}),
-                 f"transformers {versions()['transformers']} TrainingArguments fsdp_config (its documented keys)")
+                 f"transformers {versions()['transformers']} TrainingArguments fsdp_config (its documented "
+                 "keys)")
 
 
-def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Any]:
+def checked_names(r: ExportRun, max_steps: int = 1000) -> dict[str, Arguments]:
     cfg = r.config
     return {"training": recipe.training_arguments(cfg, on_cpu=False, max_steps=max_steps),
             "lora": recipe.lora_arguments(cfg) or {}, "quant": recipe.quantization_arguments(cfg) or {},

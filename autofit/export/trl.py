@@ -46,7 +46,7 @@ def main():
                            * config.world_size, "block")
     trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                          callbacks=[throughput_callback(token_counter(model, trained=False), short)])
-'''
+'''  # noqa: E501  a recipe's own code, written as it is
 
 
 def render(r: ExportRun) -> Rendered:
@@ -69,6 +69,8 @@ def render(r: ExportRun) -> Rendered:
         return Rendered(data_header(header(r, "train_trl.py"), cfg.batching, r.dataset) + settings(r)
                         + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset)
                         + f"TRL_BATCHING = {trl_args!r}\n" + comment + HELPERS + DATA_HELPERS
-                        + script_main(TRL_DATA_MAIN, cfg) + TAIL, [*differs, *notes], launch=script_launch(cfg))
-    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, r.config) + TAIL, notes,
+                        + script_main(TRL_DATA_MAIN, cfg) + TAIL, [*differs, *notes],
+                        launch=script_launch(cfg))
+    return Rendered(header(r, "train_trl.py") + settings(r) + HELPERS + BLOCK_HELPERS
+                    + script_main(MAIN, r.config) + TAIL, notes,
                     launch=script_launch(r.config))

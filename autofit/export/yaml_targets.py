@@ -6,18 +6,43 @@ versions named, checked by the tests against what the exporters write.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
+
+class Axolotl(TypedDict):
+    version: str
+    keys: set[str]
+    fsdp_config: set[str]
+    optimizers: set[str]
+
+
+class LlamaFactory(TypedDict):
+    version: str
+    keys: set[str]
+    flash_attn: dict[str, str]
+    """LLaMA-Factory's `flash_attn` value for each attn_implementation it can say."""
+
+
+class Accelerate(TypedDict):
+    version: str
+    keys: set[str]
+    fsdp_config: set[str]
+
+
 AXOLOTL_LIGER_PLUGIN = "axolotl.integrations.liger.LigerPlugin"
 
-AXOLOTL = {
+AXOLOTL: Axolotl = {
     "version": "0.12",
     "keys": {
         "base_model", "model_type", "tokenizer_type", "load_in_8bit", "load_in_4bit", "adapter",
-        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "sequence_len", "sample_packing",
+        "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "sequence_len",
+        "sample_packing",
         "pad_to_sequence_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps",
         "num_epochs", "optimizer", "learning_rate", "lr_scheduler", "bf16", "fp16", "tf32",
         "gradient_checkpointing", "gradient_checkpointing_kwargs", "sdp_attention", "flash_attention",
         "eager_attention", "datasets", "output_dir", "logging_steps", "seed", "bnb_config_kwargs",
-        # integrations/liger/args.py (LigerArgs) with the plugin; schemas/config.py (torch_compile*, flex_attention)
+        # integrations/liger/args.py (LigerArgs) with the plugin; schemas/config.py (torch_compile*,
+        # flex_attention)
         "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
         "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
         "group_by_length", "batch_flattening", "chat_template",
@@ -30,7 +55,7 @@ AXOLOTL = {
                    "paged_adamw_32bit", "adafactor", "sgd", "lion_8bit", "paged_lion_8bit"},
 }
 
-LLAMA_FACTORY = {
+LLAMA_FACTORY: LlamaFactory = {
     "version": "0.9.3",
     "keys": {
         "model_name_or_path", "stage", "do_train", "finetuning_type", "lora_rank", "lora_alpha",
@@ -47,12 +72,12 @@ LLAMA_FACTORY = {
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }
 
-ACCELERATE = {
+ACCELERATE: Accelerate = {
     "version": "1.16",
     # commands/config/config_args.py ClusterConfig (the config file), commands/launch.py (its fsdp_* options)
     "keys": {"compute_environment", "distributed_type", "fsdp_config", "mixed_precision", "machine_rank",
              "num_machines", "num_processes", "rdzv_backend", "same_network", "use_cpu"},
-    "fsdp_config": {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-                    "fsdp_activation_checkpointing", "fsdp_state_dict_type"},
+    "fsdp_config": {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_reshard_after_forward",
+                    "fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_state_dict_type"},
 }
 """The accelerate config file LLaMA-Factory's FSDP2 recipe is launched with."""

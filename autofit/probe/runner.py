@@ -17,12 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from autofit.config import distributed, kernels
 from autofit.config.models import ModelSource
 from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
+from autofit.core.documents import JSONObject
 from autofit.core.files import write_atomic
 from autofit.probe.standby import HOLD, Standby, writable_logs
 from autofit.protocol import group
@@ -41,6 +42,27 @@ from autofit.protocol.result import Outcome, ProbeResult
 from autofit.protocol.signatures import classify_text, result_from_log
 
 
+class ProbeRunner(Protocol):
+    """What runs a search's probes on one target: `Runner` (each probe a process of its own) or the landscape
+    replay's `search.replay.ReplayRunner` (recorded results on a simulated clock). `search.Search` takes
+    either."""
+
+    def warm_up(self) -> None:
+        """Start what the first probe needs (standby processes) before it is asked for."""
+
+    def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
+            cancel: Callable[[], bool] | None = None, checks: Checks = Checks()) -> ProbeResult:
+        """One probe of `cfg` named `name`, always a result: a timeout after `timeout` seconds, cancelled
+        when `cancel()` says so, running the correctness `checks` asked for."""
+        ...
+
+    def abort(self) -> None:
+        """From another thread (Ctrl-C): stop the probe running now."""
+
+    def close(self) -> None:
+        """Stop everything started (standby processes); the runner is not used again."""
+
+
 def result_file(log_dir: Path, name: str) -> Path:
     """Where the probe called `name` writes its result (a resumed search adopts a finished one)."""
     return Path(log_dir) / f"{name}.result.json"
@@ -54,7 +76,7 @@ class Runner:
                  max_probe_accumulation: int | None = MAX_PROBE_ACCUMULATION,
                  hold_while_timing: bool = True, train_tokens: int | None = None,
                  train_steps: int | None = None,
-                 dataset: dict[str, Any] | None = None, data_cache: Path | None = None) -> None:
+                 dataset: JSONObject | None = None, data_cache: Path | None = None) -> None:
         self.target = target
         self.log_dir = Path(log_dir).resolve()
         writable_logs(self.log_dir)
@@ -173,7 +195,7 @@ class Runner:
         why = kernels.kernel_support(cfg, self.target.device) or distributed.support(
             cfg, self.target.device, len(self.target.gpus), self.dataset is not None)
         if why:
-            return ProbeResult(Outcome.UNSUPPORTED, cfg.to_dict(), reason=f"autofit: unsupported: {why}")
+            return ProbeResult(Outcome.UNSUPPORTED, cfg, reason=f"autofit: unsupported: {why}")
         return None
 
     def run(self, cfg: TrialConfig, model: ModelSource, *, name: str, timeout: float = 900.0,
@@ -194,7 +216,7 @@ class Runner:
             return self._run_group(req, name, asked, deadline, timeout, cancel)
         child = self._take(deadline)
         if child is None:
-            return self._finish(ProbeResult(Outcome.TIMEOUT, cfg.to_dict(),
+            return self._finish(ProbeResult(Outcome.TIMEOUT, cfg,
                                             reason=f"no probe process was ready within {timeout:.0f} s"),
                                 asked, log_path, "")
         return self._supervise(child, req, log_path, asked, deadline, timeout, cancel)
@@ -241,7 +263,7 @@ class Runner:
             request_file.unlink(missing_ok=True)
 
     def _judge_group(self, ended: Ended, timeout: float, req: ProbeRequest, text: str) -> ProbeResult:
-        cfg = req.config.to_dict()
+        cfg = req.config
         results = {}
         for r in range(req.config.gpus):
             path = Path(rank_result_path(req.result_path, r))
@@ -297,7 +319,7 @@ class Runner:
 
     def _judge(self, child: Standby, ended: Ended, timeout: float, req: ProbeRequest,
                text: str) -> ProbeResult:
-        cfg = req.config.to_dict()
+        cfg = req.config
         rc, pid = child.proc.returncode, child.proc.pid
         tail = text[-4000:]
         # 1. the result the child wrote
@@ -308,7 +330,8 @@ class Runner:
             return ProbeResult(Outcome.CANCELLED, cfg, reason="cancelled: another worker probes this config")
         if ended.timed_out:
             return ProbeResult(Outcome.TIMEOUT, cfg, error_tail=tail,
-                               reason=f"no result after {timeout:.0f} s; the probe's process group was stopped")
+                               reason=f"no result after {timeout:.0f} s; the probe's process group was "
+                                      "stopped")
         # 3. the signal that ended it
         if rc is not None and rc < 0:
             if -rc == signal.SIGKILL and pid not in self._ours_killed:
@@ -320,7 +343,7 @@ class Runner:
 
     def _finish(self, res: ProbeResult, asked: float, log_path: Path, worker: str) -> ProbeResult:
         res.wall_seconds = time.monotonic() - asked
-        res.train_tokens = planned_tokens(TrialConfig.from_dict(res.config), self.train_tokens, self.train_steps)
+        res.train_tokens = planned_tokens(res.config, self.train_tokens, self.train_steps)
         res.log_path = str(log_path)
         res.worker = worker
         if not res.device:
@@ -339,14 +362,14 @@ class Ended:
         self.cancelled = False
 
 
-def _read_result(path: Path, cfg: dict[str, Any], tail: str) -> ProbeResult:
+def _read_result(path: Path, cfg: TrialConfig, tail: str) -> ProbeResult:
     try:
         return ProbeResult.from_dict(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         return ProbeResult(Outcome.CRASH, cfg, reason=f"unreadable result file ({e})", error_tail=tail)
 
 
-def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None, who: str = "") -> ProbeResult:
+def _outside_sigkill(cfg: TrialConfig, tail: str, evidence: str | None, who: str = "") -> ProbeResult:
     """A SIGKILL autofit did not send (to the child, or to `who`: a group's rank): the OOM killer's on
     evidence, else says nothing about the config."""
     if evidence is not None:
@@ -356,7 +379,7 @@ def _outside_sigkill(cfg: dict[str, Any], tail: str, evidence: str | None, who: 
                        reason=f"{who}killed by SIGKILL from outside autofit (no sign of the OOM killer)")
 
 
-def _from_text(cfg: dict[str, Any], text: str, rc: int | None) -> ProbeResult:
+def _from_text(cfg: TrialConfig, text: str, rc: int | None) -> ProbeResult:
     """A child that exited without a result: what its log shows."""
     res = result_from_log(cfg, text, f"exited with code {rc} without writing a result")
     if res.outcome is Outcome.OOM:

@@ -99,8 +99,9 @@ def writable_logs(log_dir: Path, flag: str = "") -> None:
         raise UsageError(f"{said}the probe logs' folder {log_dir} is a file (or lies under one); give a "
                          "folder.") from None
     except OSError as e:
-        raise CannotWrite(f"{said}cannot write the probe logs in {log_dir} ({e.strerror}); nothing was measured. "
-                          "Give a writable folder (a read-only copy of a run folder: copy it again).") from None
+        raise CannotWrite(f"{said}cannot write the probe logs in {log_dir} ({e.strerror}); nothing was "
+                          "measured. Give a writable folder (a read-only copy of a run folder: copy it "
+                          "again).") from None
 
 
 def _open_log(log_dir: Path, seq: int) -> tuple[int, Path | None]:

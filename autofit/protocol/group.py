@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
 
-from autofit.protocol.result import Outcome, ProbeResult
+from autofit.config.spec import TrialConfig
+from autofit.protocol.result import Outcome, ProbeResult, RankFigures
 from autofit.protocol.signatures import classify_text, communication_failure, result_from_log
 
 SEVERITY = (Outcome.OOM, Outcome.HOST_OOM, Outcome.UNSUPPORTED, Outcome.MISMATCH, Outcome.UNSTABLE,
@@ -70,7 +70,7 @@ def worst(results: dict[int, ProbeResult], cause: RootCause | None = None) -> tu
     return min(results.items(), key=key)
 
 
-def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text: str) -> ProbeResult:
+def merge(results: dict[int, ProbeResult], world: int, cfg: TrialConfig, text: str) -> ProbeResult:
     """The group's result from the ranks' results (`rank -> result`, possibly missing ranks) and the
     group's log `text`; `world` is the number of ranks launched."""
     missing = [r for r in range(world) if r not in results]
@@ -78,7 +78,7 @@ def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text
     if missing:
         judged.update(_missing_ranks(missing, cfg, text))
     rank, res = worst(judged, root_cause(text))
-    ranks = [_rank_summary(r, judged[r]) for r in sorted(judged)]
+    ranks = [_rank_figures(r, judged[r]).to_dict() for r in sorted(judged)]
     if not res.outcome.is_fit():
         # a missing rank's error tail is the whole group's log: its label comes from its own reason
         comm = communication_failure(f"{res.reason}\n{res.error_tail}" if rank in results else res.reason)
@@ -90,7 +90,7 @@ def merge(results: dict[int, ProbeResult], world: int, cfg: dict[str, Any], text
     return out
 
 
-def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[int, ProbeResult]:
+def _missing_ranks(missing: list[int], cfg: TrialConfig, text: str) -> dict[int, ProbeResult]:
     """Ranks that wrote no result: torchrun's root cause is the failed rank, judged from the log."""
     cause = root_cause(text)
     tail = text[-4000:]
@@ -98,7 +98,8 @@ def _missing_ranks(missing: list[int], cfg: dict[str, Any], text: str) -> dict[i
     for r in missing:
         if cause is None:  # the launcher failed before torchrun could say which rank (a rendezvous error)
             res = ProbeResult(classify_text(text) or Outcome.CRASH, cfg, error_tail=tail,
-                              reason=f"no result: {_last_error(text) or 'the launcher ended without a summary'}")
+                              reason="no result: "
+                                     + (_last_error(text) or "the launcher ended without a summary"))
         elif cause.rank == r:
             own = rank_text(text, r)
             how = f"signal {-cause.exitcode}" if cause.exitcode < 0 else f"exit code {cause.exitcode}"
@@ -134,6 +135,5 @@ def _fit_of_group(results: dict[int, ProbeResult]) -> ProbeResult:
     return out
 
 
-def _rank_summary(rank: int, res: ProbeResult) -> dict[str, Any]:
-    return {"rank": rank, "outcome": res.outcome.value, "tokens_per_s": res.tokens_per_s,
-            "peak_memory_bytes": res.peak_memory_bytes, "reason": res.reason[:300]}
+def _rank_figures(rank: int, res: ProbeResult) -> RankFigures:
+    return RankFigures(rank, res.outcome.value, res.tokens_per_s, res.peak_memory_bytes, res.reason[:300])

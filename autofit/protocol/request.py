@@ -15,11 +15,11 @@ import json
 import os
 import signal
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from autofit.config.models import ModelSource
 from autofit.config.spec import TrialConfig
 from autofit.config.target import HEADROOM, usable_bytes
+from autofit.core.documents import JSONObject
 
 READY = "autofit-standby-ready"
 """The line a probe process prints once its imports are done."""
@@ -92,7 +92,7 @@ class ProbeRequest:
     boundaries: bool = True
     """Run the per-sample loss check on the dataset's batches (`probe/batches.check_boundaries`); False
     where the study already holds a passing verdict for the config's `data.correctness.boundary_key`."""
-    dataset: dict[str, Any] | None = None
+    dataset: JSONObject | None = None
     """`autofit.data.DatasetRef.to_dict()` with --dataset: the probe trains on its micro-batches
     (`config.batching`); None: random tokens at max_length."""
     data_cache: str | None = None
@@ -139,7 +139,7 @@ class ProbeRequest:
         return cls(**d)
 
 
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+def write_json_atomic(path: str, data: object) -> None:
     """Write a result file atomically, so the runner never reads half a result."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

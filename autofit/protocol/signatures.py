@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from autofit.config.spec import TrialConfig
 from autofit.protocol.result import Outcome, ProbeResult
 
 # GPU out of memory, in the words of torch, CUDA, cuBLAS, cuDNN and NCCL.
@@ -161,7 +162,8 @@ class OomFigures:
         """Set an out-of-memory result's figures from the message (`outside`: memory outside the
         allocator, for the memory in use where NVML did not say)."""
         res.oom_shortfall_bytes, res.oom_request_bytes = self.shortfall, self.request
-        res.oom_in_use_bytes, res.oom_reserved_unallocated_bytes = self.in_use_with(outside), self.reserved_unallocated
+        res.oom_in_use_bytes = self.in_use_with(outside)
+        res.oom_reserved_unallocated_bytes = self.reserved_unallocated
 
 
 def _bytes(m: re.Match[str]) -> int:
@@ -182,7 +184,7 @@ def oom_figures(text: str) -> OomFigures:
                       reserved_unallocated=_find(_UNALLOCATED, msg))
 
 
-def result_from_log(cfg: dict, text: str, reason: str) -> ProbeResult:
+def result_from_log(cfg: TrialConfig, text: str, reason: str) -> ProbeResult:
     """A process that wrote no result, judged from its log: the outcome its text shows (else a crash),
     the log's tail and, for an out-of-memory error, the allocator's figures."""
     outcome = classify_text(text) or Outcome.CRASH

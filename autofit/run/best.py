@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from autofit.config.spec import TrialConfig
+from autofit.core.documents import JSONObject
+from autofit.core.envinfo import Env
 from autofit.core.errors import UsageError
 from autofit.core.paths import input_file, shown
+from autofit.protocol.result import Extra, StepFigures
 
 BEST = "best.json"
 ENV = "env.json"
@@ -33,7 +35,8 @@ class Best:
     """A run's best.json, checked: the raw document and its entries, winner first."""
 
     path: Path
-    doc: dict[str, Any]
+    doc: JSONObject
+    """best.json as read: the winner's `ProbeResult.to_dict()` and the run's fields beside it."""
     entries: tuple[BestEntry, ...]
 
     @property
@@ -41,23 +44,41 @@ class Best:
         return self.entries[0]
 
     @property
-    def target(self) -> dict[str, Any]:
+    def target(self) -> JSONObject:
         """Where the winner was measured (device, gpu_name, memory_limit_bytes, ...)."""
         t = self.doc.get("target")
         return t if isinstance(t, dict) else {}
 
+    @property
+    def extra(self) -> Extra:
+        """The winner's further figures (`ProbeResult.extra`; `measured_where` checked what is read of it)."""
+        extra = self.doc.get("extra")
+        return extra if isinstance(extra, dict) else {}
 
-def read_json_object(path: Path, what: str, remedy: str) -> dict[str, Any]:
+    @property
+    def measurements(self) -> list[float]:
+        """tokens/s of each run of the winner: more than one where the search measured it again."""
+        return [float(x) for x in self.extra.get("measurements") or []]
+
+    @property
+    def step(self) -> StepFigures:
+        """What one optimizer step of the winner trained, as the probe counted it."""
+        return StepFigures.from_extra(self.extra)
+
+
+def read_json_object(path: Path, what: str, remedy: str) -> JSONObject:
     """A JSON object from a run folder's file; anything else is a UsageError naming the file."""
     try:
         doc = json.loads(path.read_text())
     except OSError as e:
         raise UsageError(f"RUN: cannot read {shown(path)} ({e.strerror}).") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else e.reason
+        where = (f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError)
+                 else e.reason)
         raise UsageError(f"RUN: {shown(path)} is not valid JSON ({where}); {remedy}") from None
     if not isinstance(doc, dict):
-        raise UsageError(f"RUN: {shown(path)} holds a JSON {type(doc).__name__}, not an object with {what}; {remedy}")
+        raise UsageError(f"RUN: {shown(path)} holds a JSON {type(doc).__name__}, not an object with {what}; "
+                         f"{remedy}")
     return doc
 
 
@@ -87,7 +108,7 @@ def read_best(run_dir: Path) -> Best:
     return Best(path, doc, tuple(entries))
 
 
-def measured_where(doc: dict[str, Any]) -> list[str]:
+def measured_where(doc: JSONObject) -> list[str]:
     """What is wrong with the fields beside the winner's entry that a recipe's provenance and regress read:
     where it was measured (`target`) and how often (`extra.measurements`)."""
     problems = []
@@ -95,8 +116,8 @@ def measured_where(doc: dict[str, Any]) -> list[str]:
     if not isinstance(target, dict):
         problems.append(f"target is a JSON {type(target).__name__}, expected an object")
     elif target.get("memory_limit_bytes") is not None and not _positive(target["memory_limit_bytes"]):
-        problems.append(f"target.memory_limit_bytes is {target['memory_limit_bytes']!r}, expected a number of "
-                        "bytes or null")
+        problems.append(f"target.memory_limit_bytes is {target['memory_limit_bytes']!r}, expected a number "
+                        "of bytes or null")
     extra = doc.get("extra") or {}
     runs = extra.get("measurements") or [] if isinstance(extra, dict) else []
     if not isinstance(extra, dict):
@@ -107,11 +128,12 @@ def measured_where(doc: dict[str, Any]) -> list[str]:
     if steps is not None and not (_positive(steps) and isinstance(steps, int)):
         problems.append(f"extra.gradient_accumulation_steps is {steps!r}, expected an integer >= 1")
     if extra.get("samples_per_step") is not None and not _positive(extra["samples_per_step"]):
-        problems.append(f"extra.samples_per_step is {extra['samples_per_step']!r}, expected a positive number")
+        problems.append(f"extra.samples_per_step is {extra['samples_per_step']!r}, expected a positive "
+                        "number")
     return problems
 
 
-def best_entry(name: str, entry: Any) -> BestEntry:
+def best_entry(name: str, entry: object) -> BestEntry:
     if not isinstance(entry, dict):
         raise UsageError(f"a JSON {type(entry).__name__} where an object was expected")
     problems = [f"{key} is {entry.get(key)!r}, expected a positive number"
@@ -124,7 +146,7 @@ def best_entry(name: str, entry: Any) -> BestEntry:
                      int(entry["peak_memory_bytes"]))
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
@@ -132,12 +154,12 @@ def missing_best(run_dir: Path) -> str:
     """Why there is no best.json, and what to do: a search stopped before writing it still has its fits."""
     fits = count_fits(run_dir / TRIALS)
     if fits:
-        return (f"RUN: {shown(run_dir)} has no {BEST}, but {TRIALS} records {fits} fitting probe(s): the search "
-                f"stopped before writing it. Run `autofit report {shown(run_dir)}` (it rebuilds {BEST} from the "
-                "study), then run this command again.")
+        return (f"RUN: {shown(run_dir)} has no {BEST}, but {TRIALS} records {fits} fitting probe(s): the "
+                f"search stopped before writing it. Run `autofit report {shown(run_dir)}` (it rebuilds "
+                f"{BEST} from the study), then run this command again.")
     if (run_dir / "study.db").exists() or (run_dir / "study.journal").exists():
-        return (f"RUN: {shown(run_dir)} has no {BEST}. Run `autofit report {shown(run_dir)}`: it rebuilds {BEST} from the "
-                "study if any probe fitted, and says why none did otherwise.")
+        return (f"RUN: {shown(run_dir)} has no {BEST}. Run `autofit report {shown(run_dir)}`: it rebuilds "
+                f"{BEST} from the study if any probe fitted, and says why none did otherwise.")
     return (f"RUN: {shown(run_dir)} has no fitting probe (no {BEST}), so there is nothing to use; run "
             f"`autofit report {shown(run_dir)}` to see why, or search with more options.")
 
@@ -156,7 +178,7 @@ def count_fits(trials: Path) -> int:
     return n
 
 
-def read_env(run_dir: Path) -> dict[str, Any]:
+def read_env(run_dir: Path) -> Env:
     """env.json (versions and GPUs at search time), or {} where the run has none."""
     path = run_dir / ENV
     if not path.is_file():

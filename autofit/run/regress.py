@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from autofit.config.models import ModelSource
+from autofit.config.spec import Value
 from autofit.config.target import Target, resolve_targets
-from autofit.core.envinfo import collect, gpus
+from autofit.core.documents import JSONObject
+from autofit.core.envinfo import Env, collect, gpus
 from autofit.core.errors import AutofitError, CannotWrite, RegressionFound, UsageError
 from autofit.core.files import append_line, cannot_write, save_figure, write_atomic, write_json
 from autofit.core.paths import input_file, output_file, shown
@@ -48,8 +50,13 @@ from autofit.protocol.request import Checks
 from autofit.protocol.result import ProbeResult
 from autofit.run import locks
 from autofit.run.best import Best, BestEntry, read_best, read_env
-from autofit.run.rundir import HISTORY, REGRESS_LOCK, RunDir, model_of, read_spec, targets_of
+from autofit.run.rundir import HISTORY, REGRESS_LOCK, ProbeSettings, RunDir, load_spec
 from autofit.search.objective import combined_tokens_per_s
+
+HistoryRecord = dict[str, Any]
+"""One line of regress-history.jsonl (JSON): the date, the machine and tolerances, and each check as
+`Check.to_dict()` wrote it; `read_history` keeps only records whose checks hold the figures the rule and the
+plot read (`RECORD_FIELDS`)."""
 
 TREND = "regress-trend.png"
 RUNS_OUTSIDE_TOLERANCE = 3
@@ -118,7 +125,7 @@ class Rule:
         """Checks in a row outside tolerance that make `figure` ("speed" or "memory") a regression."""
         return 1 if figure == "memory" and self.memory_exact else self.consecutive
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -146,7 +153,8 @@ class Check:
     """One re-probed configuration against its baseline."""
 
     name: str
-    config: dict[str, Any]
+    config: dict[str, Value]
+    """`TrialConfig.to_dict()`: as the history and --json store it."""
     baseline_tokens_per_s: float
     baseline_peak_bytes: int
     tokens_per_s: float | None
@@ -158,13 +166,14 @@ class Check:
     messages: tuple[str, ...]
     peaks: tuple[int, ...] = ()
     streak: int = 0
-    """Checks in a row, this one included, with the deciding figure outside tolerance against this baseline."""
+    """Checks in a row, this one included, with the deciding figure outside tolerance against this
+    baseline."""
 
     @property
     def failed(self) -> bool:
         return self.status.failed()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["status"] = self.status.value
         d["runs"], d["peaks"], d["messages"] = list(self.runs), list(self.peaks), list(self.messages)
@@ -178,12 +187,12 @@ class Plan:
     run_dir: Path
     run_id: str
     model: ModelSource
-    probe: dict[str, Any]
+    probe: ProbeSettings
     """The search's probe settings (warm-up, timed steps, timeout) from spec.yaml."""
     best: Best
     configs: tuple[BestEntry, ...]
     target: Target
-    env_before: dict[str, Any]
+    env_before: Env
     dataset: DatasetRef | None = None
     """The data the search measured on (spec.yaml), checked unchanged; None: random tokens."""
 
@@ -196,17 +205,16 @@ def plan(run_dir: Path, top: int, gpu: str | None = None, device: str | None = N
     """Read the run's baseline and choose the target; bad flags or files are one UsageError."""
     if top < 1:
         raise UsageError("--top: at least 1 (the winner).")
-    spec = read_spec(run_dir)
+    spec = load_spec(run_dir)
     best = read_best(run_dir)
     configs = best.entries[:top]
     need = max(c.config.gpus for c in configs)
-    stored = targets_of(spec)[0]
+    stored = spec.targets[0]
     check_attached(run_dir, configs, stored, gpu, device)
     target = choose_target(stored, gpu, device, memory_limit, per_probe=need)
     check_gpu(best.target, target, allow_gpu_change)
-    ref = stored_dataset(spec, dataset, "the baseline was measured on", "this is not a regression: ")
-    return Plan(run_dir, str(spec.get("run_id", run_dir.name)), model_of(spec), dict(spec.get("probe") or {}),
-                best, configs, target, read_env(run_dir), ref)
+    ref = stored_dataset(spec.dataset, dataset, "the baseline was measured on", "this is not a regression: ")
+    return Plan(run_dir, spec.run_id, spec.model, spec.probe, best, configs, target, read_env(run_dir), ref)
 
 
 def choose_target(stored: Target, gpu: str | None, device: str | None, memory_limit: str | None,
@@ -244,7 +252,8 @@ def check_attached(run_dir: Path, configs: Sequence[BestEntry], stored: Target, 
         return  # not a GPU list: target.resolve_targets names the --gpu problem
     if attached >= n:
         return
-    here = f"--gpu {gpu} names {attached}" if gpu is not None else f"{attached} {'is' if attached == 1 else 'are'} attached here"
+    here = (f"--gpu {gpu} names {attached}" if gpu is not None
+            else f"{attached} {'is' if attached == 1 else 'are'} attached here")
     first = configs.index(need)
     fewer = f", or --top {first} to check only the configs before it" if first else ""
     raise UsageError(f"RUN: {run_dir}: the {need.name} was measured on {n} GPUs (gpus={n}) and {here}: a "
@@ -252,7 +261,7 @@ def check_attached(run_dir: Path, configs: Sequence[BestEntry], stored: Target, 
                      f"{n} GPUs of the baseline's model (--gpu with {n} indices to choose them){fewer}.")
 
 
-def check_gpu(measured_on: dict[str, Any], target: Target, allow_change: bool) -> None:
+def check_gpu(measured_on: JSONObject, target: Target, allow_change: bool) -> None:
     was = measured_on.get("gpu_name") if measured_on.get("device") == "cuda" else "cpu"
     now = target.gpu_name if target.device == "cuda" else "cpu"
     if was != now and not allow_change:
@@ -261,16 +270,16 @@ def check_gpu(measured_on: dict[str, Any], target: Target, allow_change: bool) -
                          "--allow-gpu-change (and then --update-baseline) to start a new baseline.")
 
 
-def now_env() -> dict[str, Any]:
+def now_env() -> Env:
     return collect()
 
 
-def version_diff(before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+def version_diff(before: Env, now: Env) -> list[tuple[str, str, str, bool]]:
     """(what, baseline, now, changed) for GPU, driver, CUDA and each package."""
-    def gpu(env: dict[str, Any]) -> str:
+    def gpu(env: Env) -> str:
         return ", ".join(sorted({g["name"] for g in env.get("gpus", [])})) or "none"
 
-    def text(env: dict[str, Any], key: str) -> str:
+    def text(env: Env, key: str) -> str:
         return "none" if env.get(key) is None else str(env[key])  # as `autofit env` says it
 
     rows = [("GPU", gpu(before), gpu(now)), ("driver", text(before, "driver"), text(now, "driver")),
@@ -350,10 +359,11 @@ def spread(values: Sequence[float]) -> float:
 def figures(base: BestEntry, m: Measured, tol: Tolerance) -> tuple[Figure, Figure]:
     """Tonight's speed and memory against the baseline (a config that fits)."""
     return (Figure("speed", m.tokens_per_s or 0.0, base.tokens_per_s, tol.speed, m.runs),
-            Figure("memory", m.peak_bytes or 0, base.peak_memory_bytes, tol.memory, tuple(map(float, m.peaks))))
+            Figure("memory", m.peak_bytes or 0, base.peak_memory_bytes, tol.memory,
+                   tuple(map(float, m.peaks))))
 
 
-def recorded_figure(check: dict[str, Any], name: str, tol: Tolerance) -> Figure | None:
+def recorded_figure(check: JSONObject, name: str, tol: Tolerance) -> Figure | None:
     """A figure of a check in the history (today's tolerance); None where that check did not fit."""
     now = check.get("tokens_per_s" if name == "speed" else "peak_bytes")
     if check.get("status") == Status.NO_LONGER_FITS.value or not now:
@@ -363,7 +373,7 @@ def recorded_figure(check: dict[str, Any], name: str, tol: Tolerance) -> Figure 
     return Figure(name, now, check["baseline_peak_bytes"], tol.memory)
 
 
-def streak(base: BestEntry, history: Sequence[dict[str, Any]], name: str, tol: Tolerance) -> int:
+def streak(base: BestEntry, history: Sequence[HistoryRecord], name: str, tol: Tolerance) -> int:
     """Checks in a row, ending with the last one recorded, in which this config's figure `name` was
     outside today's tolerance against this same baseline (a check that did not fit counts as outside).
     A re-baselined config starts again: the checks before measured against other figures."""
@@ -388,7 +398,7 @@ class Verdict:
     streak: int = 0
 
 
-def decide(base: BestEntry, history: Sequence[dict[str, Any]], m: Measured, tol: Tolerance,
+def decide(base: BestEntry, history: Sequence[HistoryRecord], m: Measured, tol: Tolerance,
            rule: Rule = Rule()) -> Verdict:
     """The verdict on tonight's runs of `base`, given the history of earlier checks (oldest first).
 
@@ -426,21 +436,22 @@ def combine(results: Sequence[ProbeResult]) -> Measured:
     runs = tuple(r.tokens_per_s or 0.0 for r in fits)
     failed = [r for r in results if r.outcome.is_memory()] or ([] if fits else list(results))
     if failed:
-        return Measured(False, None, failed[0].peak_memory_bytes, failed[0].outcome.value, failed[0].reason, runs)
+        return Measured(False, None, failed[0].peak_memory_bytes, failed[0].outcome.value, failed[0].reason,
+                        runs)
     clean = [r for r in fits if not ran_checks(r)] or fits  # a check's residue is not the config's memory
     peaks = tuple(r.peak_memory_bytes for r in clean if r.peak_memory_bytes)
-    return Measured(True, combined_tokens_per_s(list(runs)), max(peaks, default=0) or None, fits[0].outcome.value,
-                    "", runs, peaks)
+    return Measured(True, combined_tokens_per_s(list(runs)), max(peaks, default=0) or None,
+                    fits[0].outcome.value, "", runs, peaks)
 
 
 def ran_checks(r: ProbeResult) -> bool:
     """The probe ran a correctness check before training (the kernel gate, the batching check): on the
     CPU the memory the check freed stays resident and counts in its peak."""
-    return bool(r.extra.get("gate") or r.extra.get("boundaries"))
+    return r.checked
 
 
 def check_config(base: BestEntry, measure: Callable[[int], ProbeResult], tol: Tolerance, rule: Rule = Rule(),
-                 history: Sequence[dict[str, Any]] = ()) -> Check:
+                 history: Sequence[HistoryRecord] = ()) -> Check:
     """Measure once; outside tolerance, measure until there are RUNS_OUTSIDE_TOLERANCE runs, then decide."""
     results = [measure(1)]
     if not judge(base, combine(results), tol).settled():
@@ -449,7 +460,7 @@ def check_config(base: BestEntry, measure: Callable[[int], ProbeResult], tol: To
 
 
 def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance, rule: Rule = Rule(),
-           history: Sequence[dict[str, Any]] = ()) -> Check:
+           history: Sequence[HistoryRecord] = ()) -> Check:
     """The check of `base` from its runs and the history before them."""
     m = combine(results)
     v = decide(base, history, m, tol, rule)
@@ -466,9 +477,9 @@ def describe(c: Check, m: Measured, tol: Tolerance, rule: Rule, v: Verdict) -> t
     dt = (c.tokens_per_s or 0) / c.baseline_tokens_per_s - 1
     dm = (c.peak_bytes or 0) / c.baseline_peak_bytes - 1
     runs = f"median of {len(c.runs)} runs (spread {spread(c.runs) - 1:.0%})" if len(c.runs) > 1 else "1 run"
-    line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} ({dt:+.1%}, "
-            f"tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs {format_size(c.baseline_peak_bytes)} "
-            f"({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
+    line = (f"{c.name}: {c.tokens_per_s:,.0f} tokens/s vs baseline {c.baseline_tokens_per_s:,.0f} "
+            f"({dt:+.1%}, tolerance {tol.speed:.0%}); peak {format_size(c.peak_bytes)} vs "
+            f"{format_size(c.baseline_peak_bytes)} ({dm:+.1%}, tolerance {tol.memory:.0%}); {runs}")
     why = reason(c.name, v, rule)
     return (line, why) if why else (line,)
 
@@ -486,37 +497,40 @@ def reason(name: str, v: Verdict, rule: Rule) -> str:
     what = f"{side[0] if worse > 0 else side[1]} by {abs(worse):.1%}"
     if v.status is Status.INCONCLUSIVE:
         figure = "tokens/s" if f.name == "speed" else "peak"
-        return (f"{name} is inconclusive: {what}, but its runs differ by {f.spread() - 1:.0%} among themselves, "
-                f"as much as tonight's {figure} differs from the baseline ({f.distance() - 1:.0%}): too noisy to "
-                "judge, and not a regression on this evidence. Measure again on an idle machine.")
+        return (f"{name} is inconclusive: {what}, but its runs differ by {f.spread() - 1:.0%} among "
+                f"themselves, as much as tonight's {figure} differs from the baseline "
+                f"({f.distance() - 1:.0%}): too noisy to judge, and not a regression on this evidence. "
+                "Measure again on an idle machine.")
     in_a_row = f"{v.streak} check{'' if v.streak == 1 else 's'} in a row"
     needed = rule.needed(f.name)
     if v.status is Status.SUSPECT:
         at_once = ("" if rule.severe is None else
-                   f", or one check worse than {rule.severe:g} times the tolerance ({rule.severe * f.tolerance:.0%}, "
-                   "--severe-factor)")
-        return (f"{name} is suspect: {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row}; {needed} in a "
-                f"row make a regression (--consecutive){at_once}. Not failed: the next check decides.")
+                   f", or one check worse than {rule.severe:g} times the tolerance "
+                   f"({rule.severe * f.tolerance:.0%}, --severe-factor)")
+        return (f"{name} is suspect: {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row}; "
+                f"{needed} in a row make a regression (--consecutive){at_once}. Not failed: the next check "
+                "decides.")
     if rule.severe is not None and worse > rule.severe * f.tolerance:
-        return (f"{name} is {what}, worse than {rule.severe:g} times the tolerance ({rule.severe * f.tolerance:.0%}): "
-                "a regression at once")
+        return (f"{name} is {what}, worse than {rule.severe:g} times the tolerance "
+                f"({rule.severe * f.tolerance:.0%}): a regression at once")
     if f.name == "memory" and rule.memory_exact:
-        return (f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}): the GPU allocator's peak is exact, "
-                "so one check is a regression")
-    return f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row} (--consecutive {needed}): a regression"
+        return (f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}): the GPU allocator's peak is "
+                "exact, so one check is a regression")
+    return (f"{name} is {what}, outside the tolerance ({f.tolerance:.0%}) on {in_a_row} (--consecutive "
+            f"{needed}): a regression")
 
 
 # --------------------------------------------------------------------------- measuring
 
 
-def run_checks(p: Plan, tol: Tolerance, rule: Rule = Rule(), history: Sequence[dict[str, Any]] = (),
+def run_checks(p: Plan, tol: Tolerance, rule: Rule = Rule(), history: Sequence[HistoryRecord] = (),
                on_check: Callable[[Check], None] | None = None) -> list[Check]:
     """Re-probe each baseline config in fresh probe processes, with the search's probe settings, and
     decide each against the history before tonight."""
     checks = []
     with Runner(p.target, p.run_dir / "logs", standby=1,
-                warmup_steps=p.probe.get("warmup_steps", 2), timed_steps=p.probe.get("timed_steps", 5),
-                max_probe_accumulation=p.probe.get("max_probe_accumulation", 4),
+                warmup_steps=p.probe.warmup_steps, timed_steps=p.probe.timed_steps,
+                max_probe_accumulation=p.probe.max_probe_accumulation,
                 dataset=p.dataset.to_dict() if p.dataset else None, data_cache=p.run_dir / "data") as runner:
         for i, base in enumerate(p.configs):
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -526,7 +540,7 @@ def run_checks(p: Plan, tol: Tolerance, rule: Rule = Rule(), history: Sequence[d
                 # that broke); the runs that settle a figure outside tolerance train only
                 checks = Checks() if attempt == 1 else Checks(gate=False, boundaries=False)
                 return runner.run(base.config, p.model, name=f"regress-{stamp}-{i}-{attempt}",
-                                  timeout=p.probe.get("timeout_s", 900), checks=checks)
+                                  timeout=p.probe.timeout_s, checks=checks)
 
             checks.append(check_config(base, measure, tol, rule, history))
             if on_check:
@@ -543,11 +557,11 @@ def verdict(checks: Sequence[Check]) -> str:
         return "regression"
     for status in (Status.SUSPECT, Status.INCONCLUSIVE):
         if any(c.status is status for c in checks):
-            return status.value
+            return str(status.value)
     return "pass"
 
 
-def summary(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: dict[str, Any]) -> dict[str, Any]:
+def summary(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: Env) -> dict[str, object]:
     """The --json document."""
     return {"run": str(p.run_dir), "target": p.target.describe(), "tolerance": tol.speed,
             "memory_tolerance": tol.memory, "rule": rule.to_dict(), "verdict": verdict(checks),
@@ -567,9 +581,11 @@ def junit_xml(checks: Sequence[Check], suite: str) -> str:
         case = ET.SubElement(root, "testcase", classname="autofit.run.regress", name=c.name)
         message = f"{c.status.value}: " + "; ".join(c.messages)[:500]
         if c.failed:
-            ET.SubElement(case, "failure", message=message, type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
+            ET.SubElement(case, "failure", message=message,
+                          type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
         elif c.status.doubtful():
-            ET.SubElement(case, "skipped", message=message, type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
+            ET.SubElement(case, "skipped", message=message,
+                          type=c.status.value).text = json.dumps(c.to_dict(), indent=1)
         else:
             ET.SubElement(case, "system-out").text = "; ".join(c.messages)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
@@ -619,16 +635,17 @@ class Reports:
         for flag, path in (("--json", reports.json_path), ("--junit", reports.junit_path)):
             if path is not None:
                 try:
-                    if os.path.lexists(path):  # what is there: a folder, a symlink loop (a FIFO is written into)
+                    # what is there: a folder, a symlink loop (a FIFO is written into)
+                    if os.path.lexists(path):
                         output_file(path, flag, "Give a file path.")
                     write_text(path, reports.error_text(path, NOT_FINISHED, "NotFinished"), flag)
                 except (UsageError, CannotWrite) as e:
                     problems.append(str(e))
                     refused |= isinstance(e, CannotWrite)
         if problems:
-            error = CannotWrite("\n".join(problems)) if refused else UsageError(problems)
-            reports.error(error)
-            raise error
+            failure: AutofitError = CannotWrite("\n".join(problems)) if refused else UsageError(problems)
+            reports.error(failure)
+            raise failure
         return reports
 
     def clashes(self) -> list[tuple[str, str]]:
@@ -642,11 +659,11 @@ class Reports:
             if path is None:
                 continue
             if str(path) == "-":
-                out.append((flag, f"{flag}: '-' would mix the file into the report printed on stdout; give a file "
-                                  "path."))
+                out.append((flag, f"{flag}: '-' would mix the file into the report printed on stdout; give a "
+                                  "file path."))
             elif real(path) in written or (os.path.exists(path) and RunDir(run).owns(path)):
-                out.append((flag, f"{flag}: {path} is a file of the run folder {self.run} (the run's own record); "
-                                  "give a path outside it, or a new file name."))
+                out.append((flag, f"{flag}: {path} is a file of the run folder {self.run} (the run's own "
+                                  "record); give a path outside it, or a new file name."))
         if self.json_path and self.junit_path and real(self.json_path) == real(self.junit_path):
             out.append(("--junit", f"--json and --junit both name {self.json_path}; give two paths."))
         return out
@@ -666,7 +683,7 @@ class Reports:
                 except OSError:
                     pass  # the claim already named this path; the error itself is what the user sees
 
-    def write(self, doc: dict[str, Any], checks: Sequence[Check]) -> None:
+    def write(self, doc: dict[str, object], checks: Sequence[Check]) -> None:
         """The checks, once measured: a file that cannot be written now is exit 4 (the claim wrote it)."""
         if self.json_path is not None:
             write_text(self.json_path, json.dumps(doc, indent=1) + "\n", "--json", CannotWrite)
@@ -686,7 +703,7 @@ def write_text(path: Path, text: str, flag: str, error: type[AutofitError] | Non
         write_atomic(path, text)
     except OSError as e:
         refused = cannot_write(e)
-        remedy = "give a path in a writable folder with free space" if refused else "give a path in a writable folder"
+        remedy = "give a path in a writable folder" + (" with free space" if refused else "")
         kind = error or (CannotWrite if refused else UsageError)
         raise kind(f"{flag}: cannot write {path} ({e.strerror}); {remedy}.") from None
 
@@ -696,12 +713,12 @@ def one_at_a_time(run_dir: Path, say: Callable[[str], None]) -> AbstractContextM
     job that overran into the next) would each measure under the other's load and append to one history:
     the second waits for the first."""
     return locks.held(run_dir / REGRESS_LOCK, lambda who: say(
-        f"another autofit regress of this run is measuring ({who}); waiting for it to finish, so that neither "
-        "measures under the other's load (Ctrl-C to stop)"))
+        f"another autofit regress of this run is measuring ({who}); waiting for it to finish, so that "
+        "neither measures under the other's load (Ctrl-C to stop)"))
 
 
-def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any], limit: int | None,
-                   tol: Tolerance | None = None, rule: Rule | None = None) -> dict[str, Any]:
+def append_history(run_dir: Path, checks: Sequence[Check], env: Env, limit: int | None,
+                   tol: Tolerance | None = None, rule: Rule | None = None) -> HistoryRecord:
     """Append tonight's record on a line of its own (a line cut short before stays as it was, apart)."""
     entry = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "gpu": ", ".join(g["name"] for g in env.get("gpus", [])) or "cpu",
@@ -711,17 +728,18 @@ def append_history(run_dir: Path, checks: Sequence[Check], env: dict[str, Any], 
     try:
         append_line(run_dir / HISTORY, json.dumps(entry))
     except OSError as e:
-        raise CannotWrite(f"RUN: cannot append to {shown(run_dir / HISTORY)} ({e.strerror}); the checks are in "
-                          "the output above (and in --json where given).") from None
+        raise CannotWrite(f"RUN: cannot append to {shown(run_dir / HISTORY)} ({e.strerror}); the checks are "
+                          "in the output above (and in --json where given).") from None
     return entry
 
 
 RECORD_FIELDS = {"name": (str,), "baseline_tokens_per_s": (int, float), "baseline_peak_bytes": (int, float),
-                 "tokens_per_s": (int, float, type(None)), "peak_bytes": (int, float, type(None)), "status": (str,)}
+                 "tokens_per_s": (int, float, type(None)), "peak_bytes": (int, float, type(None)),
+                 "status": (str,)}
 """What each check of a history record must hold, and of which JSON types, for the rule and the plot."""
 
 
-def read_history(run_dir: Path, warn: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+def read_history(run_dir: Path, warn: Callable[[str], None] = lambda _: None) -> list[HistoryRecord]:
     """Records of the history, oldest first. A damaged line (a write cut short, an edit) is skipped
     with a warning naming the file and the line; the records around it are read. A history or trend
     plot that is not a regular file (a folder, a FIFO, a symlink loop) is a UsageError, before anything
@@ -735,8 +753,8 @@ def read_history(run_dir: Path, warn: Callable[[str], None] = lambda _: None) ->
     try:
         lines = path.read_bytes().split(b"\n")
     except OSError as e:
-        raise UsageError(f"RUN: cannot read {shown(path)} ({e.strerror}); make it readable, or move it out of "
-                         "the run folder.") from None
+        raise UsageError(f"RUN: cannot read {shown(path)} ({e.strerror}); make it readable, or move it out "
+                         "of the run folder.") from None
     out = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -747,13 +765,14 @@ def read_history(run_dir: Path, warn: Callable[[str], None] = lambda _: None) ->
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a number too long, nested too deep
             problem = f"not JSON: {getattr(e, 'msg', None) or e}"
         if problem:
-            warn(f"RUN: {shown(path)} line {number} is damaged ({problem}); skipped, the other records are read")
+            warn(f"RUN: {shown(path)} line {number} is damaged ({problem}); skipped, the other records are "
+                 "read")
         else:
             out.append(entry)
     return out
 
 
-def record_problem(entry: Any) -> str:
+def record_problem(entry: object) -> str:
     """What keeps a parsed line from being a history record ("" for a record)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("checks"), list) \
             or not isinstance(entry.get("date"), str):
@@ -770,7 +789,7 @@ def record_problem(entry: Any) -> str:
     return ""
 
 
-def plot_trend(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
+def plot_trend(run_dir: Path, history: Sequence[HistoryRecord]) -> Path:
     # Deferred: matplotlib takes a second to import and only the trend plot needs it.
     import matplotlib
 
@@ -805,8 +824,8 @@ def plot_trend(run_dir: Path, history: Sequence[dict[str, Any]]) -> Path:
     return path
 
 
-def record(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: dict[str, Any],
-           reports: Reports, history: Sequence[dict[str, Any]] = ()) -> Path:
+def record(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now: Env,
+           reports: Reports, history: Sequence[HistoryRecord] = ()) -> Path:
     """The history, --json and --junit (both written even when the history cannot be), the trend plot
     (of the records read before tonight and tonight's)."""
     try:
@@ -829,7 +848,7 @@ def taken_in(checks: Sequence[Check]) -> str:
     return f"the new baseline takes in {what} ({', '.join(worse)}); drop --update-baseline from a nightly job"
 
 
-def update_baseline(p: Plan, checks: Sequence[Check], env: dict[str, Any]) -> Path:
+def update_baseline(p: Plan, checks: Sequence[Check], env: Env) -> Path:
     """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them, each
     file whole or not at all. A config that no longer fits is not a baseline: RegressionFound, nothing
     rewritten."""
@@ -843,15 +862,19 @@ def update_baseline(p: Plan, checks: Sequence[Check], env: dict[str, Any]) -> Pa
         entry["tokens_per_s"], entry["peak_memory_bytes"] = c.tokens_per_s, c.peak_bytes
     best["baseline_updated"] = stamp
     env_path = p.run_dir / "env.json"
-    steps: list[tuple[Path, Callable[[Path], None]]] = [(kept, lambda to: write_atomic(to, p.best.path.read_bytes()))]
+    steps: list[tuple[Path, Callable[[Path], None]]] = [
+        (kept, lambda to: write_atomic(to, p.best.path.read_bytes()))]
     if env_path.is_file():
-        steps.append((p.run_dir / f"env.previous-{stamp}.json", lambda to: write_atomic(to, env_path.read_bytes())))
+        steps.append((p.run_dir / f"env.previous-{stamp}.json",
+                      lambda to: write_atomic(to, env_path.read_bytes())))
     steps += [(p.best.path, lambda to: write_json(to, best)), (env_path, lambda to: write_json(to, env))]
     for path, write in steps:  # the new best.json only once the old one is kept; env.json last
         try:
             write(path)
         except OSError as e:
-            done = "best.json is rewritten, env.json is not; " if path == env_path else "nothing was rewritten; "
+            done = ("best.json is rewritten, env.json is not; " if path == env_path
+                    else "nothing was rewritten; ")
             raise CannotWrite(f"RUN: cannot re-baseline {shown(p.run_dir)}: cannot write {shown(path)} "
-                              f"({e.strerror}); {done}the checks are in {shown(p.run_dir / HISTORY)}.") from None
+                              f"({e.strerror}); {done}the checks are in "
+                              f"{shown(p.run_dir / HISTORY)}.") from None
     return kept

@@ -20,6 +20,8 @@ import yaml
 from autofit.config.models import ModelSource
 from autofit.config.space import Space, validate
 from autofit.config.target import Target
+from autofit.core.documents import JSONObject
+from autofit.core.envinfo import Env
 from autofit.core.errors import CannotWrite, UsageError
 from autofit.core.files import write_atomic, write_json
 from autofit.core.paths import input_file, kind, problem, shown
@@ -99,7 +101,8 @@ class RunDir:
         own = {p.resolve() for p in (self.spec, self.study_db, self.study_journal, self.trials, self.best,
                                      self.report, self.env, self.history, self.path / REGRESS_LOCK,
                                      self.path / SEARCH_LOCK)}
-        kept = target.parent == self.path.resolve() and target.name.startswith(("best.previous-", "env.previous-"))
+        kept = (target.parent == self.path.resolve()
+                and target.name.startswith(("best.previous-", "env.previous-")))
         inside = any(target.is_relative_to(d.resolve()) for d in (self.logs, self.data))
         return target in own or kept or inside
 
@@ -126,7 +129,7 @@ class ProbeSettings:
     """--train-steps: the planned length in optimizer steps instead (each config's own tokens per step)."""
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ProbeSettings:
+    def from_dict(cls, d: JSONObject) -> ProbeSettings:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -157,15 +160,16 @@ class RunSpec:
     def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"run_id": self.run_id, "created": self.created, "model": self.model.to_dict(),
                 "space": self.space.to_dict(), "targets": [target_dict(t) for t in self.targets],
                 "budget_s": self.budget_s, "storage": self.storage, "study_name": self.study_name,
                 "seed": self.seed, "policy": self.policy, "probe": dataclasses.asdict(self.probe),
-                "versions": dict(self.versions), **({"dataset": self.dataset.to_dict()} if self.dataset else {})}
+                "versions": dict(self.versions),
+                **({"dataset": self.dataset.to_dict()} if self.dataset else {})}
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = SPEC) -> RunSpec:
+    def from_dict(cls, d: object, source: str = SPEC) -> RunSpec:
         """Raises UsageError naming `source` where a key is missing or malformed."""
         if not isinstance(d, dict) or "model" not in d or "space" not in d:
             raise UsageError(f"{source} lacks 'model' or 'space'; it is not an autofit run spec.")
@@ -186,7 +190,7 @@ def new_run_id(model: ModelSource) -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + model.name
 
 
-def write_spec(run_dir: Path, spec: dict[str, Any] | RunSpec) -> None:
+def write_spec(run_dir: Path, spec: JSONObject | RunSpec) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     header = ("# The exact inputs of this search. `autofit search --resume <this folder>` continues it;\n"
               "# `autofit report <this folder>` rebuilds trials.jsonl, best.json and report.md.\n")
@@ -194,7 +198,7 @@ def write_spec(run_dir: Path, spec: dict[str, Any] | RunSpec) -> None:
     write_atomic(run_dir / SPEC, header + yaml.safe_dump(data, sort_keys=False))
 
 
-def create(run_dir: Path, spec: RunSpec, env: dict[str, Any], flag: str = "--out") -> None:
+def create(run_dir: Path, spec: RunSpec, env: Env, flag: str = "--out") -> None:
     """Make the run folder with its spec.yaml and env.json; CannotWrite where the folder cannot be."""
     try:
         write_spec(run_dir, spec)
@@ -212,8 +216,8 @@ def load_spec(run_dir: Path, flag: str = "RUN") -> RunSpec:
     try:
         path.stat()
     except FileNotFoundError:
-        raise UsageError(f"{flag}: {shown(run_dir)} is not an autofit run (it has no {SPEC}); give a folder made "
-                         "by `autofit search`.") from None
+        raise UsageError(f"{flag}: {shown(run_dir)} is not an autofit run (it has no {SPEC}); give a folder "
+                         "made by `autofit search`.") from None
     except OSError:
         pass  # input_file says what is wrong with it
     input_file(path, flag)  # a FIFO or a device in its place is never read: the read may not end
@@ -222,8 +226,8 @@ def load_spec(run_dir: Path, flag: str = "RUN") -> RunSpec:
     except yaml.YAMLError as e:
         raise UsageError(f"{flag}: {shown(path)} is not valid YAML ({e}).") from None
     except UnicodeDecodeError as e:
-        raise UsageError(f"{flag}: {shown(path)} is not UTF-8 text ({e}); it may have been overwritten: restore it, "
-                         "or search again.") from None
+        raise UsageError(f"{flag}: {shown(path)} is not UTF-8 text ({e}); it may have been overwritten: "
+                         "restore it, or search again.") from None
     except OSError as e:
         raise UsageError(f"{flag}: cannot read {shown(path)} ({e.strerror or e}).") from None
     spec = RunSpec.from_dict(data, f"{flag}: {shown(path)}")
@@ -239,7 +243,8 @@ def run_folder(run_dir: Path, flag: str) -> None:
         raise UsageError(f"{flag}: no such folder {shown(run_dir)}; give a folder under runs/ made by "
                          "`autofit search`.") from None
     except OSError as e:
-        raise UsageError(f"{flag}: {shown(run_dir)} {problem(e)}; give a folder made by `autofit search`.") from None
+        raise UsageError(f"{flag}: {shown(run_dir)} {problem(e)}; give a folder made by `autofit "
+                         "search`.") from None
     if stat.S_ISREG(mode):
         raise UsageError(f"{flag}: {shown(run_dir)} is a file; give the run folder that holds it "
                          f"({shown(run_dir.parent)}).")
@@ -248,8 +253,8 @@ def run_folder(run_dir: Path, flag: str) -> None:
                          "`autofit search`.")
 
 
-def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, Any]:
-    """`load_spec` as the plain dict of spec.yaml (for readers that index it)."""
+def read_spec(run_dir: Path, flag: str = "RUN") -> dict[str, object]:
+    """`load_spec` as the plain dict of spec.yaml (`RunSpec.to_dict`); autofit reads the typed `load_spec`."""
     return load_spec(run_dir, flag).to_dict()
 
 
@@ -271,21 +276,21 @@ def local_storage(run_dir: Path, storage: str) -> str:
     return storage
 
 
-def space_of(spec: dict[str, Any]) -> Space:
+def space_of(spec: JSONObject) -> Space:
     space = Space.from_dict(spec["space"])
     validate(space)
     return space
 
 
-def model_of(spec: dict[str, Any]) -> ModelSource:
+def model_of(spec: JSONObject) -> ModelSource:
     return ModelSource.from_dict(spec["model"])
 
 
-def targets_of(spec: dict[str, Any]) -> list[Target]:
+def targets_of(spec: JSONObject) -> list[Target]:
     return [Target(**t) for t in spec["targets"]]
 
 
-def target_dict(t: Target) -> dict[str, Any]:
+def target_dict(t: Target) -> dict[str, object]:
     d = dataclasses.asdict(t)
     d["gpu_indices"] = list(t.gpu_indices)  # YAML has lists, not tuples
     return d

@@ -12,11 +12,11 @@ import enum
 import json
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import optuna
 import sqlalchemy.exc
@@ -24,8 +24,9 @@ from sqlalchemy.engine import make_url
 
 from autofit.config.models import ModelSource, resolve_model
 from autofit.config.space import Space, load_space, shipped_spaces
-from autofit.config.spec import BATCHINGS
+from autofit.config.spec import BATCHINGS, Value
 from autofit.config.target import HEADROOM, Target, resolve_targets
+from autofit.core.documents import JSONObject
 from autofit.core.envinfo import collect, gpus, package_versions
 from autofit.core.errors import CannotWrite, NothingFits, UsageError, gather
 from autofit.core.files import cannot_write
@@ -48,6 +49,7 @@ from autofit.search.driver import (
     untried_of,
 )
 from autofit.search.policy import Policy
+from autofit.search.study import ProbeRow
 
 DEFAULT_BUDGET = "30m"
 DEFAULT_SPACE = "lora"
@@ -110,8 +112,9 @@ class Session:
 class Summary:
     run_dir: Path
     stop_reason: str
-    rows: list[dict[str, Any]]
-    best: dict[str, Any] | None
+    rows: list[ProbeRow]
+    best: JSONObject | None
+    """best.json as written (None: nothing fits)."""
     skipped: dict[str, int]
     interrupted: bool = False
     untried: dict[str, int] = field(default_factory=dict)
@@ -142,16 +145,17 @@ def _resumed(req: SearchRequest) -> Session:
                                                           req.gpus)))
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
-    if spec.dataset is not None and req.dataset:  # the measured file moved: the same content, found at its new place
+    # the measured file moved: the same content, found at its new place
+    if spec.dataset is not None and req.dataset:
         source(Path(req.dataset).expanduser(), "--dataset", "Give the file the run was measured on.")
         spec = spec.replace(dataset=spec.dataset.found(req.dataset, "the run was measured on"))
     elif spec.dataset is not None:
         check_dataset(spec.dataset, "--resume")
     elif req.dataset:
-        raise UsageError("--dataset: this run was searched on random tokens; --resume continues it as it was. "
-                         "Start a new search with --dataset to measure on your data.")
-    notes = ignored_note(req, "--resume continues the run as it was planned (the study measured that model and "
-                              "space)", (("--storage", req.storage), ("--study-name", req.study_name)))
+        raise UsageError("--dataset: this run was searched on random tokens; --resume continues it as it "
+                         "was. Start a new search with --dataset to measure on your data.")
+    notes = ignored_note(req, "--resume continues the run as it was planned (the study measured that model "
+                              "and space)", (("--storage", req.storage), ("--study-name", req.study_name)))
     return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir), notes=notes)
 
 
@@ -168,8 +172,8 @@ def _joined(req: SearchRequest) -> Session | None:
     stored = study.user_attrs.get("spec")
     if stored is None:
         if study.get_trials(deepcopy=False) or study.user_attrs:
-            raise UsageError(f"--study-name: the study {req.study_name!r} in {req.storage} exists and was not "
-                             "made by autofit; give another --study-name.")
+            raise UsageError(f"--study-name: the study {req.study_name!r} in {req.storage} exists and was "
+                             "not made by autofit; give another --study-name.")
         return None  # created empty (a search stopped before its first write): start it as new
     spec = RunSpec.from_dict(stored, f"--study-name {req.study_name}: the study's spec")
     targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus))
@@ -180,9 +184,10 @@ def _joined(req: SearchRequest) -> Session | None:
                    notes=ignored_note(req, "joining the study searches its own model and space"))
 
 
-def ignored_note(req: SearchRequest, why: str, more: tuple[tuple[str, Any], ...] = ()) -> tuple[str, ...]:
+def ignored_note(req: SearchRequest, why: str, more: tuple[tuple[str, object], ...] = ()) -> tuple[str, ...]:
     """The note for flags a resumed or joined search does not use (it continues a planned study)."""
-    fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space), ("--max-length", req.max_length),
+    fixed = [flag for flag, value in (("--model", req.model), ("--space", req.space),
+                                      ("--max-length", req.max_length),
                                       ("--global-batch", req.global_batch), *more) if value is not None]
     return (f"{why}: {', '.join(fixed)} ignored; start a new search to change them.",) if fixed else ()
 
@@ -199,7 +204,8 @@ def _new(req: SearchRequest) -> Session:
     if dims:
         space = space.replaced(**dims)
     space, ref, notes = data_space(space, model, req)
-    model.check_lengths(space.lengths, "--max-length" if req.max_length else f"--space {req.space or DEFAULT_SPACE}")
+    model.check_lengths(space.lengths, "--max-length" if req.max_length
+                        else f"--space {req.space or DEFAULT_SPACE}")
     run_id = new_run_id(model)
     run_dir = req.out / run_id
     storage = absolute_storage(req.storage) if req.storage else RunDir(run_dir).default_storage(len(targets))
@@ -210,7 +216,8 @@ def _new(req: SearchRequest) -> Session:
 
 
 def model_source(text: str, flag: str = "--model", weights: bool = True) -> ModelSource:
-    """--model resolved; a path that is a FIFO, a device, a symlink loop or a name too long is said as such."""
+    """--model resolved; a path that is a FIFO, a device, a symlink loop or a name too long is said as
+    such."""
     source(Path(text).expanduser(), flag, "Give a model folder, a config.json, a hub id or a preset.")
     return resolve_model(text, flag, weights)
 
@@ -222,7 +229,8 @@ def space_source(ref: str) -> Space:
     return load_space(ref)
 
 
-def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, DatasetRef | None, tuple[str, ...]]:
+def data_space(space: Space, model: ModelSource, req: SearchRequest) -> tuple[Space, DatasetRef | None,
+                                                                              tuple[str, ...]]:
     """With --dataset: the data's max_length candidates (unless --max-length) and every batching strategy
     (unless the space lists its own). Without: batching fixed at pad_max (random tokens have no lengths)."""
     if not req.dataset:
@@ -231,12 +239,13 @@ def data_space(space: Space, model: Any, req: SearchRequest) -> tuple[Space, Dat
         return space.replaced(batching=["pad_max"]), None, (
             ("the space lists batching strategies, but without --dataset the probes train on random tokens "
             "at max_length: batching is fixed at pad_max."),)
-    data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field, TextMode(req.text_mode),
-                          space.lengths if req.max_length else ())
+    data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field,
+                          TextMode(req.text_mode), space.lengths if req.max_length else ())
     if max(data.table.lengths) < 2:  # a causal LM predicts each token from those before it
-        raise UsageError(f"--dataset: {req.dataset}: no sample has a token to train on (all {len(data.table.lengths)} "
-                         "are one token long; each token is learnt from the ones before it). Give longer samples.")
-    dims: dict[str, list[Any]] = {}
+        raise UsageError(f"--dataset: {req.dataset}: no sample has a token to train on (all "
+                         f"{len(data.table.lengths)} are one token long; each token is learnt from the ones "
+                         "before it). Give longer samples.")
+    dims: dict[str, Sequence[Value]] = {}
     if req.max_length is None:  # the data's lengths, within what the model takes
         limit = model.positions
         within = [n for n in data.stats.candidates if limit is None or n <= limit]
@@ -254,12 +263,12 @@ def check_dataset(ref: DatasetRef, flag: str) -> None:
     """The stored dataset must be the one measured: a changed or missing file is said as such."""
     state, _ = ref.load()
     if not state.usable:
-        raise UsageError(f"{flag}: the run's dataset {ref.path} is {state.value} since the search measured it "
-                         f"(content hash {ref.content_hash[:12]}); restore it, give its new place with --dataset PATH, "
-                         "or start a new search.")
+        raise UsageError(f"{flag}: the run's dataset {ref.path} is {state.value} since the search measured "
+                         f"it (content hash {ref.content_hash[:12]}); restore it, give its new place with "
+                         "--dataset PATH, or start a new search.")
 
 
-def _missing(flag: str) -> Any:
+def _missing(flag: str) -> NoReturn:
     raise UsageError(f"{flag} is required (unless --resume RUN continues a search); for example "
                      f"{flag} tiny-llama.")
 
@@ -273,8 +282,8 @@ def check_study_file(storage: str, run_dir: Path, flag: str, measured_only: bool
     if measured_only and not (trials.is_file() and trials.stat().st_size):
         return
     if storage.startswith("sqlite:///") and _in_folder(storage, run_dir) and not path.exists():
-        raise UsageError(f"{flag}: {path} is missing: the run's study (every probe it measured) is not there; "
-                         "restore it from a copy, or start a new search.")
+        raise UsageError(f"{flag}: {path} is missing: the run's study (every probe it measured) is not "
+                         "there; restore it from a copy, or start a new search.")
 
 
 def _in_folder(storage: str, run_dir: Path) -> bool:
@@ -294,7 +303,8 @@ def space_dimensions(max_length: str | None, global_batch: str | None) -> dict[s
         except ValueError:
             values = []
         if not values or any(v <= 0 for v in values):
-            raise UsageError(f"{flag}: {text!r} is not a positive integer (or a comma list such as {example}).")
+            raise UsageError(f"{flag}: {text!r} is not a positive integer (or a comma list such as "
+                             f"{example}).")
         out[key] = values
     return out
 
@@ -335,8 +345,8 @@ def _check_file_storage(url: str, flag: str) -> None:
         raise UsageError(f"{flag}: {shown(file)} is a folder, not a study file. {remedy}")
     output_file(file, flag, "Create the folder or give another path.")
     if url.endswith(".journal") and not url.startswith("sqlite") and not _journal_or_new(file):
-        raise UsageError(f"{flag}: {shown(file)} exists and is not an Optuna journal (its first line is not a "
-                         "journal record); give a new .journal path, or the journal file of a study.")
+        raise UsageError(f"{flag}: {shown(file)} exists and is not an Optuna journal (its first line is not "
+                         "a journal record); give a new .journal path, or the journal file of a study.")
 
 
 def _journal_or_new(path: Path) -> bool:
@@ -379,10 +389,11 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
         study = _open_study(session) if session.mode is Mode.RESUME else None
         create(session.run_dir, session.spec, collect())
         spec = session.spec
-        if spec.dataset is not None:  # the tokenizer stand-in and length table cached once, lengths.png for the report
+        # the tokenizer stand-in and length table cached once, lengths.png for the report
+        if spec.dataset is not None:
             ref = spec.dataset
-            summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field, ref.messages_field,
-                           TextMode(ref.text_mode), spec.space.lengths)
+            summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field,
+                           ref.messages_field, TextMode(ref.text_mode), spec.space.lengths)
         return session, study or _open_study(session)
     except KeyboardInterrupt:
         if session.mode is Mode.NEW and not RunDir(session.run_dir).spec.exists():
@@ -412,13 +423,16 @@ def _open_study(session: Session) -> optuna.Study:
         if damaged:
             raise damaged from None
         if not session.local_storage:
-            raise CannotWrite(f"--storage: cannot write the study at {spec.storage} ({_first_line(e)}).") from None
+            raise CannotWrite(f"--storage: cannot write the study at {spec.storage} "
+                              f"({_first_line(e)}).") from None
         folder = session.run_dir
         why = "the folder is read-only" if not _writable(folder) else _first_line(e)
         if session.mode is Mode.RESUME:
-            raise CannotWrite(f"--resume: cannot write the study in {folder} ({why}); nothing was probed. Copy "
-                              "the run folder somewhere writable and resume the copy, or free space.") from None
-        raise CannotWrite(f"--out: cannot write the study in {folder} ({why}); give a writable --out.") from None
+            raise CannotWrite(f"--resume: cannot write the study in {folder} ({why}); nothing was probed. "
+                              "Copy the run folder somewhere writable and resume the copy, or free "
+                              "space.") from None
+        raise CannotWrite(f"--out: cannot write the study in {folder} ({why}); give a writable "
+                          "--out.") from None
     return study
 
 
@@ -445,7 +459,8 @@ def _reserve(session: Session) -> Session:
             return session
         if n == 1:
             return session
-        storage = RunDir(out / run_id).default_storage(len(spec.targets)) if session.local_storage else spec.storage
+        storage = (RunDir(out / run_id).default_storage(len(spec.targets)) if session.local_storage
+                   else spec.storage)
         name = f"autofit-{run_id}" if spec.study_name == f"autofit-{spec.run_id}" else spec.study_name
         return replace(session, run_dir=out / run_id,
                        spec=spec.replace(run_id=run_id, storage=storage, study_name=name))
@@ -476,8 +491,8 @@ def run(session: Session, on_event: Callable[[Event], None], standby: int | None
     except STORAGE_ERRORS as e:
         if not cannot_write(e):
             raise
-        raise CannotWrite(f"cannot write to {session.run_dir} or the study ({_first_line(e.__cause__ or e)}); "
-                          "what was "
+        raise CannotWrite(f"cannot write to {session.run_dir} or the study "
+                          f"({_first_line(e.__cause__ or e)}); what was "
                           f"measured is in the study: free space, then `autofit search --resume "
                           f"{shown(session.run_dir)}`.") from None
 
@@ -487,11 +502,12 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
     rows, timeline = study_rows(study)
     untried = untried_of(study)
     try:
-        best = write_outputs(session.run_dir, session.spec.to_dict(), rows, timeline, reason, untried,
+        best = write_outputs(session.run_dir, session.spec, rows, timeline, reason, untried,
                              unfinished=interrupted)
     except OSError as e:
         raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
-                          f"keeps every result: `autofit report {shown(session.run_dir)}` rebuilds them.") from None
+                          f"keeps every result: `autofit report {shown(session.run_dir)}` rebuilds "
+                          "them.") from None
     return Summary(session.run_dir, reason, rows, best, skipped_counts(study), interrupted, untried)
 
 

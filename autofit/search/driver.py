@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 import optuna
 from optuna.exceptions import StorageInternalError
@@ -23,15 +22,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autofit.config.models import ModelSource
 from autofit.config.space import Space
-from autofit.config.spec import TrialConfig
+from autofit.config.spec import TrialConfig, Value
 from autofit.config.target import Target
+from autofit.core.documents import JSONObject
 from autofit.core.errors import CannotWrite
 from autofit.core.files import cannot_write
 from autofit.core.paths import shown
 from autofit.core.units import format_size
 from autofit.data.shapes import shapes_of
 from autofit.estimate.memory import Shape, beyond_reach, reach
-from autofit.probe.runner import Runner, result_file
+from autofit.probe.runner import ProbeRunner, Runner, result_file
 from autofit.protocol.request import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS, Checks
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.search.knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
@@ -88,7 +88,7 @@ class SearchSettings:
     """The planned training length, stamped on each result (compile time amortised over it)."""
     confirm: int = 1
     """Fits within CONFIRM_BAND of the best to measure again at the end (time is kept for one)."""
-    dataset: dict[str, Any] | None = None
+    dataset: JSONObject | None = None
     """`DatasetRef.to_dict()` with --dataset: the probes train on its micro-batches."""
     data_cache: Path | None = None
     policy: Policy = Policy.EDGE
@@ -120,12 +120,17 @@ class Event:
 
     number: int
     worker: str
-    config: dict[str, Any]
+    config: TrialConfig
     kind: EventKind
     result: ProbeResult | None
     predicted: int | None
     best: ProbeResult | None
     seconds_left: float
+
+    def __post_init__(self) -> None:
+        given: object = self.config  # a dict from a caller older than the type (TrialConfig.to_dict())
+        if isinstance(given, dict):
+            object.__setattr__(self, "config", TrialConfig.from_dict(given))
 
 
 @dataclass
@@ -148,7 +153,7 @@ class Search:
 
     def __init__(self, s: SearchSettings, on_event: Callable[[Event], None] | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
-                 make_runner: Callable[[Target], Runner] | None = None) -> None:
+                 make_runner: Callable[[Target], ProbeRunner] | None = None) -> None:
         """`clock` and `make_runner` are the seams of the landscape replay (replay.py): a simulated
         clock, and probes answered from recorded measurements instead of child processes."""
         self.s = s
@@ -158,7 +163,7 @@ class Search:
         self.stop = threading.Event()
         self.stop_reason = ""
         self.lock = threading.Lock()
-        self.runners: list[Runner] = []
+        self.runners: list[ProbeRunner] = []
         self.deadline = 0.0
         self.candidates = s.space.candidates()
         self.shape = Shape.from_config(s.model.config)
@@ -232,11 +237,12 @@ class Search:
         record_untried(study, untried)
         if untried.get(Verdict.PROBE.value) and self.stop_reason.startswith(NO_WINNER):
             # reopened by the last repeat, with nothing new probed since, or no time to probe it
-            self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried config(s) "
-                              f"could beat it: `autofit search --resume {shown(self.s.run_dir)} --budget 5m` probes them")
+            self._finish_note(f"after the best was measured again, {untried[Verdict.PROBE.value]} untried "
+                              f"config(s) could beat it: `autofit search --resume {shown(self.s.run_dir)} "
+                              "--budget 5m` probes them")
         if self.searched_on:
-            self._finish_note(f"searched on after the best's repeat came in lower ({self.searched_on} untried "
-                              f"config(s) could beat it then)")
+            self._finish_note(f"searched on after the best's repeat came in lower ({self.searched_on} "
+                              "untried config(s) could beat it then)")
         record_stop_reason(study, self.stop_reason or "done")
         return self.stop_reason or "done"
 
@@ -270,7 +276,7 @@ class Search:
         runner.warm_up()
         self.runners.append(runner)
 
-    def _start_worker(self, target: Target, runner: Runner) -> threading.Thread:
+    def _start_worker(self, target: Target, runner: ProbeRunner) -> threading.Thread:
         th = threading.Thread(target=self._worker_main, args=(target, runner), daemon=True)
         th.start()
         return th
@@ -281,7 +287,8 @@ class Search:
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return CannotWrite(f"cannot write the study ({self.s.storage}) or the run folder {self.s.run_dir}: "
                            f"{detail}. Every probe told before this is kept in the study; free space (or "
-                           f"fix the permissions), then continue with `autofit search --resume {shown(self.s.run_dir)}`.")
+                           "fix the permissions), then continue with `autofit search --resume "
+                           f"{shown(self.s.run_dir)}`.")
 
     def prepare(self) -> optuna.Study:
         """Open the study, settle what a killed search left RUNNING, and seed the common recipe."""
@@ -305,10 +312,11 @@ class Search:
         return study
 
     def _beyond_reach(self, study: optuna.Study) -> str:
-        """Why no config can fit, where the prior is certain of it (memory.beyond_reach: in every config of the
-        space the weights alone exceed the largest usable memory of the workers by more than the prior's error)
-        and no probe of the study has fit; with what the weights need and the savings that would fit
-        (memory.reach). Empty otherwise: a config merely predicted over the limit is probed as the policy says."""
+        """Why no config can fit, where the prior is certain of it (memory.beyond_reach: in every config of
+        the space the weights alone exceed the largest usable memory of the workers by more than the prior's
+        error) and no probe of the study has fit; with what the weights need and the savings that would fit
+        (memory.reach). Empty otherwise: a config merely predicted over the limit is probed as the policy
+        says."""
         usable = [t.usable_bytes for t in self.s.targets]
         if not usable or None in usable:
             return ""
@@ -318,8 +326,8 @@ class Search:
             return ""
         limit = target.memory_limit_bytes or most
         plan = reach(self.candidates, self.shape, most, on_gpu=target.device == "cuda")
-        return (f"nothing in the space can fit the {format_size(limit)} limit less {abs(target.headroom):.0%} headroom: "
-                f"{plan.describe()}")
+        return (f"nothing in the space can fit the {format_size(limit)} limit less "
+                f"{abs(target.headroom):.0%} headroom: {plan.describe()}")
 
     def _settle(self, study: optuna.Study, stale: FrozenTrial) -> None:
         """A finished probe (its result stored, or its result file written) is adopted; one that
@@ -328,7 +336,7 @@ class Search:
         if res is None:
             supersede(study, stale, TrialKind.INTERRUPTED.value)
             return
-        adopt(study, stale, res, self.s.targets[0].usable_bytes, self.s.space.values("max_length"))
+        adopt(study, stale, res, self.s.targets[0].usable_bytes, self.s.space.lengths)
 
     def _finished_result(self, t: FrozenTrial) -> ProbeResult | None:
         if t.user_attrs.get("kind") not in (None, TrialKind.PROBE):
@@ -345,7 +353,7 @@ class Search:
 
     # ----------------------------------------------------------------------- one worker
 
-    def _worker_main(self, target: Target, runner: Runner) -> None:
+    def _worker_main(self, target: Target, runner: ProbeRunner) -> None:
         study = None
         try:
             study = open_study(self.s.storage, self.s.study_name, create=False, seed=self.s.seed)
@@ -367,7 +375,7 @@ class Search:
         except (StorageInternalError, OSError):
             pass
 
-    def _worker(self, study: optuna.Study, target: Target, runner: Runner) -> None:
+    def _worker(self, study: optuna.Study, target: Target, runner: ProbeRunner) -> None:
         """ask -> verdict -> probe -> tell, until the budget or the space runs out."""
         pace = _Pace(self.s.guided)
         while not self.stop.is_set():
@@ -430,14 +438,14 @@ class Search:
         than a worker has, that is what stops the search, with what to do."""
         wider = [c.gpus for c in self.candidates if c.gpus > know.ranks and c.key() not in know.by_key]
         if wider:
-            return (f"nothing left to probe here: {len(wider)} untried configuration(s) need more GPUs than a "
-                    f"worker has ({know.ranks}); run with --gpus {min(wider)} on a machine with that many")
+            return (f"nothing left to probe here: {len(wider)} untried configuration(s) need more GPUs than "
+                    f"a worker has ({know.ranks}); run with --gpus {min(wider)} on a machine with that many")
         return NO_WINNER
 
     def _ask(self, study: optuna.Study, know: Knowledge, target: Target,
              ) -> tuple[optuna.Trial, TrialConfig, int]:
         trial = study.ask()
-        params = {k: trial.suggest_categorical(k, v) for k, v in self.s.space.dimensions.items()}
+        params = {k: _suggested(trial, k, v) for k, v in self.s.space.dimensions.items()}
         cfg = self.s.space.config(params)
         predicted = know.memory.predict(cfg)
         trial.set_user_attr("config_key", cfg.key())
@@ -459,7 +467,7 @@ class Search:
                 return Verdict.DUPLICATE, f"trial {t.number} of another worker has it"
         return Verdict.PROBE, ""
 
-    def _probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, runner: Runner,
+    def _probe(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, runner: ProbeRunner,
                checks: Checks) -> ProbeResult | None:
         """Run the probe, with the correctness checks the study has no passing verdict for; a result
         killed from outside autofit (retryable) is probed once more. None when the search was
@@ -481,11 +489,11 @@ class Search:
             return None
         return res
 
-    def _run_probe(self, runner: Runner, cfg: TrialConfig, name: str, cancel: Callable[[], bool],
+    def _run_probe(self, runner: ProbeRunner, cfg: TrialConfig, name: str, cancel: Callable[[], bool],
                    checks: Checks) -> ProbeResult:
         left = max(self.deadline - self.clock(), 1.0)
-        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left), cancel=cancel,
-                          checks=checks)
+        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left),
+                          cancel=cancel, checks=checks)
 
     # ----------------------------------------------------------------------- telling the study
 
@@ -511,7 +519,7 @@ class Search:
             self._tell_skip(study, trial, cfg, Verdict.DUPLICATE, "another worker probed it", know)
             return
         trial.set_user_attr("result", res.to_dict())  # first: a search killed after this resumes it
-        obs = observation(res, target.usable_bytes, self.s.space.values("max_length"))
+        obs = observation(res, target.usable_bytes, self.s.space.lengths)
         if obs.constraint is not None:
             _constrain(trial, obs.constraint)
         study.tell(trial, obs.value, state=obs.state)
@@ -519,21 +527,22 @@ class Search:
             f.write(json.dumps({"trial": trial.number, "predicted_peak": trial.user_attrs.get(
                 "predicted_peak"), **res.to_dict()}) + "\n")
         best = best_of([r for r in (know.best(), res) if r is not None])
-        self._event(trial.number, target, cfg, EventKind.PROBE, res, trial.user_attrs.get("predicted_peak"), best)
+        self._event(trial.number, target, cfg, EventKind.PROBE, res, trial.user_attrs.get("predicted_peak"),
+                    best)
 
     # ----------------------------------------------------------------------- time and knowledge
 
     def _knowledge(self, study: optuna.Study, target: Target) -> Knowledge:
         return Knowledge.build(study.get_trials(deepcopy=False), self.shape, target.device == "cuda",
-                               target.usable_bytes, repeats_of(study), superseded_of(study), ranks=target.ranks,
-                               shapes=self.token_shapes)
+                               target.usable_bytes, repeats_of(study), superseded_of(study),
+                               ranks=target.ranks, shapes=self.token_shapes)
 
     def _in_time(self, know: Knowledge, cfg: TrialConfig) -> bool:
         return self.time.may_probe(know, cfg, self.deadline - self.clock())
 
     # ----------------------------------------------------------------------- measuring fits again
 
-    def _confirm(self, target: Target, runner: Runner) -> None:
+    def _confirm(self, target: Target, runner: ProbeRunner) -> None:
         """Measure again, in a fresh process, the best fit while it was measured once, noisy fits
         that could be the best, and up to `confirm` fits within CONFIRM_BAND of the best, while
         the budget allows: one noisy probe (a launch-bound config moves 10-15% between processes)
@@ -547,7 +556,7 @@ class Search:
             if pick is None or pick[0].number in repeated:  # a repeat that failed says nothing more
                 break
             t, r, must = pick
-            cfg = TrialConfig.from_dict(r.config)
+            cfg = r.config
             left = self.deadline - self.clock()
             est = self.time.estimate(know, cfg)
             if est is None or est > left:
@@ -564,7 +573,8 @@ class Search:
             self._event(t.number, target, cfg, EventKind.AGAIN, repeat_shown(merged, res),
                         t.user_attrs.get("predicted_peak"), know.best())
         best = know.best()
-        if best is not None and len(best.measurements) < 2:  # its repeat failed (a timeout at the budget's end)
+        # its repeat failed (a timeout at the budget's end)
+        if best is not None and len(best.measurements) < 2:
             self._finish_note("the best fit was measured once: its repeat did not finish as a fit")
 
     # ----------------------------------------------------------------------- stopping and progress
@@ -582,7 +592,7 @@ class Search:
     def _event(self, number: int, target: Target, cfg: TrialConfig, kind: EventKind, res: ProbeResult | None,
                predicted: int | None, best: ProbeResult | None) -> None:
         with self.lock:
-            self.on_event(Event(number, target.describe(), cfg.to_dict(), kind, res, predicted, best,
+            self.on_event(Event(number, target.describe(), cfg, kind, res, predicted, best,
                                 max(0.0, self.deadline - self.clock())))
 
 
@@ -599,9 +609,19 @@ def unconfirmed_note(best: ProbeResult | None, pick: ProbeResult, number: int, e
     (whichever fit was next), or a noisy fit measured once that could beat a winner measured twice."""
     once = best is None or best.config == pick.config or len(best.measurements) < 2
     what = ("the best fit was measured once" if once else
-            f"a noisy fit measured once ({pick.tokens_per_s or 0:,.0f} tokens/s, trial {number}) could beat the "
-            "winner")
-    return f"{what}: measuring it again needs about {est or 0:.0f} s, {max(left, 0):.0f} s of the budget were left"
+            f"a noisy fit measured once ({pick.tokens_per_s or 0:,.0f} tokens/s, trial {number}) could beat "
+            "the winner")
+    return (f"{what}: measuring it again needs about {est or 0:.0f} s, {max(left, 0):.0f} s of the budget "
+            "were left")
+
+
+def _suggested(trial: optuna.Trial, name: str, values: list[Value]) -> Value:
+    """The value the study's sampler (or a config the policy put in its queue) gives dimension `name`: one of
+    the space's `values`."""
+    value = trial.suggest_categorical(name, values)
+    if not isinstance(value, (str, int, bool)):  # the space's values are its choices: never another type
+        raise TypeError(f"the study proposed {name}={value!r}, not one of the space's values")
+    return value
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

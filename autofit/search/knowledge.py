@@ -7,29 +7,25 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from optuna.trial import FrozenTrial
 
 from autofit.config import kernels
 from autofit.config.space import CKPT_COST, QUANT_COST
-from autofit.config.spec import KEYS, TrialConfig
+from autofit.config.spec import KEYS, TrialConfig, Value
+from autofit.core.documents import JSONObject
 from autofit.core.units import format_size
 from autofit.data.correctness import boundary_key
 from autofit.data.shapes import TokenShapes
 from autofit.estimate import effects
 from autofit.estimate.memory import MemoryModel, Shape
 from autofit.protocol.request import Checks
-from autofit.protocol.result import ProbeResult
+from autofit.protocol.result import BOUNDARIES, GATE, ProbeResult
 from autofit.search.objective import best_of, once_and_noisy
 from autofit.search.study import probe_results
 
 SPEED_NOISE = 0.05  # run-to-run spread of tokens/s that a speed bound allows for
 CONFIRM_BAND = 0.05  # fits this close to the best are measured again before one is called the winner
-GATE, BOUNDARIES = "gate", "boundaries"
-"""The correctness checks, by the name of their verdict in a result's `extra` (beside `gate_key` and
-`boundary_key`: `kernels.gate_key`, `data.correctness.boundary_key`)."""
-CHECK_KEYS = {GATE: "gate_key", BOUNDARIES: "boundary_key"}
 
 
 class Verdict(StrEnum):
@@ -83,7 +79,7 @@ class Knowledge:
 
     @classmethod
     def build(cls, trials: list[FrozenTrial], shape: Shape, on_gpu: bool, usable: int | None,
-              repeats: dict[int, list[dict[str, Any]]] | None = None,
+              repeats: dict[int, list[JSONObject]] | None = None,
               superseded: frozenset[int] = frozenset(), ranks: int = 1,
               shapes: TokenShapes | None = None) -> Knowledge:
         k = cls(usable, MemoryModel(shape, on_gpu=on_gpu), ranks=ranks, shapes=shapes)
@@ -96,14 +92,11 @@ class Knowledge:
 
     def learn_checks(self, number: int, res: ProbeResult) -> None:
         """The correctness verdicts a probe reports (a probe that skipped a check reports none)."""
-        for check, key_name in CHECK_KEYS.items():
-            verdict, key = res.extra.get(check), res.extra.get(key_name)
-            if not isinstance(verdict, dict) or key is None:
-                continue
-            if verdict.get("ok"):
-                self.passed.add((check, key))
+        for v in res.verdicts:
+            if v.ok:
+                self.passed.add((v.check, v.key))
             else:
-                self.failed.setdefault((check, key), number)
+                self.failed.setdefault((v.check, v.key), number)
 
     def checks(self, cfg: TrialConfig) -> Checks:
         """The correctness checks a probe of cfg runs: those whose key has not passed in this study."""
@@ -124,7 +117,7 @@ class Knowledge:
         return [r for _, r in self.probes if r.outcome.is_fit()]
 
     def memory_failures(self) -> list[tuple[TrialConfig, ProbeResult]]:
-        return [(TrialConfig.from_dict(r.config), r) for _, r in self.probes if r.outcome.is_memory()]
+        return [(r.config, r) for _, r in self.probes if r.outcome.is_memory()]
 
     def shortfall(self, res: ProbeResult) -> int:
         """By how much an out-of-memory probe's peak provably exceeds the usable memory (at least one
@@ -146,13 +139,13 @@ class Knowledge:
         if quant not in self._halves:
             self._halves[quant] = effects.fitted_half_tokens(
                 [(c, r.tokens_per_s) for r in self.fits() if r.tokens_per_s
-                 and (c := TrialConfig.from_dict(r.config)).quantization == quant], self.shapes)
+                 and (c := r.config).quantization == quant], self.shapes)
         fitted = self._halves[quant]
         return effects.prior_half(cfg) if fitted is None else fitted
 
     def best_length(self) -> int | None:
         b = self.best()
-        return b.config["max_length"] if b else None
+        return b.config.max_length if b else None
 
     def dominated_by_oom(self, cfg: TrialConfig) -> str | None:
         """Why cfg cannot fit, from a known memory failure: what cfg changes against it saves at most
@@ -165,8 +158,9 @@ class Knowledge:
                 continue
             what = f"micro-batch {o.micro_batch_size}, length {o.max_length}"
             if r.failed_loading:
-                return (f"the model ran out of memory while loading ({what}: short by >= {format_size(short)}) "
-                        f"and the changes from it save at most {format_size(saving)} of what exists by then")
+                return (f"the model ran out of memory while loading ({what}: short by >= "
+                        f"{format_size(short)}) and the changes from it save at most {format_size(saving)} "
+                        "of what exists by then")
             if short <= 1:
                 return f"a config with no more memory ran out of memory ({what})"
             return (f"{what}, {o.gradient_checkpointing} checkpointing ran out of memory short by "
@@ -193,7 +187,7 @@ class Knowledge:
         if ck is None:
             return None
         for r in self.fits():
-            f = TrialConfig.from_dict(r.config)
+            f = r.config
             if f.gradient_checkpointing not in CKPT_COST:
                 continue
             same = f.replace(gradient_checkpointing=cfg.gradient_checkpointing, quantization=cfg.quantization)
@@ -212,9 +206,8 @@ class Knowledge:
         """
         if self.shapes is not None and cfg.batching in ("pad_longest", "group_by_length"):
             return None  # on data, a smaller micro-batch pads less: its trained tokens/s can be higher
-        group = sorted((r.config["micro_batch_size"], r.tokens_per_s) for r in self.fits()
-                       if r.tokens_per_s and TrialConfig.from_dict(r.config).replace(
-                           micro_batch_size=cfg.micro_batch_size) == cfg)
+        group = sorted((r.config.micro_batch_size, r.tokens_per_s) for r in self.fits()
+                       if r.tokens_per_s and r.config.replace(micro_batch_size=cfg.micro_batch_size) == cfg)
         m = cfg.micro_batch_size
         larger = [(b, t) for b, t in group if b > m]
         if larger:
@@ -271,7 +264,7 @@ class Knowledge:
         floor = (best.tokens_per_s or 0) * (1 - CONFIRM_BAND)
         once = [(t, r) for t, r in self.probes
                 if r.outcome.is_fit() and len(r.measurements) < 2
-                and r.config["max_length"] == best.config["max_length"] and (r.tokens_per_s or 0) >= floor]
+                and r.config.max_length == best.config.max_length and (r.tokens_per_s or 0) >= floor]
         must = [(t, r) for t, r in once if r.config == best.config or r.noisy]
         pool = must or (once if done < limit else [])
         if not pool:
@@ -294,26 +287,29 @@ class Knowledge:
         timed = [r for _, r in self.probes if r.wall_seconds and (r.train_seconds or r.outcome.is_fit())]
         if not timed:
             return None
-        mine = _cost_class(cfg.to_dict())
+        mine = _cost_class(cfg)
 
         def same_class(results: list[ProbeResult]) -> list[ProbeResult]:
             """Probes of cfg's class; else those with no fixed cost cfg lacks (a compile must not make
             every later estimate a compile's); else all."""
             return ([r for r in results if _cost_class(r.config) == mine]
-                    or [r for r in results if _fixed_costs(r.config) <= _fixed_costs(cfg.to_dict())] or results)
+                    or [r for r in results if _fixed_costs(r.config) <= _fixed_costs(cfg)] or results)
 
-        rows = [(r.train_seconds or r.wall_seconds, TrialConfig.from_dict(r.config)) for r in same_class(timed)]
+        # each has its wall time (`timed`): the 0.0 is never taken
+        rows = [(r.train_seconds or r.wall_seconds or 0.0, r.config) for r in same_class(timed)]
         apart = [effects.differences(cfg, c) for _, c in rows]
         fewest = min(apart)
         # cfg's own probes where it was measured; else the class's typical time per unit of cost
         per_cost = statistics.median(w / self._probe_cost(c, steps, max_acc)
                                      for (w, c), n in zip(rows, apart, strict=True) if fewest or n == 0)
         later = same_class([r for _, r in self.probes[1:] if r.wall_seconds and r.train_seconds])
-        overheads = [max(r.wall_seconds - r.train_seconds, 0.0) for r in later]  # a clock's jitter is no saving
+        # a clock's jitter is no saving; each of `later` has both times
+        overheads = [max((r.wall_seconds or 0.0) - (r.train_seconds or 0.0), 0.0) for r in later]
         overhead = statistics.median(overheads) if overheads else 1.0
         # an estimate across differing keys is as unsure as a speed estimated across them
         spread = 1.0 + (effects.uncertainty(fewest) if fewest else 0.0)
-        return min(per_cost * self._probe_cost(cfg, steps, max_acc) * spread, max(w for w, _ in rows) * 4) + overhead
+        return min(per_cost * self._probe_cost(cfg, steps, max_acc) * spread,
+                   max(w for w, _ in rows) * 4) + overhead
 
     def _probe_cost(self, cfg: TrialConfig, steps: int, max_acc: int | None) -> float:
         """What a probe's training time scales with: the micro-steps it trains (accumulation capped
@@ -323,14 +319,14 @@ class Knowledge:
         return steps * acc * effects.micro_step_cost(cfg, self.shapes, self.half_tokens)
 
 
-def _cost_class(config: dict[str, Any]) -> tuple[Any, ...]:
+def _cost_class(cfg: TrialConfig) -> tuple[Value, ...]:
     """Settings that change a probe's fixed costs (the load, a compile) or its cost per token."""
-    return tuple(config.get(k, d.default) for k, d in KEYS.items() if d.cost)
+    return tuple(getattr(cfg, k) for k, d in KEYS.items() if d.cost)
 
 
-def _fixed_costs(config: dict[str, Any]) -> set[str]:
+def _fixed_costs(cfg: TrialConfig) -> set[str]:
     """What a probe pays once beside its steps: a quantized load, a compile, Liger's kernel builds."""
-    return {k for k, d in KEYS.items() if d.fixed_cost and config.get(k, d.default) not in (None, d.default)}
+    return {k for k, d in KEYS.items() if d.fixed_cost and getattr(cfg, k) != d.default}
 
 
 def _reserved_free(res: ProbeResult) -> int | None:
@@ -343,7 +339,7 @@ def _reserved_free(res: ProbeResult) -> int | None:
     return None
 
 
-def promise(cfg: TrialConfig) -> tuple[Any, ...]:
+def promise(cfg: TrialConfig) -> tuple[int, int, int, int, int]:
     """Which untried config to probe when the sampler only repeats itself: longest length,
     least recomputation, no quantization, then the largest micro-batch."""
     ck = CKPT_COST.index(cfg.gradient_checkpointing) if cfg.gradient_checkpointing in CKPT_COST else 99
@@ -370,7 +366,7 @@ class ProbeTime:
         best = know.best()
         if not self.confirm or best is None or len(best.measurements) >= 2:
             return None
-        return TrialConfig.from_dict(best.config)
+        return best.config
 
     def kept(self, know: Knowledge, cfg: TrialConfig | None = None) -> float:
         """Time to keep back, beside probing cfg, for measuring the best fit again: the current

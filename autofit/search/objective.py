@@ -23,19 +23,20 @@ def speed(res: ProbeResult) -> float:
     planned training length (`train_tokens`), so a 90 s compile does not win a 10-minute job."""
     tps = res.tokens_per_s or 0.0
     if tps and res.compile_seconds and res.train_tokens:
-        return res.train_tokens / (res.train_tokens / tps + res.compile_seconds)  # kernels.amortised_tokens_per_s
+        # kernels.amortised_tokens_per_s
+        return res.train_tokens / (res.train_tokens / tps + res.compile_seconds)
     return tps
 
 
 def rank_key(res: ProbeResult) -> tuple[int, bool, float]:
     """Sort key of a fit: length first, then a steady (or repeated) measurement before a noisy
     one measured once, then tokens/s (compile time amortised: `speed`)."""
-    return res.config["max_length"], not once_and_noisy(res), speed(res)
+    return res.config.max_length, not once_and_noisy(res), speed(res)
 
 
 def study_value(res: ProbeResult, lengths: list[int]) -> float:
     """The number the Optuna study maximises for a fit, given the space's allowed lengths."""
-    rank = sorted(lengths).index(res.config["max_length"])
+    rank = sorted(lengths).index(res.config.max_length)
     return rank * LENGTH_WEIGHT + float(speed(res))
 
 
@@ -54,7 +55,7 @@ def best_per_length(results: list[ProbeResult]) -> dict[int, ProbeResult]:
     """The fastest fit at each length, longest first (the length trade-off)."""
     out: dict[int, ProbeResult] = {}
     for r in ranked_fits(results):
-        out.setdefault(r.config["max_length"], r)
+        out.setdefault(r.config.max_length, r)
     return dict(sorted(out.items(), reverse=True))
 
 

@@ -84,11 +84,12 @@ def logistic(x: float) -> float:
 
 def measured(know: Knowledge) -> list[tuple[TrialConfig, float]]:
     """The fits' configs and tokens/s (the objective's speed), the references of `expected_speed`."""
-    return [(TrialConfig.from_dict(r.config), speed(r)) for r in know.fits() if r.tokens_per_s]
+    return [(r.config, speed(r)) for r in know.fits() if r.tokens_per_s]
 
 
 def expected_speed(fits: list[tuple[TrialConfig, float]], cfg: TrialConfig,
-                   shapes: TokenShapes | None = None, half: effects.Half = effects.prior_half) -> tuple[float, float]:
+                   shapes: TokenShapes | None = None,
+                   half: effects.Half = effects.prior_half) -> tuple[float, float]:
     """(tokens/s, spread) from the most similar measured fit, else relative by the effects alone;
     `shapes`: the dataset's micro-batches (Knowledge.shapes), None for full rows of random tokens;
     `half`: the micro-step's fixed cost in tokens (Knowledge.half_tokens)."""
@@ -109,7 +110,8 @@ def expected_improvement(mu: float, sigma: float, best: float) -> float:
     if sigma <= 0:
         return max(ahead, 0.0)
     z = ahead / sigma
-    pdf = math.exp(-0.5 * min(z * z, 1e4)) / math.sqrt(2 * math.pi)  # e^-5000 is 0 already: no overflow of z * z
+    # e^-5000 is 0 already: no overflow of z * z
+    pdf = math.exp(-0.5 * min(z * z, 1e4)) / math.sqrt(2 * math.pi)
     cdf = 0.5 * math.erfc(-z / math.sqrt(2))  # erfc, not 1 + erf: no cancellation far below the best
     return min(max(sigma * pdf + ahead * cdf, 0.0), sys.float_info.max)
 

@@ -23,12 +23,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from autofit.config.models import ModelSource
 from autofit.config.space import Space
 from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
+from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
 from autofit.core.files import write_json
 from autofit.protocol.request import Checks
@@ -56,13 +56,13 @@ class Landscape:
     full ProbeResult dict."""
 
     scenario: str
-    model: dict[str, Any]
+    model: JSONObject
     """ModelSource.to_dict(): the preset name and its config."""
-    space: dict[str, Any]
+    space: JSONObject
     """Space.to_dict()."""
     memory_limit_bytes: int
     headroom: float
-    points: dict[str, dict[str, Any]]
+    points: dict[str, JSONObject]
     date: str = ""
     gpu: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -100,7 +100,7 @@ class Landscape:
             raise UsageError(f"landscape {self.scenario}: no configuration fits; nothing to judge against.")
         return best
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"scenario": self.scenario, "date": self.date, "gpu": self.gpu, "versions": self.versions,
                 "command": self.command, "note": self.note, "model": self.model, "space": self.space,
                 "memory_limit_bytes": self.memory_limit_bytes, "headroom": self.headroom,
@@ -108,12 +108,12 @@ class Landscape:
                 "points": self.points}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Landscape:
+    def from_dict(cls, d: JSONObject) -> Landscape:
         return cls(scenario=d["scenario"], model=d["model"], space=d["space"],
                    memory_limit_bytes=int(d["memory_limit_bytes"]), headroom=float(d["headroom"]),
                    points=dict(d["points"]), date=d.get("date", ""), gpu=d.get("gpu", ""),
-                   versions=dict(d.get("versions") or {}), command=d.get("command", ""), note=d.get("note", ""),
-                   max_probe_accumulation=d.get("max_probe_accumulation"))
+                   versions=dict(d.get("versions") or {}), command=d.get("command", ""),
+                   note=d.get("note", ""), max_probe_accumulation=d.get("max_probe_accumulation"))
 
     @classmethod
     def load(cls, path: str | Path) -> Landscape:
@@ -155,7 +155,7 @@ class Probed:
 
 
 class ReplayRunner:
-    """The Runner interface (warm_up, run, abort, close) answered from a landscape."""
+    """A `probe.runner.ProbeRunner` (warm_up, run, abort, close) answered from a landscape."""
 
     def __init__(self, landscape: Landscape, clock: SimClock, *, jitter_seed: int | None = None) -> None:
         self.landscape = landscape
@@ -181,8 +181,9 @@ class ReplayRunner:
         wall = res.wall_seconds or 0.0
         repeat = any(p.key == cfg.key() for p in self.probed)
         if wall > timeout:
-            res = ProbeResult(Outcome.TIMEOUT, cfg.to_dict(), device=res.device, model=res.model,
-                              reason=f"no result after {timeout:.0f} s; the probe's process group was stopped",
+            res = ProbeResult(Outcome.TIMEOUT, cfg, device=res.device, model=res.model,
+                              reason=(f"no result after {timeout:.0f} s; the probe's process group was "
+                                      "stopped"),
                               wall_seconds=timeout, memory_limit_bytes=res.memory_limit_bytes)
             wall = timeout
         elif repeat and self._rng is not None:
@@ -223,10 +224,12 @@ class ReplayOutcome:
     """Simulated seconds the search used."""
     probed: tuple[Probed, ...] = ()
     untried: dict[str, int] = field(default_factory=dict)
-    """The space's configs the search left unprobed, by the verdict that ruled each out (`probe`: none did)."""
+    """The space's configs the search left unprobed, by the verdict that ruled each out (`probe`: none
+    did)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "policy": self.policy, "seed": self.seed, "budget_s": self.budget_s,
+    def to_dict(self) -> dict[str, object]:
+        return {"scenario": self.scenario, "policy": self.policy, "seed": self.seed,
+                "budget_s": self.budget_s,
                 "ratio": self.ratio, "winner": self.winner, "time_to_near_best_s": self.time_to_near_best_s,
                 "probes": self.probes, "oom_probes": self.oom_probes, "unfit_probes": self.unfit_probes,
                 "skipped": self.skipped, "untried": self.untried, "stop_reason": self.stop_reason,
@@ -256,14 +259,15 @@ def replay(landscape: Landscape, policy: str | Policy, seed: int, budget_s: floa
         winner = best_of([r for _, r in found])
         skipped, untried = skipped_counts(study), untried_of(study)
         stop = stop_reason_of(study) or stop
-    return _judge(landscape, str(policy), seed, budget_s, winner, runner.probed, skipped, untried, stop, clock())
+    return _judge(landscape, str(policy), seed, budget_s, winner, runner.probed, skipped, untried, stop,
+                  clock())
 
 
 def _judge(landscape: Landscape, policy: str, seed: int, budget_s: float, winner: ProbeResult | None,
            probed: list[Probed], skipped: dict[str, int], untried: dict[str, int], stop: str,
            elapsed: float) -> ReplayOutcome:
     best = speed(landscape.best())
-    key = TrialConfig.from_dict(winner.config).key() if winner is not None else None
+    key = winner.config.key() if winner is not None else None
     ratio = speed(landscape.result(key)) / best if key is not None else 0.0
 
     def near(p: Probed) -> bool:

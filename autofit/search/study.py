@@ -12,18 +12,23 @@ from enum import StrEnum
 from typing import Any
 
 import optuna
-from optuna.storages import JournalStorage
+from optuna.storages import BaseStorage, JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from autofit.core.documents import JSONObject
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.search.objective import combined_tokens_per_s, study_value
+
+ProbeRow = dict[str, Any]
+"""One probe as trials.jsonl holds it (JSON): its trial number, the memory model's predicted peak and its full
+result (`ProbeResult.to_dict()`); `ProbeResult.from_dict` reads it back."""
 
 
 def open_study(storage: str, name: str, create: bool, seed: int) -> optuna.Study:
     """Open (or create) the study at an Optuna storage URL or a journal file path."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    store: Any = storage
+    store: str | BaseStorage = storage
     if storage.endswith(".journal"):
         store = JournalStorage(JournalFileBackend(storage))
     elif storage.startswith("sqlite"):
@@ -53,7 +58,7 @@ STOP_REASON = "stop_reason"
 UNTRIED = "untried"
 
 
-def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, Any]]] | None = None,
+def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[JSONObject]] | None = None,
                   superseded: frozenset[int] = frozenset()) -> list[tuple[FrozenTrial, ProbeResult]]:
     """The probes that ran to an outcome, in trial order, each with its repeats merged in."""
     out = []
@@ -65,13 +70,13 @@ def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[dict[str, A
     return sorted(out, key=lambda p: p[0].number)
 
 
-def repeats_of(study: optuna.Study) -> dict[int, list[dict[str, Any]]]:
+def repeats_of(study: optuna.Study) -> dict[int, list[JSONObject]]:
     """Repeat measurements stored on the study (`repeat:<trial>:<id>`), by trial number.
 
     A finished trial cannot take new attributes, and a study attribute per repeat keeps
     searches on several hosts from overwriting each other's.
     """
-    out: dict[int, list[dict[str, Any]]] = {}
+    out: dict[int, list[JSONObject]] = {}
     for key, value in study.user_attrs.items():
         if key.startswith(REPEAT_PREFIX):
             out.setdefault(int(key.split(":")[1]), []).append(value)
@@ -136,7 +141,8 @@ def observation(res: ProbeResult, usable: int | None, lengths: list[int]) -> Obs
         return Observation(TrialState.FAIL)
     if res.outcome.is_fit():
         peak = res.peak_memory_bytes or 0
-        return Observation(TrialState.COMPLETE, study_value(res, lengths), (peak / usable - 1) if usable else -1.0)
+        return Observation(TrialState.COMPLETE, study_value(res, lengths),
+                           (peak / usable - 1) if usable else -1.0)
     over = max(res.peak_memory_bytes / usable - 1, 0.01) if usable and res.peak_memory_bytes else 1.0
     return Observation(TrialState.COMPLETE, 0.0, over)
 
@@ -159,17 +165,19 @@ def adopt(study: optuna.Study, stale: FrozenTrial, res: ProbeResult, usable: int
         attrs["constraint"] = obs.constraint
         constraints = {"memory": obs.constraint}
     study.add_trial(create_trial(state=obs.state, value=obs.value, params=stale.params,
-                                 distributions=stale.distributions, user_attrs=attrs, constraints=constraints))
+                                 distributions=stale.distributions, user_attrs=attrs,
+                                 constraints=constraints))
     supersede(study, stale, "adopted")
 
 
-def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResult:
+def merge_repeats(res: ProbeResult, repeats: list[JSONObject]) -> ProbeResult:
     """A fit measured again: tokens/s becomes the median of the runs and the peak the largest;
     a repeat that runs out of memory makes the config not fit. Other failures are ignored."""
     if not repeats or not res.outcome.is_fit():
         return res
     again = [ProbeResult.from_dict(d) for d in repeats]
-    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit() and r.tokens_per_s]
+    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit()
+                                        and r.tokens_per_s]
     res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
     res.tokens_per_s = combined_tokens_per_s(runs)
     counted = [res] + [r for r in again if r.outcome.is_fit() or r.outcome.is_memory()]
@@ -177,16 +185,18 @@ def merge_repeats(res: ProbeResult, repeats: list[dict[str, Any]]) -> ProbeResul
     memory = [r for r in again if r.outcome.is_memory()]
     if memory:
         res.outcome, res.oom_shortfall_bytes = memory[0].outcome, memory[0].oom_shortfall_bytes
-        res.reason = f"fit once, out of memory when measured again ({memory[0].reason or memory[0].outcome.value})"
+        why = memory[0].reason or memory[0].outcome.value
+        res.reason = f"fit once, out of memory when measured again ({why})"
     return res
 
 
-def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+def study_rows(study: optuna.Study) -> tuple[list[ProbeRow], list[tuple[float, float]]]:
     """Probe rows (trial number, predicted peak, full result) and the timeline of fits."""
     trials = study.get_trials(deepcopy=False)
     starts = [t.datetime_start for t in trials if t.datetime_start]
     t0 = min(starts) if starts else None
-    rows, timeline = [], []
+    rows: list[ProbeRow] = []
+    timeline: list[tuple[float, float]] = []
     for t, res in probe_results(trials, repeats_of(study), superseded_of(study)):
         rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
                      **res.to_dict()})
@@ -198,7 +208,8 @@ def study_rows(study: optuna.Study) -> tuple[list[dict[str, Any]], list[tuple[fl
 def skipped_counts(study: optuna.Study) -> dict[str, int]:
     """Trials that did not probe, by kind (a verdict, the budget, an interruption)."""
     out: dict[str, int] = {}
-    superseded = {int(k.split(":")[1]): v for k, v in study.user_attrs.items() if k.startswith(SUPERSEDED_PREFIX)}
+    superseded = {int(k.split(":")[1]): v for k,
+                  v in study.user_attrs.items() if k.startswith(SUPERSEDED_PREFIX)}
     for t in study.get_trials(deepcopy=False):
         kind = superseded.get(t.number, t.user_attrs.get("kind"))
         if kind and kind not in (TrialKind.PROBE, "adopted"):

@@ -12,5 +12,6 @@ if sys.argv[1:] == ["--standby"]:
     sys.exit(standby())
 if len(sys.argv) == 3 and sys.argv[1] == "--rank":
     sys.exit(rank_main(sys.argv[2]))
-print("usage: python -m autofit.probe.child --standby | --rank REQUEST_FILE (started by the runner)", file=sys.stderr)
+print("usage: python -m autofit.probe.child --standby | --rank REQUEST_FILE (started by the runner)",
+      file=sys.stderr)
 sys.exit(2)

@@ -29,14 +29,14 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from autofit.data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
 from autofit.data.batching import StepShape, step_shape
-from autofit.data.collate import collate, model_inputs, packed_rows
+from autofit.data.collate import Batch, collate, model_inputs, packed_rows
 from autofit.data.correctness import BoundaryCheck, boundary_key
 from autofit.data.stats import cut
 from autofit.probe.child.boundaries import boundary_batch, check_batch
+from autofit.probe.child.build import Model
 from autofit.probe.child.errors import Unsupported
 from autofit.protocol.request import ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
@@ -67,21 +67,21 @@ class RealBatches:
     """What one optimizer step trains on this data: its accumulation, samples and trained tokens."""
     leaky: bool = False
 
-    def collated(self, mb: MicroBatch) -> dict[str, Any]:
+    def collated(self, mb: MicroBatch) -> Batch:
         if self.leaky:
             return packed_rows(mb, self.token_ids, self.pad_id, self.max_length, boundaries=False)
         return collate(self.strategy, mb, self.token_ids, self.pad_id, self.max_length)
 
-    def dataset(self) -> list[dict[str, Any]]:
+    def dataset(self) -> list[Batch]:
         return [model_inputs(self.collated(mb)) for mb in self.order]
 
     @staticmethod
-    def collator(features: list[dict[str, Any]]) -> dict[str, Any]:
+    def collator(features: list[Batch]) -> Batch:
         (one,) = features
         return one
 
     @staticmethod
-    def trainer_arguments() -> dict[str, Any]:
+    def trainer_arguments() -> dict[str, object]:
         """What replaces the config's batch size and sampler: each item is one collated micro-batch."""
         return {"per_device_train_batch_size": 1, "train_sampling_strategy": "sequential",
                 "remove_unused_columns": False, "dataloader_drop_last": False}
@@ -142,7 +142,7 @@ class RealBatches:
         return b * HALF_TOKENS, b
 
     def figures(self, seconds: Sequence[float], first_step: int, accumulation: int,
-                config_accumulation: int) -> dict[str, Any]:
+                config_accumulation: int) -> dict[str, object]:
         """The timed steps' pad fraction, trained tokens and samples per step; the plan's mean micro-batch
         and the time model the figure comes from, with what the window alone gave (the plan's samples
         per step, the effective batch, are `step`'s)."""
@@ -152,7 +152,8 @@ class RealBatches:
         trained = sum(b.trained_tokens for b in timed)
         heavy = self.order[0]
         a, b = self.time_model(seconds, first_step, accumulation, config_accumulation)
-        return {"batching": self.strategy.value, "pad_fraction": 1 - sum(m.real_tokens for m in timed) / tensor,
+        return {"batching": self.strategy.value,
+                "pad_fraction": 1 - sum(m.real_tokens for m in timed) / tensor,
                 "plan_pad_fraction": self.plan_pad_fraction, "tokens_lost": self.tokens_lost,
                 "trained_tokens_timed": trained,
                 "plan_trained_per_micro_batch": round(self.plan_trained, 2),
@@ -204,7 +205,7 @@ def drawn(batches: Sequence[MicroBatch], n: int, seed: int) -> list[MicroBatch]:
     return [batches[order[k % len(order)]] for k in range(max(n, 0))]
 
 
-def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryCheck:
+def check_boundaries(model: Model, rb: RealBatches, precision: str) -> BoundaryCheck:
     """Per-sample losses of the strategy's first small batch against the padded reference; a pair of
     attention and strategy that cannot run it is `Unsupported` with the reason."""
     lengths = [len(t) for t in rb.token_ids]
@@ -219,12 +220,12 @@ def check_boundaries(model: Any, rb: RealBatches, precision: str) -> BoundaryChe
                           f"{getattr(model.config, '_attn_implementation', '?')}: {first[:300]}") from e
 
 
-def boundary_verdict(req: ProbeRequest, check: BoundaryCheck) -> dict[str, Any]:
+def boundary_verdict(req: ProbeRequest, check: BoundaryCheck) -> dict[str, object]:
     """The check's key and verdict, as every probe that ran it reports them (`res.extra`): the search
     learns from them which strategies need no check again and which can never win."""
     return {"boundary_key": boundary_key(req.config), "boundaries": check.to_dict()}
 
 
 def mismatch(req: ProbeRequest, check: BoundaryCheck) -> ProbeResult:
-    return ProbeResult(Outcome.MISMATCH, req.config.to_dict(), reason=check.reason,
+    return ProbeResult(Outcome.MISMATCH, req.config, reason=check.reason,
                        extra={"batching": req.config.batching, **boundary_verdict(req, check)})

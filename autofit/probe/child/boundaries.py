@@ -8,14 +8,14 @@ samples attend to each other silently (measured on the CPU, transformers 5.24).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from autofit.data.batching import Batching, MicroBatch
-from autofit.data.collate import IGNORE, collate, model_inputs
+from autofit.data.collate import IGNORE, Batch, collate, model_inputs
 from autofit.data.correctness import FLOOR_FACTOR, FLOOR_SAMPLES, TOLERANCE, BoundaryCheck
+from autofit.probe.child.build import Model
 
 
-def per_sample_losses(model: Any, batch: dict[str, Any]) -> dict[int, float]:
+def per_sample_losses(model: Model, batch: Batch) -> dict[int, float]:
     """Mean next-token loss of each sample (by `segments`), under no_grad and use_cache=False."""
     import torch
     import torch.nn.functional as F
@@ -42,9 +42,9 @@ def boundary_batch(batches: Sequence[MicroBatch]) -> MicroBatch:
     return (shared or [b for b in batches if len(b.samples) > 1] or list(batches))[0]
 
 
-def check_batch(model: Any, strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]],
+def check_batch(model: Model, strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]],
                 pad_id: int, max_length: int, precision: str = "fp32",
-                candidate: dict[str, Any] | None = None, flatten_packed: bool = False) -> BoundaryCheck:
+                candidate: Batch | None = None, flatten_packed: bool = False) -> BoundaryCheck:
     """Compare `strategy`'s layout of `batch` (or an explicit `candidate` batch) to the padded
     reference of the same samples."""
     tol = TOLERANCE.get(precision, TOLERANCE["bf16"])
@@ -55,24 +55,27 @@ def check_batch(model: Any, strategy: Batching, batch: MicroBatch, token_ids: Se
                                                             flatten_packed))
         ref_batch = MicroBatch(tuple((i,) for i in batch.samples), min(max_length, max(
             len(token_ids[i]) for i in batch.samples)), 0, 0)
-        ref = per_sample_losses(model, collate(Batching.PAD_LONGEST, ref_batch, token_ids, pad_id, max_length))
+        ref = per_sample_losses(model, collate(Batching.PAD_LONGEST, ref_batch, token_ids, pad_id,
+                                               max_length))
         floor = rounding_floor(model, ref, batch.samples[:FLOOR_SAMPLES], token_ids, pad_id, max_length)
     finally:
         model.train(was_training)
     if set(got) != set(ref):
-        return BoundaryCheck(False, float("inf"), tol, f"samples differ: {sorted(set(got) ^ set(ref))}", floor)
+        return BoundaryCheck(False, float("inf"), tol, f"samples differ: {sorted(set(got) ^ set(ref))}",
+                             floor)
     tol = max(tol, FLOOR_FACTOR * floor)
     diff = max(abs(got[i] - ref[i]) for i in ref)
     if diff > tol:
         return BoundaryCheck(False, diff, tol, f"{strategy.value}: per-sample loss differs from the padded "
-                             f"reference by {diff:.3g} nats (tolerance {tol:.3g} for {precision}, this model's "
-                             f"rounding between correct layouts {floor:.3g}): samples sharing a row see each other",
+                             f"reference by {diff:.3g} nats (tolerance {tol:.3g} for {precision}, this "
+                             f"model's rounding between correct layouts {floor:.3g}): samples sharing a row "
+                             "see each other",
                              floor)
     return BoundaryCheck(True, diff, tol, floor=floor)
 
 
-def rounding_floor(model: Any, ref: dict[int, float], samples: Sequence[int], token_ids: Sequence[Sequence[int]],
-                   pad_id: int, max_length: int) -> float:
+def rounding_floor(model: Model, ref: dict[int, float], samples: Sequence[int],
+                   token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int) -> float:
     """The largest per-sample loss difference between the padded reference and each sample alone in
     a row of its own length: two layouts that are both correct, so what separates them is rounding."""
     worst = 0.0

@@ -5,19 +5,29 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import recipe
 from autofit.config.models import ModelSource
 from autofit.config.spec import TrialConfig
 from autofit.core.envinfo import cache_dir
+from autofit.data.collate import Batch
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+Model = Any
+"""A model as transformers builds it (with LoRA, peft's PeftModel around it): the child side reaches it only
+through the libraries' own calls (forward, `modules()`, its `config`), so its type is theirs, not
+autofit's."""
 
 
 def _cache_dir() -> str:
     return str(cache_dir())
 
 
-def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
+def _random_weights_folder(src: ModelSource, dtype: torch.dtype, device: str) -> str:
     """A preset saved once with random weights, so that a quantized load has weights to quantize.
 
     Built where it fits whole: on the GPU when the device has the unquantized model's bytes free (fast),
@@ -36,7 +46,8 @@ def _random_weights_folder(src: ModelSource, dtype: Any, device: str) -> str:
     import torch
 
     with torch.device("meta"):
-        size = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_config(cfg, dtype=dtype).parameters())
+        size = sum(p.numel() * p.element_size()
+                   for p in AutoModelForCausalLM.from_config(cfg, dtype=dtype).parameters())
     where = "cuda" if device == "cuda" and torch.cuda.mem_get_info()[0] > 1.25 * size else "cpu"
     with torch.device(where):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -66,7 +77,7 @@ def weights_path(cfg: TrialConfig, src: ModelSource, device: str) -> str:
     return _random_weights_folder(src, getattr(torch, recipe.weights_dtype(cfg)), device)
 
 
-def build_model(cfg: TrialConfig, src: ModelSource, device: str, path: str) -> Any:
+def build_model(cfg: TrialConfig, src: ModelSource, device: str, path: str) -> Model:
     """The base model, on `device`, in the config's dtype and quantization."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -100,16 +111,17 @@ def _device_index(device: str) -> int | str:
     return torch.cuda.current_device() if device == "cuda" else "cpu"
 
 
-def decoder_layers(model: Any) -> list[Any]:
+def decoder_layers(model: Model) -> list[GradientCheckpointingLayer]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def checkpointed_layers(model: Any) -> list[int]:
+def checkpointed_layers(model: Model) -> list[int]:
     """Decoder layers that recompute in backward: transformers' flag, or wrapped by FSDP's own activation
     checkpointing (engine=fsdp2: a CheckpointWrapper around the layer)."""
-    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")}
+    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
+               if hasattr(m, "_checkpoint_wrapped_module")}
     return [i for i, m in enumerate(decoder_layers(model))
             if getattr(m, "gradient_checkpointing", False) or id(m) in wrapped]
 
@@ -131,7 +143,7 @@ class RandomTokens:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Batch:
         import torch
 
         ids = self.ids[i]

@@ -9,10 +9,10 @@ after the steps. The gate's own peak memory is forgotten before the measured ste
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from autofit.config import kernels, recipe
 from autofit.probe.child import kernels as child_kernels
+from autofit.probe.child.build import Model
 from autofit.probe.child.errors import Unsupported
 from autofit.probe.child.state import ProbeState
 from autofit.protocol.request import ProbeRequest
@@ -42,14 +42,14 @@ def check_architecture(req: ProbeRequest) -> None:
             raise Unsupported(why)
 
 
-def _test_loss_scale(model: Any) -> Any:
+def _test_loss_scale(model: Model) -> Model:
     factor = float(os.environ.get(TEST_LOSS_SCALE_ENV, "") or 1.0)
     if factor != 1.0:
         model.register_forward_hook(lambda _m, _a, out: out.__setitem__("loss", out["loss"] * factor))
     return model
 
 
-def with_attention(model: Any, impl: str) -> Any:
+def with_attention(model: Model, impl: str) -> Model:
     """The same model (same weights) switched to attention `impl` (transformers' set_attn_implementation):
     the reference runs stock sdpa even where the config asks for flex or flash attention."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -58,7 +58,7 @@ def with_attention(model: Any, impl: str) -> Any:
     return model
 
 
-def run_gate(req: ProbeRequest, state: ProbeState, model: Any) -> child_kernels.GateResult | None:
+def run_gate(req: ProbeRequest, state: ProbeState, model: Model) -> child_kernels.GateResult | None:
     """Stock kernels vs the config's kernels on one fixed batch, on this model's weights (None: not
     gated: stock kernels, or the study already holds a passing verdict for this gate_key)."""
     cfg = req.config
@@ -70,7 +70,8 @@ def run_gate(req: ProbeRequest, state: ProbeState, model: Any) -> child_kernels.
         "activation_checkpointing_kwargs")
     gate = child_kernels.correctness_gate(
         lambda: with_attention(model, kernels.STOCK_ATTENTION[0]),
-        lambda m: _test_loss_scale(child_kernels.apply_kernels(with_attention(m, cfg.attn_implementation), cfg,
+        lambda m: _test_loss_scale(child_kernels.apply_kernels(with_attention(m, cfg.attn_implementation),
+                                                               cfg,
                                                          checkpointing)),
         batch, precision=cfg.precision, device=req.device)
     forget_check_peaks(req, state)
@@ -96,7 +97,7 @@ def forget_check_peaks(req: ProbeRequest, state: ProbeState) -> None:
 
 
 def mismatch_result(req: ProbeRequest, gate: child_kernels.GateResult) -> ProbeResult:
-    return ProbeResult(Outcome.MISMATCH, req.config.to_dict(), reason=gate.reason,
+    return ProbeResult(Outcome.MISMATCH, req.config, reason=gate.reason,
                        extra={"gate": gate.to_dict(), "gate_key": kernels.gate_key(req.config)})
 
 
@@ -110,5 +111,6 @@ def kernel_figures(res: ProbeResult, req: ProbeRequest, state: ProbeState,
     if compiled and cb is not None and len(cb.steps) > req.warmup_steps:
         ct = child_kernels.compile_time([s["seconds"] for s in cb.steps], req.warmup_steps)
         res.compile_seconds = round(ct.compile_s, 3)
-        res.extra.update(first_step_s=round(ct.first_step_s, 4), dynamo=child_kernels.dynamo_stats().to_dict())
+        res.extra.update(first_step_s=round(ct.first_step_s, 4),
+                         dynamo=child_kernels.dynamo_stats().to_dict())
     return res

@@ -29,9 +29,22 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
+
+StepHost = dict[str, float | list[str] | None]
+"""One step's host counters (`COUNTERS`, seconds) and device figures (`DEVICE`: means, and the clock event
+reasons): None, or absent, where not read."""
+
+
+class Timed(TypedDict):
+    """A step as the timing callback records it, what this module reads of it: its wall time as run, and the
+    host's and the device's figures over it."""
+
+    seconds: float
+    host: NotRequired[StepHost]
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ class HostClock:
 
         return {"thread_cpu_s": diff(self.thread_cpu, later.thread_cpu),
                 "process_cpu_s": diff(self.process_cpu, later.process_cpu),
-                "run_wait_s": _waited(self.run_wait, later.run_wait), "steal_cpu_s": diff(self.steal, later.steal)}
+                "run_wait_s": _waited(self.run_wait, later.run_wait),
+                "steal_cpu_s": diff(self.steal, later.steal)}
 
 
 def _waited(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
@@ -85,12 +99,13 @@ def _steal() -> float | None:
         return None
 
 
-def per_step(steps: list[dict]) -> dict[str, list[float | None]]:
+def per_step(steps: Sequence[Timed]) -> dict[str, list[float | list[str] | None]]:
     """The timed steps' counters as lists beside `step_times` (a key per counter), with `step_s`, the
     wall time the step ran (`step_times` extends a step run with fewer micro-steps to the config's
     accumulation; the counters are the step as run)."""
     out = {k: [s.get("host", {}).get(k) for s in steps] for k in (*COUNTERS, *DEVICE)}
-    return {"step_s": [round(s["seconds"], 5) for s in steps], **out}
+    step_s: list[float | list[str] | None] = [round(s["seconds"], 5) for s in steps]
+    return {"step_s": step_s, **out}
 
 
 COUNTERS = ("thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s")
@@ -99,7 +114,8 @@ DEVICE = ("sm_clock_mhz", "power_w", "clock_events")
 """The GPU's figures per step (None or absent without NVML)."""
 
 
-def slowest(step_times: list[float], host: dict[str, list[float | None]], basis: list[float] | None = None) -> str:
+def slowest(step_times: list[float], host: dict[str, list[float | list[str] | None]],
+            basis: list[float] | None = None) -> str:
     """The host's counters over the slowest of `step_times` against the fastest, in words (empty without
     them): what a `noisy` reason adds so that a reader can tell a busy host from a slow config. `basis`
     ranks the steps where they differ in work (seconds per unit of work); the default, their times."""
@@ -110,7 +126,7 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
     hi = max(range(len(rank)), key=rank.__getitem__)
     lo = min(range(len(rank)), key=rank.__getitem__)
 
-    def at(key: str, i: int) -> Any:
+    def at(key: str, i: int) -> float | list[str] | None:
         values = host.get(key) or []
         return values[i] if len(values) == len(step_times) else None
 
@@ -124,7 +140,8 @@ def slowest(step_times: list[float], host: dict[str, list[float | None]], basis:
                                              ("stolen by the hypervisor (all CPUs)", pair("steal_cpu_s")),
                                              ("SM clock", pair("sm_clock_mhz", "{:,} vs {:,} MHz"))) if v]
     # "idle" is in nearly every step (the GPU idles while a step is synchronised): not a reason
-    held = [e for e in at("clock_events", hi) or [] if e != "idle"]
+    events = at("clock_events", hi)
+    held = [e for e in events if e != "idle"] if isinstance(events, list) else []
     if held and pair("sm_clock_mhz"):
         parts.append("clock held back by " + ", ".join(held) + " in the slowest")
     which = "slowest step per unit of work" if rank is not step_times else "slowest step"

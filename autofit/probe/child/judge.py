@@ -41,8 +41,9 @@ def failure_result(req: ProbeRequest, exc: BaseException, state: ProbeState) -> 
         outcome = Outcome.HOST_OOM
     if isinstance(exc, Unsupported):
         outcome = Outcome.UNSUPPORTED
-    res = ProbeResult(outcome=outcome, config=req.config.to_dict(), error_tail=tb[-4000:],
-                      reason=str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__)
+    res = ProbeResult(outcome=outcome, config=req.config, error_tail=tb[-4000:],
+                      reason=str(exc).strip().splitlines()[0][:500] if str(exc).strip()
+                      else type(exc).__name__)
     if outcome.is_memory():
         res.oom_phase = state.phase
     if state.mem is not None:

@@ -11,9 +11,10 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from autofit.config.kernels import GATE_SEED
+from autofit.data.collate import Batch
+from autofit.probe.child.build import Model
 
 # ----------------------------------------------------------------------------- compile time
 
@@ -114,7 +115,7 @@ class GateResult:
     grad_norms_ref: list[float] = field(default_factory=list, repr=False)
     grad_norms_k: list[float] = field(default_factory=list, repr=False)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"ok": self.ok, "loss_ref": self.loss_ref, "loss_k": self.loss_k, "grad_ref": self.grad_ref,
                 "grad_k": self.grad_k, "loss_rel_err": self.loss_rel_err, "grad_rel_err": self.grad_rel_err,
                 "tolerance": {"loss_rel": self.tolerance.loss_rel, "grad_rel": self.tolerance.grad_rel},
@@ -133,7 +134,7 @@ class Pass:
         return math.sqrt(sum(g * g for g in self.grad_norms))
 
 
-def loss_and_grads(model: Any, batch: dict[str, Any], precision: str, device: str) -> Pass:
+def loss_and_grads(model: Model, batch: Batch, precision: str, device: str) -> Pass:
     """Train-mode forward and backward of `batch` under the precision's autocast; grads are then freed."""
     import torch
 
@@ -184,7 +185,8 @@ def compare(ref: Pass, k: Pass, tol: Tolerance) -> GateResult:
                         f"(relative error {loss_err:.3g} > {tol.loss_rel:g})")
     if not grad_err <= tol.grad_rel:
         problems.append(f"a trainable tensor's gradient norm differs from stock kernels by {grad_err:.3g} "
-                        f"relative (> {tol.grad_rel:g}; global norm {k.grad_norm:.6g} vs {ref.grad_norm:.6g})")
+                        f"relative (> {tol.grad_rel:g}; global norm {k.grad_norm:.6g} vs "
+                        f"{ref.grad_norm:.6g})")
     return GateResult(ok=not problems, loss_ref=ref.loss, loss_k=k.loss, grad_ref=ref.grad_norm,
                       grad_k=k.grad_norm, loss_rel_err=loss_err, grad_rel_err=grad_err, tolerance=tol,
                       reason="mismatch: " + "; ".join(problems) if problems else "",
@@ -195,7 +197,7 @@ IGNORE_INDEX = -100
 """transformers' label for positions without a loss (padding, a masked prompt)."""
 
 
-def gate_batch(vocab: int, length: int, rows: int = 2, seed: int = 1, ignored: float = 0.25) -> dict[str, Any]:
+def gate_batch(vocab: int, length: int, rows: int = 2, seed: int = 1, ignored: float = 0.25) -> Batch:
     """The gate's fixed batch: random tokens; the first `ignored` share of each row's labels masked.
 
     Masked labels are part of the check, not decoration: Liger's fused linear cross-entropy
@@ -211,9 +213,9 @@ def gate_batch(vocab: int, length: int, rows: int = 2, seed: int = 1, ignored: f
 
 
 def correctness_gate(
-    build_reference: Callable[[], Any],
-    with_kernels: Callable[[Any], Any],
-    batch: dict[str, Any],
+    build_reference: Callable[[], Model],
+    with_kernels: Callable[[Model], Model],
+    batch: Batch,
     *,
     precision: str,
     device: str,
@@ -248,7 +250,7 @@ def correctness_gate(
     return compare(ref, k, tol)
 
 
-def apply_kernels(model: Any, cfg: Any, checkpointing: dict[str, Any] | None = None) -> Any:
+def apply_kernels(model: Model, cfg: object, checkpointing: dict[str, object] | None = None) -> Model:
     """The kernel model the gate compares, built in Trainer.train()'s order (transformers 5.24).
 
     Liger patched in place (`apply_liger_kernel`, which unwraps a PeftModel), then activation

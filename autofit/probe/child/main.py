@@ -49,7 +49,7 @@ def silence_known_noise() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMissingCpuKernel())
 
 
-def handle(req: ProbeRequest, announce: ProtocolPipe) -> ProbeResult:
+def handle(req: ProbeRequest, announce: Callable[[str], None]) -> ProbeResult:
     state = ProbeState()
     try:
         res = run_probe(req, state, announce)

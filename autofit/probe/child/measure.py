@@ -15,10 +15,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.config import distributed, recipe
 from autofit.data.batching import Batching, step_shape
+from autofit.data.collate import Batch
 from autofit.probe.child import hostclock
 from autofit.probe.child.batches import (
     RealBatches,
@@ -28,6 +29,7 @@ from autofit.probe.child.batches import (
     real_batches,
 )
 from autofit.probe.child.build import (
+    Model,
     RandomTokens,
     build_model,
     decoder_layers,
@@ -51,6 +53,10 @@ from autofit.probe.child.timing import ProbeCallback, TimingPlan, make_callback,
 from autofit.protocol.request import SPREAD_BOUND, ProbeRequest, write_json_atomic
 from autofit.protocol.result import Outcome, ProbeResult
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import Trainer
+
 
 @dataclass(frozen=True)
 class Trained:
@@ -60,12 +66,12 @@ class Trained:
     total: int
     n_layers: int
     train_seconds: float
-    optimizer: dict[str, Any]
+    optimizer: dict[str, object]
     """What Trainer really stepped: its class, bits and state dtypes (bitsandbytes keeps 32-bit state
     for tensors under its min_8bit_size, e.g. tiny-llama's LoRA matrices), paged or not."""
     bnb_modules: int
     """Modules of the trained model that are bitsandbytes layers (quantized linears)."""
-    engine: dict[str, Any]
+    engine: dict[str, object]
     """What Trainer really ran where it matters: its distributed type and FSDP modules (a group, or an
     engine), the compiled regions (torch_compile)."""
 
@@ -104,7 +110,7 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
 def _stop_runaway(req: ProbeRequest, state: ProbeState, now: int) -> None:
     """From the sampling thread: the CPU probe is far past its limit; write the OOM and end here."""
     limit = req.memory_limit_bytes or 0
-    res = ProbeResult(Outcome.OOM, req.config.to_dict(), peak_memory_bytes=now, oom_shortfall_bytes=now - limit,
+    res = ProbeResult(Outcome.OOM, req.config, peak_memory_bytes=now, oom_shortfall_bytes=now - limit,
                       oom_phase=state.phase, oom_in_use_bytes=now,
                       reason="autofit: memory limit exceeded: stopped far past the CPU limit")
     res = judge_limit(res, req.memory_limit_bytes, req.headroom)
@@ -113,7 +119,7 @@ def _stop_runaway(req: ProbeRequest, state: ProbeState, now: int) -> None:
     os._exit(1 if "RANK" in os.environ else 0)  # a rank: torchrun stops the others now
 
 
-def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
+def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], object]:
     """Check the device can run the config; on a GPU create the context and cap the allocator."""
     import torch  # the probe child's heavy import, after the standby's own
 
@@ -145,7 +151,7 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], Any]:
     return torch.cuda.synchronize
 
 
-def load_model(req: ProbeRequest, state: ProbeState) -> Any:
+def load_model(req: ProbeRequest, state: ProbeState) -> Model:
     """The model as the recipe builds it (dtype, quantization, k-bit preparation, LoRA), measured."""
     import torch
 
@@ -174,7 +180,7 @@ def load_model(req: ProbeRequest, state: ProbeState) -> Any:
     return model
 
 
-def check_lora_targets(model: Any, targets: list[str] | str) -> None:
+def check_lora_targets(model: Model, targets: list[str] | str) -> None:
     """Every lora_targets name must name a module: peft drops a misspelt one silently when another
     matches, and the adapter would then train fewer layers than the config says."""
     import torch
@@ -190,19 +196,25 @@ def check_lora_targets(model: Any, targets: list[str] | str) -> None:
                          f"its linear layers are {', '.join(linear)} (all-linear adapts each but lm_head)")
 
 
-def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], Any],
+def train(req: ProbeRequest, state: ProbeState, model: Model, sync: Callable[[], object],
           announce: Callable[[str], None], batches: RealBatches | None = None) -> Trained:
     """Warm-up and timed optimizer steps through Trainer, on random tokens at max_length (or on the
     dataset's micro-batches, the heaviest first)."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     cfg, ga = req.config, req.probe_accumulation
     assert state.mem is not None
     plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
                       req.config_accumulation - ga, announce)
-    data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
-                        int(req.model.config.get("vocab_size", 32000))) if batches is None else batches.dataset()
+    data: RandomTokens | list[Batch]
+    if batches is None:
+        data = RandomTokens(plan.most_steps * ga * cfg.micro_batch_size, cfg.max_length,
+                            int(req.model.config.get("vocab_size", 32000)))
+    else:
+        data = batches.dataset()
     cb = state.callback = make_callback(state.mem, sync, plan)
+    if not isinstance(cb, TrainerCallback):  # make_callback's class is one: Trainer takes it
+        raise TypeError(f"autofit: the timing callback {type(cb).__name__} is not a TrainerCallback")
     if batches is not None:
         cb.step_cost = lambda step: batches.step_cost(step, ga)
     hook = model.register_forward_hook(cb.forward_hook)
@@ -232,7 +244,7 @@ def train(req: ProbeRequest, state: ProbeState, model: Any, sync: Callable[[], A
                    bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
 
 
-def engine_figures(trainer: Any) -> dict[str, Any]:
+def engine_figures(trainer: Trainer) -> dict[str, object]:
     """What Trainer really ran: accelerate's distributed type and how many modules FSDP sharded."""
     wrapped = trainer.model_wrapped
     fsdp = sum(type(m).__name__.startswith("FSDP") for m in wrapped.modules())
@@ -240,7 +252,7 @@ def engine_figures(trainer: Any) -> dict[str, Any]:
             "wrapped_class": type(wrapped).__name__, "fsdp_modules": fsdp}
 
 
-def compiled_figures(model: Any) -> dict[str, Any]:
+def compiled_figures(model: Model) -> dict[str, object]:
     """What torch.compile wrapped: regional compilation (`recipe.REGIONAL_COMPILATION`) compiles the
     decoder blocks and the other leaf children, never the top-level forward (where the loss runs)."""
     from torch._dynamo.eval_frame import OptimizedModule
@@ -250,11 +262,14 @@ def compiled_figures(model: Any) -> dict[str, Any]:
             "compiled_whole_model": isinstance(model, OptimizedModule)}
 
 
-def describe_optimizer(opt: Any) -> dict[str, Any]:
+def describe_optimizer(opt: torch.optim.Optimizer | None) -> dict[str, object]:
+    if opt is None:  # Trainer.train() made one: a Trainer that did not is not the probe's to describe
+        raise RuntimeError("autofit: Trainer trained without an optimizer")
     dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if hasattr(v, "dtype")}
     return {"optimizer_class": f"{type(opt).__module__}.{type(opt).__qualname__}",
             "optimizer_bits": getattr(getattr(opt, "args", None), "optim_bits", None),  # bitsandbytes only
-            "optimizer_state_dtypes": sorted(dtypes), "optimizer_paged": bool(getattr(opt, "is_paged", False))}
+            "optimizer_state_dtypes": sorted(dtypes),
+            "optimizer_paged": bool(getattr(opt, "is_paged", False))}
 
 
 def verify_checkpointing(req: ProbeRequest, cb: ProbeCallback | None, n_layers: int) -> None:
@@ -302,7 +317,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     peak, outside, retries = peak_memory(req, state)
     growth = max(0, timed[-1]["reserved"] - timed[0]["reserved"]) if len(timed) >= 2 else 0
     res = ProbeResult(
-        outcome=Outcome.FIT, config=cfg.to_dict(),
+        outcome=Outcome.FIT, config=cfg,
         tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps),
         peak_memory_bytes=int(peak), max_memory_allocated=int(cb.max_allocated),
         max_memory_reserved=int(cb.max_reserved), memory_outside_allocator=int(outside),
@@ -315,8 +330,8 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
         loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
-        extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules, "pinned_cpus": state.pinned_cpus,
-               "noise_controls": [c for c in CONTROLS if enabled(c)],
+        extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules,
+               "pinned_cpus": state.pinned_cpus, "noise_controls": [c for c in CONTROLS if enabled(c)],
                # beside step_times' timed steps: the host's share of a slow step (hostclock's docstring)
                "host_per_step": hostclock.per_step(timed),
                **(batches.figures(window, first, req.probe_accumulation, req.config_accumulation)
@@ -334,21 +349,23 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
     return judge_stability(res, cb, len(cb.steps))
 
 
-def step_figures(req: ProbeRequest, batches: RealBatches | None) -> dict[str, Any]:
+def step_figures(req: ProbeRequest, batches: RealBatches | None) -> dict[str, float | int | bool]:
     """What one optimizer step of this config trains (`data.batching.StepShape`): on the data, from the
     plan; on random tokens, micro_batch_size rows of max_length."""
     if batches is not None:
         return batches.step.to_dict()
     cfg = req.config
-    return step_shape(Batching.PAD_MAX, cfg.global_batch, cfg.micro_batch_size, cfg.gpus, cfg.micro_batch_size,
-                      cfg.micro_batch_size * cfg.max_length).to_dict()
+    return step_shape(Batching.PAD_MAX, cfg.global_batch, cfg.micro_batch_size, cfg.gpus,
+                      cfg.micro_batch_size, cfg.micro_batch_size * cfg.max_length).to_dict()
 
 
 def judge_stability(res: ProbeResult, cb: ProbeCallback, steps: int) -> ProbeResult:
     """Non-finite loss on most micro-steps, or most steps skipped by the fp16 scaler: unstable."""
     bad = sum(1 for x in cb.losses if not math.isfinite(x))
     if cb.losses and bad * 2 > len(cb.losses):
-        res.outcome, res.reason = Outcome.UNSTABLE, f"non-finite loss on {bad} of {len(cb.losses)} micro-steps"
+        res.outcome = Outcome.UNSTABLE
+        res.reason = f"non-finite loss on {bad} of {len(cb.losses)} micro-steps"
     elif cb.skipped_steps * 2 > steps:
-        res.outcome, res.reason = Outcome.UNSTABLE, f"fp16 loss scaler skipped {cb.skipped_steps} of {steps} steps"
+        res.outcome = Outcome.UNSTABLE
+        res.reason = f"fp16 loss scaler skipped {cb.skipped_steps} of {steps} steps"
     return res

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from autofit.probe.child.hostclock import StepHost
 from autofit.probe.child.quiet import gpu_sample_period
+
+T = TypeVar("T")
 
 
 class Memory:
@@ -23,12 +27,13 @@ class Memory:
         self.device = device
         self.limit = limit
         self.proc = psutil.Process()
-        self.nvml = None
+        self.nvml: object | None = None
+        """NVML's handle of the GPU (pynvml's own object), None without NVML."""
         self.baseline = 0
         self.sampled_peak = 0
         self._phase_peak = 0
         self.over_limit = False
-        self.runaway: Any = None
+        self.runaway: Callable[[int], object] | None = None
         """Called from the sampling thread when the CPU probe runs far past its limit."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,7 +96,7 @@ class Memory:
                 if now > 2 * self.limit + 2**30 and self.runaway is not None:
                     self.runaway(now)  # far past the limit between two checks: stop here
 
-    def device_window(self) -> dict[str, Any]:
+    def device_window(self) -> StepHost:
         """The GPU's SM clock and power over the samples since the last call (means), and the clock
         event reasons NVML reported in them; empty without NVML (the CPU, a container without it)."""
         return self._clock.window() if self.nvml is not None else {}
@@ -130,9 +135,11 @@ class Memory:
 
 
 CLOCK_EVENTS = {  # NVML's clock event reasons (why the SM clock is below its maximum), by pynvml's name
-    "idle": "nvmlClocksEventReasonGpuIdle", "application clocks": "nvmlClocksEventReasonApplicationsClocksSetting",
+    "idle": "nvmlClocksEventReasonGpuIdle",
+    "application clocks": "nvmlClocksEventReasonApplicationsClocksSetting",
     "power cap": "nvmlClocksEventReasonSwPowerCap", "hardware slowdown": "nvmlClocksEventReasonHwSlowdown",
-    "sync boost": "nvmlClocksEventReasonSyncBoost", "thermal (software)": "nvmlClocksEventReasonSwThermalSlowdown",
+    "sync boost": "nvmlClocksEventReasonSyncBoost",
+    "thermal (software)": "nvmlClocksEventReasonSwThermalSlowdown",
     "thermal (hardware)": "nvmlClocksEventReasonHwThermalSlowdown",
     "power brake": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
 }
@@ -154,6 +161,14 @@ def clock_event_bit(name: str) -> int:
         return 0
 
 
+def _reading(read: Callable[[], T]) -> T | None:
+    """One NVML reading; None where this GPU or driver does not support it (that figure stays unknown)."""
+    try:
+        return read()
+    except Exception:
+        return None
+
+
 class _DeviceClock:
     """Running sums of the SM clock and power draw, and the clock event reasons seen, between windows.
     Sampled from the memory sampler's thread; read and reset from the training thread."""
@@ -167,18 +182,12 @@ class _DeviceClock:
         self.clock_n = self.power_n = 0
         self.events = 0
 
-    def sample(self, handle: Any) -> None:
+    def sample(self, handle: object) -> None:
         import pynvml
 
-        readings = []
-        for read in (lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                     lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                     lambda: _nvml("nvmlDeviceGetCurrentClocksEventReasons")(handle)):
-            try:
-                readings.append(read())
-            except Exception:  # not supported on this GPU or driver: that figure stays unknown
-                readings.append(None)
-        self.add(*readings)
+        self.add(_reading(lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))),
+                 _reading(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),
+                 _reading(lambda: int(_nvml("nvmlDeviceGetCurrentClocksEventReasons")(handle))))
 
     def add(self, clock: float | None, power: float | None, events: int | None) -> None:
         """One sample's readings (None: not read)."""
@@ -190,9 +199,9 @@ class _DeviceClock:
             if events is not None:
                 self.events |= int(events)
 
-    def window(self) -> dict[str, Any]:
+    def window(self) -> StepHost:
         with self._lock:
-            out = {"sm_clock_mhz": round(self.clock_sum / self.clock_n) if self.clock_n else None,
+            out: StepHost = {"sm_clock_mhz": round(self.clock_sum / self.clock_n) if self.clock_n else None,
                    "power_w": round(self.power_sum / self.power_n, 1) if self.power_n else None,
                    "clock_events": [name for name in CLOCK_EVENTS if self.events & clock_event_bit(name)]}
             self._reset()

@@ -11,13 +11,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from autofit.config.kernels import attention_problem
-from autofit.config.models import PRESETS
+from autofit.config.models import PRESETS, ModelConfig
 from autofit.data.batching import Batching, plan
 from autofit.data.correctness import BoundaryCheck
 from autofit.probe.child.boundaries import boundary_batch, check_batch
+from autofit.probe.child.build import Model
 
 CHECK_SAMPLES = 24
 CHECK_MAX_LENGTH = 64
@@ -39,7 +39,7 @@ def check_lengths(seed: int = 0) -> list[int]:
 
 
 def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tuple(Batching),
-                     config: dict[str, Any] | None = None, precision: str = "fp32",
+                     config: ModelConfig | None = None, precision: str = "fp32",
                      device: str = "cpu", flatten_packed: bool = False) -> list[Support]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -65,7 +65,7 @@ def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tupl
     return out
 
 
-def _one(model: Any, strategy: Batching, attn: str, lengths: list[int], ids: list[list[int]],
+def _one(model: Model, strategy: Batching, attn: str, lengths: list[int], ids: list[list[int]],
          precision: str, flatten_packed: bool) -> Support:
     batch = boundary_batch(plan(strategy, lengths, CHECK_MAX_LENGTH, CHECK_MICRO_BATCH, seed=0).batches)
     try:

@@ -10,13 +10,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.probe.child import hostclock
-from autofit.probe.child.build import checkpointed_layers
+from autofit.probe.child.build import Model, checkpointed_layers
 from autofit.probe.child.errors import MemoryLimitExceeded
 from autofit.probe.child.sampler import Memory
 from autofit.protocol.request import SPREAD_BOUND
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+
+class StepRecord(hostclock.Timed):
+    """One optimizer step as timed: its wall time (`seconds`), the mean micro-step before the optimizer, the
+    optimizer's own time, the step's reserved peak, and the host's figures over it."""
+
+    micro: float
+    optimizer: float
+    reserved: int
 
 
 @dataclass(frozen=True)
@@ -54,16 +66,16 @@ class ProbeCallback:
     Built by `make_callback` as a TrainerCallback subclass (transformers is imported there).
     """
 
-    def __init__(self, mem: Memory, sync: Callable[[], Any], plan: TimingPlan) -> None:
+    def __init__(self, mem: Memory, sync: Callable[[], object], plan: TimingPlan) -> None:
         self.mem, self.sync, self.plan = mem, sync, plan
-        self.steps: list[dict[str, Any]] = []
+        self.steps: list[StepRecord] = []
         self.phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
         self.max_allocated = 0
         self.max_reserved = 0
         self.losses: list[float] = []
         self.skipped_steps = 0
         self.checkpointed: list[int] | None = None
-        self.trainer: Any = None
+        self.trainer: Trainer | None = None
         self.timing = False
         self._t0 = self._opt0 = self._opt = 0.0
         self._host0 = hostclock.read()
@@ -76,7 +88,7 @@ class ProbeCallback:
         error caught at any moment belongs to it."""
 
     @property
-    def timed_steps(self) -> list[dict[str, Any]]:
+    def timed_steps(self) -> list[StepRecord]:
         return self.steps[self.plan.warmup:]
 
     def real_seconds(self) -> list[float]:
@@ -104,19 +116,21 @@ class ProbeCallback:
                 f"over its baseline, above the {self.mem.limit}-byte limit"
             )
 
-    def forward_hook(self, module: Any, args: Any, output: Any) -> None:
+    def forward_hook(self, module: object, args: object, output: object) -> None:
         loss = getattr(output, "loss", None)
         if loss is not None:
             self.losses.append(float(loss.detach().float()))
         self.note("forward")
         self.phase = "backward"
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: Model = None, **kw: object) -> None:
         self.checkpointed = checkpointed_layers(model)
         if self.plan.warmup == 0:
             self._start_timing()
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      model: Model = None, **kw: object) -> None:
         if model is not None and not model.training:
             raise RuntimeError("autofit: the model is in eval mode during training")
         self.sync()
@@ -129,22 +143,23 @@ class ProbeCallback:
     # Micro-steps are not synchronised one by one: that would stop the CPU from queueing the
     # next micro-step while the GPU works, and measure a slower loop than the real one. The
     # clock is read (after synchronize) only around the optimizer step.
-    def on_substep_end(self, *a: Any, **kw: Any) -> None:
+    def on_substep_end(self, *a: object, **kw: object) -> None:
         self.note("backward")
         self.phase = "forward"
 
-    def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
+    def on_pre_optimizer_step(self, *a: object, **kw: object) -> None:
         self.note("backward")
         self.phase = "optimizer"
         self.sync()
         self._opt0 = time.perf_counter()
 
-    def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
+    def on_optimizer_step(self, *a: object, **kw: object) -> None:
         self.sync()
         self._opt = time.perf_counter() - self._opt0
         self.note("optimizer")
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kw: object) -> None:
         self.sync()
         acc = getattr(self.trainer, "accelerator", None)
         if acc is not None and getattr(acc, "optimizer_step_was_skipped", False):
@@ -160,7 +175,7 @@ class ProbeCallback:
             self.stop_timing()
             control.should_training_stop = True
 
-    def on_train_end(self, *a: Any, **kw: Any) -> None:
+    def on_train_end(self, *a: object, **kw: object) -> None:
         self.stop_timing()
 
     def _start_timing(self) -> None:
@@ -189,7 +204,7 @@ def all_ranks(flag: bool) -> bool:
     return bool(t.item())
 
 
-def make_callback(mem: Memory, sync: Callable[[], Any], plan: TimingPlan) -> ProbeCallback:
+def make_callback(mem: Memory, sync: Callable[[], object], plan: TimingPlan) -> ProbeCallback:
     """The callback for Trainer: `ProbeCallback` as a TrainerCallback."""
     from transformers import TrainerCallback  # the probe child's import; this module loads without it
 

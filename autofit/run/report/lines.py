@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from autofit.config.spec import TrialConfig, brief
 from autofit.core.paths import shown
@@ -10,8 +10,9 @@ from autofit.core.units import format_size
 from autofit.protocol.result import Outcome, ProbeResult
 
 
-def config_brief(cfg: dict[str, Any]) -> str:
-    """The knobs that usually differ, in one short line (each dimension's declared label)."""
+def config_brief(cfg: TrialConfig | Mapping[str, object]) -> str:
+    """The knobs that usually differ, in one short line (each dimension's declared label); a config stored as
+    JSON (trials.jsonl, best.json, a benchmark's file) is read as `TrialConfig.from_dict` reads it."""
     return brief(TrialConfig.from_dict(cfg))
 
 
@@ -26,11 +27,11 @@ def probe_summary(res: ProbeResult) -> str:
                      f"max {res.tokens_per_s_max:,.0f} over {len(res.step_times)} timed steps)")
     if res.compile_seconds:
         lines.append(f"compile      {res.compile_seconds:.1f} s once, apart from the steps' time")
-    gate = res.extra.get("gate")
+    gate = res.gate
     if gate:
-        lines.append(f"kernel gate  {'passed' if gate['ok'] else 'failed'}: loss {gate['loss_rel_err']:.2g}, "
-                     f"gradient {gate['grad_rel_err']:.2g} relative to stock kernels "
-                     f"(tolerance {gate['tolerance']['loss_rel']:g} / {gate['tolerance']['grad_rel']:g})")
+        lines.append(f"kernel gate  {'passed' if gate.ok else 'failed'}: loss {gate.loss_rel_err:.2g}, "
+                     f"gradient {gate.grad_rel_err:.2g} relative to stock kernels "
+                     f"(tolerance {gate.loss_tolerance:g} / {gate.grad_tolerance:g})")
     if res.peak_memory_bytes is not None:
         limit = f" of {format_size(res.memory_limit_bytes)} limit" if res.memory_limit_bytes else ""
         lines.append(f"peak memory  {format_size(res.peak_memory_bytes)}{limit}  "
@@ -43,12 +44,13 @@ def probe_summary(res: ProbeResult) -> str:
         lines.append(f"oom          {oom}")
     if res.checkpointed_layers is not None:
         lines.append(f"checkpointed {len(res.checkpointed_layers)} of {res.n_layers} layers")
-    if res.extra.get("ranks"):
+    if res.ranks:
         lines.append(ranks_line(res))
     if res.wall_seconds is not None:
         train = f" (training {res.train_seconds:.1f} s)" if res.train_seconds else ""
         lines.append(f"wall time    {res.wall_seconds:.1f} s{train}")
-    if res.error_tail and not res.outcome.is_fit() and res.outcome is not Outcome.UNSUPPORTED:  # its reason is whole
+    # its reason is whole
+    if res.error_tail and not res.outcome.is_fit() and res.outcome is not Outcome.UNSUPPORTED:
         tail = res.error_tail.strip().splitlines()[-3:]
         lines.append("error tail   " + "\n             ".join(tail))
     lines.append(f"log          {shown(res.log_path) if res.log_path else '-'}")
@@ -60,11 +62,11 @@ def ranks_line(res: ProbeResult) -> str:
     how = res.extra.get("distributed_type")
     how = f"{how}, {res.extra.get('fsdp_modules')} FSDP modules" if res.extra.get("fsdp_modules") else how
     each = []
-    for r in res.extra["ranks"]:
-        figs = [f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "",
-                format_size(r["peak_memory_bytes"]) if r.get("peak_memory_bytes") else ""]
-        each.append(f"rank {r['rank']} {r['outcome']}" + "".join(f" {f}" for f in figs if f))
-    return f"ranks        {len(res.extra['ranks'])}" + (f" ({how})" if how else "") + ": " + "; ".join(each)
+    for r in res.ranks:
+        figs = [f"{r.tokens_per_s:,.0f} tokens/s" if r.tokens_per_s else "",
+                format_size(r.peak_memory_bytes) if r.peak_memory_bytes else ""]
+        each.append(f"rank {r.rank} {r.outcome}" + "".join(f" {f}" for f in figs if f))
+    return f"ranks        {len(res.ranks)}" + (f" ({how})" if how else "") + ": " + "; ".join(each)
 
 
 def oom_brief(res: ProbeResult) -> str:
@@ -93,7 +95,7 @@ def size_text(n: float | None) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def kernel_label(cfg: dict[str, Any]) -> str:
+def kernel_label(cfg: TrialConfig) -> str:
     """The kernel combination of a config, as the memory model's prediction error is reported by."""
-    return (f"liger={'on' if cfg.get('liger') else 'off'}, torch_compile={'on' if cfg.get('torch_compile') else 'off'}"
-            f", attn={cfg.get('attn_implementation', 'sdpa')}")
+    return (f"liger={'on' if cfg.liger else 'off'}, torch_compile={'on' if cfg.torch_compile else 'off'}"
+            f", attn={cfg.attn_implementation}")

@@ -1,4 +1,5 @@
-"""report.md: the header, the winner and what it changes, the trade-off by length, the data section, the memory
+"""report.md: the header, the winner and what it changes, the trade-off by length, the data section, the
+memory
 explained, more GPUs, and every probe."""
 
 from __future__ import annotations
@@ -6,11 +7,10 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
 
-from autofit.config.space import Space
 from autofit.config.spec import KEYS, TrialConfig
-from autofit.config.target import HEADROOM
+from autofit.config.target import Target
+from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
 from autofit.core.paths import shown
 from autofit.core.units import format_duration, format_size
@@ -18,22 +18,20 @@ from autofit.estimate.memory import MemoryModel, Shape, prior
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.lines import config_brief, kernel_label, size_text
+from autofit.run.rundir import RunSpec
 from autofit.search.knowledge import promise
 from autofit.search.objective import best_per_length
+from autofit.search.study import ProbeRow
 
 
-def learning_changes(cfg: dict[str, Any]) -> list[str]:
+def learning_changes(cfg: TrialConfig) -> list[str]:
     """The winner's settings that change what is learned (length, precision, quantization, optimizer)."""
-    out = []
-    for k in KEYS.values():
-        if k.changes_learning and k.name in cfg:
-            out.append(f"{k.name}={cfg[k.name]}")
-    return out
+    return [f"{k.name}={getattr(cfg, k.name)}" for k in KEYS.values() if k.changes_learning]
 
 
 def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     """Where a peak goes: the prior's terms, with the measured figures where there are some."""
-    cfg = TrialConfig.from_dict(res.config)
+    cfg = res.config
     on_gpu = not res.device.startswith("cpu")
     pr = prior(cfg, shape, on_gpu)
     parts = pr.as_dict()
@@ -44,30 +42,31 @@ def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
     return parts
 
 
-def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
+def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResult],
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
-                    data: dict[str, Any] | None = None, untried: dict[str, int] | None = None,
-                    run_dir: Path | None = None, searching: str | None = None, unfinished: bool = False) -> str:
+                    data: JSONObject | None = None, untried: dict[str, int] | None = None,
+                    run_dir: Path | None = None, searching: str | None = None,
+                    unfinished: bool = False) -> str:
     """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>);
     `searching`: the search still running there, so that nothing below is called its result."""
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried)
-    folder = run_dir or Path("runs") / spec["run_id"]
+    folder = run_dir or Path("runs") / spec.run_id
     resume = f"`autofit search --resume {shown(folder)}` continues it"
     if unfinished:
         why = ("the search was interrupted" if stop_reason else
                "the study records no end (its search was killed, or the folder copied while it ran)")
         lines[-1:-1] = [f"- **not finished**: {why}: what follows is the result so far; {resume}"]
     if searching:
-        lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows is "
-                        "the best so far, and the search rewrites this report when it ends (if it is killed "
-                        "instead, `autofit report` rebuilds it)"]
+        lines[-1:-1] = [f"- **in progress**: a search is running in this folder ({searching}); what follows "
+                        "is the best so far, and the search rewrites this report when it ends (if it is "
+                        "killed instead, `autofit report` rebuilds it)"]
     if best is None and searching:
         lines += ["## No fit yet", "", "No probe has fit so far; the search goes on.", ""]
     elif best is None and unfinished:
-        lines += ["## No fit yet", "", f"No probe has fit so far ({len(results)} measured), and the search did not "
-                  f"finish: nothing is known yet of what fits; {resume}.", ""]
+        lines += ["## No fit yet", "", f"No probe has fit so far ({len(results)} measured), and the search "
+                  f"did not finish: nothing is known yet of what fits; {resume}.", ""]
     elif best is None:
         lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
     else:
@@ -86,7 +85,8 @@ def report_markdown(spec: dict[str, Any], rows: list[dict[str, Any]], results: l
 
 UNTRIED_WORDS = {"predicted": "predicted over the usable memory",
                  "dominated": "proven over the memory by an out-of-memory probe's shortfall",
-                 "slower": "bounded below the best by a measured fit", "shorter": "shorter than a length that fits",
+                 "slower": "bounded below the best by a measured fit",
+                 "shorter": "shorter than a length that fits",
                  "mismatched": "sharing a failed correctness check", "needs_gpus": "needing more GPUs",
                  "probe": "still open when the search stopped"}
 """What each verdict says of the configs it left unprobed (knowledge.Verdict's values)."""
@@ -96,51 +96,52 @@ def untried_line(untried: dict[str, int] | None) -> str:
     """`N configs not probed: 40 predicted over the usable memory, ...`, or '' when nothing is known."""
     if not untried:
         return ""
-    parts = ", ".join(f"{n} {UNTRIED_WORDS.get(k, k)}" for k, n in sorted(untried.items(), key=lambda kv: -kv[1]))
+    parts = ", ".join(f"{n} {UNTRIED_WORDS.get(k, k)}" for k,
+                      n in sorted(untried.items(), key=lambda kv: -kv[1]))
     return f"{sum(untried.values())} configs not probed: {parts}"
 
 
-def _header(spec: dict[str, Any], results: list[ProbeResult], limit: int | None, stop_reason: str,
+def _header(spec: RunSpec, results: list[ProbeResult], limit: int | None, stop_reason: str,
             untried: dict[str, int] | None = None) -> list[str]:
-    target = spec["targets"][0]
+    target = spec.targets[0]
     weights = (", random weights: memory and speed as trained weights"
-               if spec["model"]["kind"] in ("preset", "config") else "")
+               if spec.model.kind in ("preset", "config") else "")
     emulated = (" — an emulated card has the card's memory but this GPU's speed"
-                if limit and target["device"] == "cuda" else "")
-    return [f"# autofit report: {spec['run_id']}", "",
-            f"- model: `{spec['model']['ref']}` ({spec['model']['kind']}{weights})",
+                if limit and target.device == "cuda" else "")
+    return [f"# autofit report: {spec.run_id}", "",
+            f"- model: `{spec.model.ref}` ({spec.model.kind}{weights})",
             f"- where: {describe_target(target)}{emulated}",
-            (f"- space: `{spec['space']['name']}`, budget {format_duration(spec['budget_s'])}, "
-             f"headroom {target.get('headroom', HEADROOM):.0%}"),
+            (f"- space: `{spec.space.name}`, budget {format_duration(spec.budget_s)}, "
+             f"headroom {target.headroom:.0%}"),
             (f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
              f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
              + (f"; stopped: {stop_reason}" if stop_reason else "")),
             *([f"- {untried_line(untried)}"] if untried else []), ""]
 
 
-def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult, limit: int | None,
+def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit: int | None,
             run_dir: Path, so_far: bool = False) -> list[str]:
     cfg = best.config
     lines = ["## Best so far" if so_far else "## Winner", "",
-             (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg['max_length']}, peak "
+             (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg.max_length}, peak "
               f"**{size_text(best.peak_memory_bytes)}**" + (f" of {size_text(limit)}" if limit else "")
               + _measured_again(best)), "",
              "| setting | value |", "|---|---|"]
     for k in KEYS:
         mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
-        lines.append(f"| {k} | `{cfg.get(k, KEYS[k].default)}`{mark} |")  # older runs lack later keys
-    lines += [f"| gradient_accumulation_steps | `{cfg['gradient_accumulation_steps']}` |",
-              f"| effective batch | `{cfg['effective_batch']}` sequences per optimizer step |", "",
+        lines.append(f"| {k} | `{getattr(cfg, k)}`{mark} |")  # older runs' later keys: their defaults
+    lines += [f"| gradient_accumulation_steps | `{cfg.gradient_accumulation_steps}` |",
+              f"| effective batch | `{cfg.effective_batch}` sequences per optimizer step |", "",
               ("Export it when the search has ended" if so_far else "Export it")
               + f": `autofit export {shown(run_dir)} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)
     for L, r in per_length.items():
-        lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {size_text(r.peak_memory_bytes)} | {config_brief(r.config)} |")
-    space = spec.get("space") or {}
-    allowed = (space.get("dimensions") or {}).get("max_length") or []
-    unmeasured = sorted((L for L in allowed if L < cfg["max_length"] and L not in per_length), reverse=True)
+        lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {size_text(r.peak_memory_bytes)} | "
+                     f"{config_brief(r.config)} |")
+    allowed = [int(L) for L in spec.space.dimensions.get("max_length") or []]
+    unmeasured = sorted((L for L in allowed if L < cfg.max_length and L not in per_length), reverse=True)
     if unmeasured:
         lines += ["", (f"Not measured: {', '.join(map(str, unmeasured))}. A longer length fits, so a shorter "
                        "one cannot win; to see what cutting the length would buy, search it alone "
@@ -148,7 +149,7 @@ def _winner(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult,
     return [*lines, ""]
 
 
-def data_summary(run_dir: Path) -> dict[str, Any] | None:
+def data_summary(run_dir: Path) -> JSONObject | None:
     """data/data.json, written when a search with --dataset starts (None without one)."""
     path = run_dir / "data" / "data.json"
     try:
@@ -157,18 +158,18 @@ def data_summary(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _data_section(data: dict[str, Any], results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
+def _data_section(data: JSONObject, results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
     """The dataset's lengths, what the winner's max_length cuts off, and the best of each batching."""
     ds, pct = data["dataset"], data["percentiles"]
     approx = " (approximate: a stand-in tokenizer)" if data.get("approximate") else ""
-    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['samples']} samples, {data['tokens']} tokens, "
-             f"mean {data['mean']:.1f}{approx}; content hash `{ds['content_hash'][:12]}`)"),
+    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['samples']} samples, {data['tokens']} "
+             f"tokens, mean {data['mean']:.1f}{approx}; content hash `{ds['content_hash'][:12]}`)"),
              "- percentiles: " + ", ".join(f"{k} {v:.0f}" for k, v in pct.items()),
              "- tokens/s here are **trained tokens/s**: label-bearing, non-pad tokens per second", ""]
     cuts = {c["max_length"]: c for c in data.get("cuts", [])}
-    if best is not None and best.config.get("max_length") in cuts:
-        c = cuts[best.config["max_length"]]
-        lines += [(f"**Winner's max_length {best.config['max_length']}: {c['tokens_lost']:.2%} of tokens lost, "
+    if best is not None and best.config.max_length in cuts:
+        c = cuts[best.config.max_length]
+        lines += [(f"**Winner's max_length {best.config.max_length}: {c['tokens_lost']:.2%} of tokens lost, "
                   f"{c['samples_truncated']:.2%} of samples truncated** (it changes what is learned)."), ""]
     lines += ["| max_length | samples truncated | tokens lost |", "|---|---|---|"]
     lines += [f"| {L} | {c['samples_truncated']:.2%} | {c['tokens_lost']:.2%} |" for L, c in cuts.items()]
@@ -180,12 +181,13 @@ def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> lis
     fits = [r for r in results if r.outcome.is_fit() and r.tokens_per_s]
     by: dict[str, ProbeResult] = {}
     for r in fits:
-        b = str(r.config.get("batching", "pad_max"))
+        b = r.config.batching
         if b not in by or (r.tokens_per_s or 0) > (by[b].tokens_per_s or 0):
             by[b] = r
     if not by or best is None or not best.tokens_per_s:
         return []
-    lines = ["| batching | best trained tokens/s | winner's speed-up | pad fraction | config |", "|---|---|---|---|---|"]
+    lines = ["| batching | best trained tokens/s | winner's speed-up | pad fraction | config |",
+             "|---|---|---|---|---|"]
     for b, r in sorted(by.items(), key=lambda kv: -(kv[1].tokens_per_s or 0)):
         pad = r.extra.get("pad_fraction")
         lines.append(f"| {b} | {r.tokens_per_s:,.0f} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
@@ -193,7 +195,7 @@ def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> lis
     return [*lines, ""]
 
 
-def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
+def _memory_section(spec: RunSpec, results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
     lines = ["## Where the memory goes", "",
              ("Terms from the analytic model of the shape; activations, allocator overhead and memory "
               "outside PyTorch are measured where the probe ran to the end."), ""]
@@ -202,11 +204,11 @@ def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: Prob
     if ooms:
         ref = best.peak_memory_bytes if best and best.peak_memory_bytes else 0
         near = min(ooms, key=lambda r: abs((r.peak_memory_bytes or 0) - ref) if ref else
-                   TrialConfig.from_dict(r.config).tokens_per_micro_batch)
+                   r.config.tokens_per_micro_batch)
         explained.append(("nearest OOM", near))
     if not explained:
         return lines
-    shape = Shape.from_config(spec["model"]["config"])
+    shape = Shape.from_config(spec.model.config)
     lines += ["| term | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
               "|---|" + "---|" * len(explained)]
     parts = [explain_memory(r, shape) for _, r in explained]
@@ -214,12 +216,13 @@ def _memory_section(spec: dict[str, Any], results: list[ProbeResult], best: Prob
     for term in terms:
         lines.append(f"| {term} | " + " | ".join(size_text(p.get(term, 0)) for p in parts) + " |")
     lines.append("| **measured peak** | " + " | ".join(
-        size_text(r.peak_memory_bytes) + (f" (short {size_text(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
+        size_text(r.peak_memory_bytes)
+        + (f" (short {size_text(r.oom_shortfall_bytes)})" if r.oom_shortfall_bytes
                                      else "") for _, r in explained) + " |")
     return [*lines, ""]
 
 
-def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult],
+def prediction_errors(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResult],
                       model: MemoryModel | None = None) -> list[str]:
     """The memory model's error on the probes that ran to the end, one row per kernel combination
     (the fused loss and compile change the peak in ways the prior only estimates), and the margin it
@@ -233,15 +236,16 @@ def prediction_errors(spec: dict[str, Any], rows: list[dict[str, Any]], results:
             by.setdefault(kernel_label(r.config), []).append(err)
     if not by:
         return []
-    lines = ["## Memory prediction error by kernels", "", "| kernels | median | max | probes |", "|---|---|---|---|"]
+    lines = ["## Memory prediction error by kernels", "", "| kernels | median | max | probes |",
+             "|---|---|---|---|"]
     for label, errs in sorted(by.items()):
         lines.append(f"| {label} | {statistics.median(errs):.0%} | {max(errs):.0%} | {len(errs)} |")
     return [*lines, "", f"At the end of the search: {model.describe()}.", ""]
 
 
-def learned_model(spec: dict[str, Any], rows: list[dict[str, Any]], results: list[ProbeResult]) -> MemoryModel:
+def learned_model(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResult]) -> MemoryModel:
     """The memory model as the search ended it: the prior, taught every probe in the search's order."""
-    model = MemoryModel(Shape.from_config(spec["model"]["config"]), on_gpu=spec["targets"][0]["device"] == "cuda")
+    model = MemoryModel(Shape.from_config(spec.model.config), on_gpu=spec.targets[0].device == "cuda")
     for row, r in zip(rows, results, strict=True):
         model.learn(r, row.get("predicted_peak"))
     return model
@@ -251,14 +255,14 @@ GPU_COUNTS = (2, 4, 8)
 """The group sizes a config that did not fit is tried at (fsdp2), for the report."""
 
 
-def gpus_section(spec: dict[str, Any], results: list[ProbeResult], usable: int | None,
+def gpus_section(spec: RunSpec, results: list[ProbeResult], usable: int | None,
                  model: MemoryModel) -> list[str]:
     """What more GPUs would do: the space's configs that span more GPUs than attached (not probed), by
     GPU count, with how many the memory model predicts to fit (per-rank peak vs usable); and, where
     the space has an engine dimension, the fewest GPUs at which fsdp2 is predicted to fit each
     configuration that ran out of memory here."""
-    ranks = int(spec["targets"][0].get("ranks", 1))
-    space = Space.from_dict(spec["space"])
+    ranks = spec.targets[0].ranks
+    space = spec.space
     wider = [c for c in space.candidates() if c.gpus > ranks]
     lines = _wider_table(wider, model, ranks, usable)
     if "engine" in space.dimensions and usable:
@@ -278,7 +282,7 @@ def _wider_table(wider: list[TrialConfig], model: MemoryModel, ranks: int, usabl
         peaks = [(c, model.predict(c)) for c in wider if c.gpus == n]
         fit = [(c, p) for c, p in peaks if usable is None or p <= usable]
         span = f"{size_text(min(p for _, p in fit))} - {size_text(max(p for _, p in fit))}" if fit else "-"
-        example = config_brief(max(fit, key=lambda cp: promise(cp[0]))[0].to_dict()) if fit else "-"
+        example = config_brief(max(fit, key=lambda cp: promise(cp[0]))[0]) if fit else "-"
         lines.append(f"| {n} | {len(peaks)} | {len(fit) if usable else '-'} | {span} | {example} |")
     return [*lines, ""]
 
@@ -288,16 +292,17 @@ def _fewest_gpus(results: list[ProbeResult], model: MemoryModel, ranks: int, usa
     the memory model predicts it fits with fsdp2 (the rest of the config unchanged)."""
     seen: dict[str, TrialConfig] = {}
     for r in results:
-        cfg = TrialConfig.from_dict(r.config)
+        cfg = r.config
         if r.outcome.is_memory() and cfg.gpus <= ranks:
             seen.setdefault(cfg.key(), cfg)
     rows = []
     for cfg in sorted(seen.values(), key=promise, reverse=True)[:5]:
-        rows.append(f"| {config_brief(cfg.to_dict())} | {_fsdp2_fit(cfg, model, usable)} |")
+        rows.append(f"| {config_brief(cfg)} | {_fsdp2_fit(cfg, model, usable)} |")
     if not rows:
         return []
     return [f"Out of memory here; the fewest GPUs at which fsdp2 is predicted to fit (per-rank peak within "
-            f"the usable {size_text(usable)}):", "", "| configuration | fsdp2 fits on |", "|---|---|", *rows, ""]
+            f"the usable {size_text(usable)}):", "", "| configuration | fsdp2 fits on |", "|---|---|", *rows,
+            ""]
 
 
 def _fsdp2_fit(cfg: TrialConfig, model: MemoryModel, usable: int) -> str:
@@ -311,7 +316,7 @@ def _fsdp2_fit(cfg: TrialConfig, model: MemoryModel, usable: int) -> str:
     return f"not on {GPU_COUNTS[-1]} GPUs"
 
 
-def _all_probes(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[str]:
+def _all_probes(rows: list[ProbeRow], results: list[ProbeResult]) -> list[str]:
     lines = ["## All probes", "",
              "| trial | config | outcome | tokens/s | spread | peak | predicted | wall s |",
              "|---|---|---|---|---|---|---|---|"]
@@ -319,8 +324,8 @@ def _all_probes(rows: list[dict[str, Any]], results: list[ProbeResult]) -> list[
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         spread = f"{r.spread:.2f}" + (" noisy" if r.noisy else "") if r.spread else "-"
         lines.append(f"| {row.get('trial', '')} | {config_brief(r.config)} | {r.outcome.value} | {tps} | "
-                     f"{spread} | {size_text(r.peak_memory_bytes)} | {size_text(row.get('predicted_peak'))} | "
-                     f"{(r.wall_seconds or 0):.1f} |")
+                     f"{spread} | {size_text(r.peak_memory_bytes)} | {size_text(row.get('predicted_peak'))} "
+                     f"| {(r.wall_seconds or 0):.1f} |")
     return lines
 
 
@@ -332,12 +337,12 @@ def _measured_again(r: ProbeResult) -> str:
             + ", ".join(f"{x:,.0f}" for x in runs) + " tokens/s)")
 
 
-def describe_target(t: dict[str, Any]) -> str:
-    lim = f"{format_size(t['memory_limit_bytes'])} limit on " if t.get("memory_limit_bytes") else ""
-    if t["device"] == "cpu":
-        procs = f", {t['ranks']} gloo processes per probe" if t.get("ranks", 1) > 1 else ""
+def describe_target(t: Target) -> str:
+    lim = f"{format_size(t.memory_limit_bytes)} limit on " if t.memory_limit_bytes else ""
+    if t.device == "cpu":
+        procs = f", {t.ranks} gloo processes per probe" if t.ranks > 1 else ""
         return f"{lim}the CPU (no GPU: memory is host RSS added by each probe{procs})"
-    if t.get("ranks", 1) > 1:
-        gpus = ",".join(map(str, t.get("gpu_indices") or [t.get("gpu_index")]))
-        return f"{lim}{t['ranks']}x {t.get('gpu_name') or 'GPU'} per probe (GPUs {gpus}; memory per rank)"
-    return f"{lim}{t.get('gpu_name') or 'GPU'} (GPU {t.get('gpu_index')})"
+    if t.ranks > 1:
+        gpus = ",".join(map(str, t.gpu_indices or [t.gpu_index]))
+        return f"{lim}{t.ranks}x {t.gpu_name or 'GPU'} per probe (GPUs {gpus}; memory per rank)"
+    return f"{lim}{t.gpu_name or 'GPU'} (GPU {t.gpu_index})"

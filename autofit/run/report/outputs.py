@@ -4,35 +4,39 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from autofit.config.target import HEADROOM, usable_bytes
+from autofit.config.spec import TrialConfig
+from autofit.config.target import usable_bytes
+from autofit.core.documents import JSONObject
+from autofit.core.errors import UsageError
 from autofit.core.files import write_atomic, write_json
 from autofit.core.paths import readable
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.markdown import data_summary, describe_target, learning_changes, report_markdown
 from autofit.run.report.plots import plot_best_so_far, plot_scatter
+from autofit.run.rundir import RunSpec, target_dict
 from autofit.search.objective import best_of, ranked_fits
+from autofit.search.study import ProbeRow
 
 
-def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]],
+def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
                   timeline: list[tuple[float, float]], stop_reason: str = "",
                   untried: dict[str, int] | None = None, searching: str | None = None,
-                  unfinished: bool = False) -> dict[str, Any] | None:
+                  unfinished: bool = False) -> JSONObject | None:
     """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result);
     `untried`: the configs the search left unprobed, by verdict (study.untried_of); `searching`: the
     search still running in the folder ("pid N, since T"), whose best so far this is."""
     results = [ProbeResult.from_dict(r) for r in rows]
     write_atomic(run_dir / "trials.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    target = spec["targets"][0]
-    limit = target.get("memory_limit_bytes")
-    usable = usable_bytes(limit, target.get("headroom", HEADROOM))
+    target = spec.targets[0]
+    limit = target.memory_limit_bytes
+    usable = usable_bytes(limit, target.headroom)  # the limit's: the card's own size is not the run's limit
     best = best_of(results)
     ranked = ranked_fits(results)
     best_doc = None
     if best is not None:
-        best_doc = {**best.to_dict(), "run_id": spec["run_id"], "model": spec["model"]["ref"],
-                    "target": target, "learning_changes": learning_changes(best.config),
+        best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
+                    "target": target_dict(target), "learning_changes": learning_changes(best.config),
                     "runners_up": [r.to_dict() for r in ranked[1:6]]}
         if not rebaselined(run_dir / "best.json", best.config):
             write_json(run_dir / "best.json", best_doc)
@@ -40,7 +44,7 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
         (run_dir / "best.json").unlink(missing_ok=True)
     where = describe_target(target)
     plot_scatter(results, limit, usable, run_dir / "throughput_vs_memory.png",
-                 readable(f"{spec['model']['ref']} on {where}"))  # a model path that is not UTF-8: no glyph for it
+                 readable(f"{spec.model.ref} on {where}"))  # a model path that is not UTF-8: no glyph for it
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     write_atomic(run_dir / "report.md",
                  readable(report_markdown(spec, rows, results, best, limit, usable, stop_reason,
@@ -48,11 +52,17 @@ def write_outputs(run_dir: Path, spec: dict[str, Any], rows: list[dict[str, Any]
     return best_doc
 
 
-def rebaselined(path: Path, config: dict[str, Any]) -> bool:
+def rebaselined(path: Path, config: TrialConfig) -> bool:
     """best.json holds figures `regress --update-baseline` accepted for this same winner: rebuilding it from
     the study would put the old baseline back (the accepted one is then only in the history)."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and bool(doc.get("baseline_updated")) and doc.get("config") == config
+    if not (isinstance(doc, dict) and doc.get("baseline_updated") and isinstance(doc.get("config"), dict)):
+        return False
+    try:
+        # (a dict from older callers)
+        return TrialConfig.from_dict(doc["config"]) == TrialConfig.from_dict(config)
+    except UsageError:  # a config no TrialConfig takes: not this winner's
+        return False

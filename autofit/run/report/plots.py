@@ -29,13 +29,13 @@ def plot_scatter(results: list[ProbeResult], limit: int | None, usable: int | No
         pts = [r for r in results if r.outcome.value == outcome and r.peak_memory_bytes]
         if not pts:
             continue
-        xs = [r.peak_memory_bytes / scale for r in pts]
+        xs = [(r.peak_memory_bytes or 0) / scale for r in pts]  # each has a peak
         ys = [r.tokens_per_s or 0 for r in pts]
         ax.scatter(xs, ys, c=colour, label=f"{outcome} ({len(pts)})", alpha=0.8,
                    edgecolors="white", linewidths=0.5)
     best = best_of(results)
     if best and best.peak_memory_bytes:
-        ax.scatter([best.peak_memory_bytes / scale], [best.tokens_per_s], s=220, facecolors="none",
+        ax.scatter([best.peak_memory_bytes / scale], [best.tokens_per_s or 0], s=220, facecolors="none",
                    edgecolors="tab:green", linewidths=2, label="winner")
     if limit:
         ax.axvline(limit / scale, color="tab:red", linestyle="--", label=f"limit {format_size(limit)}")
