@@ -24,9 +24,44 @@ from autofit.search.objective import best_per_length
 from autofit.search.study import ProbeRow
 
 
-def learning_changes(cfg: TrialConfig) -> list[str]:
-    """The winner's settings that change what is learned (length, precision, quantization, optimizer)."""
-    return [f"{k.name}={getattr(cfg, k.name)}" for k in KEYS.values() if k.changes_learning]
+def learning_changes(cfg: TrialConfig, res: ProbeResult | None = None) -> list[str]:
+    """The winner's settings that change what is learned (length, precision, quantization, optimizer), and
+    its step where the probe measured it off the global batch by more than the tolerance (a token-budget
+    strategy whose accumulation cannot bring the samples per step back: docs/data.md)."""
+    out = [f"{k.name}={getattr(cfg, k.name)}" for k in KEYS.values() if k.changes_learning]
+    if res is not None and res.step.keeps_global_batch is False and res.step.samples_per_step:
+        out.append(f"samples_per_step={res.step.samples_per_step:g} (global_batch={cfg.global_batch})")
+    return out
+
+
+BASELINE_BATCHINGS = ("pad_longest", "group_by_length")
+"""The padded strategies a user runs without autofit (Trainer's dynamic padding, grouped or not): the baseline
+of a data run's winner in report.md and best.json."""
+
+
+def baseline_of(results: list[ProbeResult]) -> ProbeResult | None:
+    """The fastest fit among the padded strategies of a data run (None without one measured)."""
+    fits = [r for r in results if r.outcome.is_fit() and r.tokens_per_s and r.config.batching in BASELINE_BATCHINGS]
+    return max(fits, key=lambda r: r.tokens_per_s or 0.0, default=None)
+
+
+def step_doc(res: ProbeResult) -> JSONObject:
+    """What one optimizer step of a result trained, for best.json: the probe's figures where it measured them,
+    else the config's (random tokens: every micro-batch full rows, samples = the effective batch)."""
+    step, cfg = res.step, res.config
+    return {"gradient_accumulation_steps": step.gradient_accumulation_steps or cfg.gradient_accumulation_steps,
+            "samples_per_step": step.samples_per_step or cfg.effective_batch,
+            "trained_tokens_per_step": step.trained_tokens_per_step,
+            "keeps_global_batch": step.keeps_global_batch if step.keeps_global_batch is not None else True,
+            "global_batch": cfg.global_batch}
+
+
+def _step_cells(res: ProbeResult) -> str:
+    """'samples / step | trained tokens / step' cells of a table row."""
+    d = step_doc(res)
+    tokens = d["trained_tokens_per_step"]
+    mark = "" if d["keeps_global_batch"] else " (off the global batch)"
+    return f"{d['samples_per_step']:g}{mark} | {'-' if tokens is None else f'{tokens:,.0f}'}"
 
 
 def explain_memory(res: ProbeResult, shape: Shape) -> dict[str, int]:
@@ -130,8 +165,13 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
     for k in KEYS:
         mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
         lines.append(f"| {k} | `{getattr(cfg, k)}`{mark} |")  # older runs' later keys: their defaults
-    lines += [f"| gradient_accumulation_steps | `{cfg.gradient_accumulation_steps}` |",
-              f"| effective batch | `{cfg.effective_batch}` sequences per optimizer step |", "",
+    step = step_doc(best)
+    tokens = step["trained_tokens_per_step"]
+    kept = ("" if step["keeps_global_batch"] else
+            f" (**changes what is learned**: the global batch is {cfg.global_batch})")
+    lines += [f"| gradient_accumulation_steps | `{step['gradient_accumulation_steps']}` |",
+              f"| samples per optimizer step | `{step['samples_per_step']:g}`{kept} |",
+              *([f"| trained tokens per optimizer step | `{tokens:,.0f}` |"] if tokens is not None else []), "",
               ("Export it when the search has ended" if so_far else "Export it")
               + f": `autofit export {shown(run_dir)} --format hf-trainer -o train.py`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
@@ -186,12 +226,19 @@ def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> lis
             by[b] = r
     if not by or best is None or not best.tokens_per_s:
         return []
-    lines = ["| batching | best trained tokens/s | winner's speed-up | pad fraction | config |",
-             "|---|---|---|---|---|"]
+    baseline = baseline_of(results)
+    lines = ["| batching | best trained tokens/s | winner's speed-up | pad fraction | samples / step | "
+             "trained tokens / step | config |", "|---|---|---|---|---|---|---|"]
     for b, r in sorted(by.items(), key=lambda kv: -(kv[1].tokens_per_s or 0)):
         pad = r.extra.get("pad_fraction")
-        lines.append(f"| {b} | {r.tokens_per_s:,.0f} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
-                     f"{'-' if pad is None else f'{pad:.1%}'} | {config_brief(r.config)} |")
+        role = " (winner)" if r is best else " (baseline)" if r is baseline else ""
+        lines.append(f"| {b}{role} | {r.tokens_per_s:,.0f} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
+                     f"{'-' if not isinstance(pad, (int, float)) else f'{pad:.1%}'} | {_step_cells(r)} | "
+                     f"{config_brief(r.config)} |")
+    if baseline is not None:
+        lines += ["", ("The baseline is the fastest padded strategy measured (`pad_longest` or `group_by_length`: "
+                       "Trainer's dynamic padding); samples and trained tokens per step are what one optimizer step "
+                       "trained in the probe.")]
     return [*lines, ""]
 
 

@@ -12,7 +12,14 @@ from autofit.core.errors import UsageError
 from autofit.core.files import write_atomic, write_json
 from autofit.core.paths import readable
 from autofit.protocol.result import ProbeResult
-from autofit.run.report.markdown import data_summary, describe_target, learning_changes, report_markdown
+from autofit.run.report.markdown import (
+    baseline_of,
+    data_summary,
+    describe_target,
+    learning_changes,
+    report_markdown,
+    step_doc,
+)
 from autofit.run.report.plots import plot_best_so_far, plot_scatter
 from autofit.run.rundir import RunSpec, target_dict
 from autofit.search.objective import best_of, ranked_fits
@@ -36,8 +43,12 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     best_doc = None
     if best is not None:
         best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
-                    "target": target_dict(target), "learning_changes": learning_changes(best.config),
-                    "runners_up": [r.to_dict() for r in ranked[1:6]]}
+                    "target": target_dict(target), "learning_changes": learning_changes(best.config, best),
+                    "step": step_doc(best), "runners_up": [r.to_dict() for r in ranked[1:6]]}
+        baseline = baseline_of(results) if len({r.config.batching for r in results}) > 1 else None
+        if baseline is not None:  # a data run: the padded strategy the winner is compared with
+            best_doc["baseline"] = {"config": baseline.config.to_dict(), "tokens_per_s": baseline.tokens_per_s,
+                                    "peak_memory_bytes": baseline.peak_memory_bytes, "step": step_doc(baseline)}
         if not rebaselined(run_dir / "best.json", best.config):
             write_json(run_dir / "best.json", best_doc)
     else:

@@ -1,0 +1,75 @@
+"""What one optimizer step trained, in report.md and best.json: the winner's and the padded baseline's samples
+and trained tokens per step as the probes measured them, and a winner off the global batch marked as changing
+what is learned (issue 29)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runs import data_run
+
+from autofit.config.spec import TrialConfig
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.outputs import write_outputs
+from autofit.run.rundir import load_spec
+
+MIB = 2**20
+
+
+def _row(trial: int, batching: str, tokens_per_s: float, step: dict[str, object]) -> dict[str, object]:
+    cfg = TrialConfig(max_length=96, micro_batch_size=2, global_batch=16, batching=batching, precision="fp32")
+    res = ProbeResult(Outcome.FIT, cfg, device="cpu", tokens_per_s=tokens_per_s, peak_memory_bytes=100 * MIB,
+                      extra={"pad_fraction": 0.0, **step})
+    return {"trial": trial, **res.to_dict()}
+
+
+def _write(tmp_path: Path, winner_step: dict[str, object]) -> tuple[dict, str]:
+    run = data_run(tmp_path, "packed")
+    (run / "data").mkdir()  # what a search with --dataset writes first: the data's lengths
+    (run / "data" / "data.json").write_text(json.dumps({
+        "dataset": {"path": "d1.jsonl", "content_hash": "0" * 64}, "samples": 200, "tokens": 11_640, "mean": 58.2,
+        "percentiles": {"p50": 41, "p99": 301}, "cuts": []}))
+    rows = [_row(0, "pad_longest", 900.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
+                                           "trained_tokens_per_step": 930.4, "keeps_global_batch": True}),
+            _row(1, "group_by_length", 1100.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
+                                                "trained_tokens_per_step": 930.4, "keeps_global_batch": True}),
+            _row(2, "packed", 3000.0, winner_step)]
+    best = write_outputs(run, load_spec(run), rows, [(1.0, 3000.0)])
+    assert best is not None
+    return json.loads((run / "best.json").read_text()), (run / "report.md").read_text()
+
+
+def test_best_json_and_the_report_give_the_winner_s_and_the_baseline_s_step(tmp_path: Path) -> None:
+    best, report = _write(tmp_path, {"gradient_accumulation_steps": 1, "samples_per_step": 15.2,
+                                     "trained_tokens_per_step": 884.0, "keeps_global_batch": True})
+    assert best["step"] == {"gradient_accumulation_steps": 1, "samples_per_step": 15.2,
+                            "trained_tokens_per_step": 884.0, "keeps_global_batch": True, "global_batch": 16}
+    # the baseline is the fastest padded strategy measured: group_by_length here, not pad_longest
+    assert best["baseline"]["config"]["batching"] == "group_by_length"
+    assert best["baseline"]["step"]["samples_per_step"] == 16
+    assert best["baseline"]["step"]["trained_tokens_per_step"] == 930.4
+    assert not any(c.startswith("samples_per_step=") for c in best["learning_changes"])
+    assert "| samples per optimizer step | `15.2` |" in report
+    assert "| trained tokens per optimizer step | `884` |" in report
+    assert "| packed (winner) | 3,000 |" in report and "| group_by_length (baseline) | 1,100 |" in report
+    assert "| 15.2 | 884 |" in report and "| 16 | 930 |" in report
+    assert "effective batch" not in report  # the old line said 16 sequences, whatever the step trained
+
+
+def test_a_winner_off_the_global_batch_is_marked_as_changing_what_is_learned(tmp_path: Path) -> None:
+    best, report = _write(tmp_path, {"gradient_accumulation_steps": 1, "samples_per_step": 40.0,
+                                     "trained_tokens_per_step": 2300.0, "keeps_global_batch": False})
+    assert best["step"]["keeps_global_batch"] is False
+    assert "samples_per_step=40 (global_batch=16)" in best["learning_changes"]
+    assert "| samples per optimizer step | `40` (**changes what is learned**: the global batch is 16) |" in report
+    assert "| 40 (off the global batch) | 2,300 |" in report
+
+
+def test_without_step_figures_the_config_s_step_is_given(tmp_path: Path) -> None:
+    """A result stored before probes reported their step (or random tokens): the config's accumulation and
+    effective batch, no trained tokens."""
+    best, report = _write(tmp_path, {})
+    assert best["step"] == {"gradient_accumulation_steps": 8, "samples_per_step": 16,
+                            "trained_tokens_per_step": None, "keeps_global_batch": True, "global_batch": 16}
+    assert "| samples per optimizer step | `16` |" in report and "trained tokens per optimizer step" not in report
