@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print the fault suite as the README's table: every `FAULTS` row of tests/test_faults_*.py.
+"""Print the fault suite as the README's table: every `FAULTS` row of tests/e2e/test_faults_*.py.
 
 Each row is a test in the default suite (a real process and a real fault), so a CI run that
 passes has handled every row. Run: python scripts/fault_table.py
@@ -15,9 +15,10 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def rows() -> list[tuple[str, object]]:
-    sys.path.insert(0, str(TESTS))
+    for folder in (TESTS, TESTS / "support", TESTS / "e2e"):  # conftest, the rows' helpers, the row files
+        sys.path.insert(0, str(folder))
     out = []
-    for path in sorted(TESTS.glob("test_faults_*.py")):
+    for path in sorted((TESTS / "e2e").glob("test_faults_*.py")):
         module = importlib.import_module(path.stem)
         out += [(path.stem.removeprefix("test_faults_"), f) for f in module.FAULTS]
     return out

@@ -14,8 +14,24 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-FAKE_CHILD = Path(__file__).resolve().parent / "fake_child.py"
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+DATA_DIR = TESTS / "data"
+"""Committed inputs: dataset slices, the suite's search space, recorded regress nights."""
+SUPPORT = TESTS / "support"
+"""What tests/unit and tests/e2e share: fault rows, stored runs, the stand-in children. Its modules are
+imported by name (`from faults import Fault`), as tests/ itself is (`from conftest import run_cli`): both
+folders are on the path whatever folder pytest was started on."""
+for _folder in (SUPPORT, TESTS):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+FAKE_CHILD = SUPPORT / "fake_child.py"
+
+# Every process the suite starts (probes, recipes, ranks) and this one compute on one thread: torch's
+# OpenMP threads, two per process on a 2-core machine, spin against each other's and against any other
+# job's, and a 6 s probe took 30 s beside a second suite. The figures a probe measures are not what the
+# tests check; an environment that sets its own count keeps it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # A suite started in the background (`nohup pytest &` from a script) inherits SIGINT ignored, and so would
 # every autofit it starts: the Ctrl-C tests would find their signal dropped. A handler is reset to the
@@ -53,7 +69,7 @@ def fake_env(mode: str) -> dict[str, str]:
 
 
 # tests/data/oom-space.yaml under this limit: length 2048 runs out of memory, length 128 fits.
-SEARCH_SPACE = str(Path(__file__).resolve().parent / "data" / "oom-space.yaml")
+SEARCH_SPACE = str(DATA_DIR / "oom-space.yaml")
 SEARCH_LIMIT = "90MiB"
 
 

@@ -129,51 +129,118 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
     "global-batch-zero": lambda tmp: [*SEARCH, "--global-batch", "0"],
     "budget-negative": lambda tmp: ["search", "--model", "tiny-llama", "--budget", "-5m"],
     "model-type-unknown": _config,
-    "model-config-mistyped-field": lambda tmp: [*SEARCH, "--model", str(_write(
-        tmp / "config.json", json.dumps({**PRESETS["tiny-llama"], "hidden_size": "128"}).encode()))],
+    "model-config-mistyped-field": lambda tmp: [
+        *SEARCH,
+        "--model",
+        str(_write(tmp / "config.json", json.dumps({**PRESETS["tiny-llama"], "hidden_size": "128"}).encode())),
+    ],
     "storage-unknown-scheme": lambda tmp: [*SEARCH, "--storage", "foo://bar"],
     "storage-missing-folder": lambda tmp: [*SEARCH, "--storage", "sqlite:////nonexistent/dir/x.db"],
     "report-stub-run": lambda tmp: ["report", str(_stub_run(tmp))],
     "resume-stub-run": lambda tmp: ["search", "--resume", str(_stub_run(tmp))],
-    "resume-corrupt-spec": lambda tmp: ["search", "--resume", str(_stub_run(tmp, "run_id: x\nmodel: {kind: pre"
-                                                                            "set}\nspace: {}\n"))],
+    "resume-corrupt-spec": lambda tmp: [
+        "search",
+        "--resume",
+        str(_stub_run(tmp, "run_id: x\nmodel: {kind: preset}\nspace: {}\n")),
+    ],
     "space-not-utf8": lambda tmp: [*SEARCH, "--space", str(_write(tmp / "latin1.yaml", b"dimensions:\n  x: [\xe9]\n"))],
     "space-is-a-folder": lambda tmp: [*SEARCH, "--space", str(tmp)],
-    "space-divisors-only-not-bool": lambda tmp: [*SEARCH, "--space", str(_write(
-        tmp / "maybe.yaml", b"divisors_only: maybe\ndimensions:\n  micro_batch_size: [1, 2]\n"))],
+    "space-divisors-only-not-bool": lambda tmp: [
+        *SEARCH,
+        "--space",
+        str(_write(tmp / "maybe.yaml", b"divisors_only: maybe\ndimensions:\n  micro_batch_size: [1, 2]\n")),
+    ],
     "budget-empty": lambda tmp: [*SEARCH, "--budget", ""],
     "memory-limit-empty": lambda tmp: [*SEARCH, "--memory-limit", ""],
     "max-length-beyond-positions": lambda tmp: [*SEARCH, "--max-length", "100000"],
-    "report-spec-not-utf8": lambda tmp: ["report", str(_write(_stub_run(tmp) / "spec.yaml", b"run_id: caf\xe9\n").parent)],
+    "report-spec-not-utf8": lambda tmp: [
+        "report",
+        str(_write(_stub_run(tmp) / "spec.yaml", b"run_id: caf\xe9\n").parent),
+    ],
     "report-a-file": lambda tmp: ["report", str(_write(_stub_run(tmp) / "best.json", b"{}"))],
-    "data-out-a-file": lambda tmp: ["data", str(_write(tmp / "train.jsonl", b'{"text": "a b"}\n')), "--model",
-                                    "tiny-llama", "--out", str(_write(tmp / "FILE", b""))],
-    "dataset-gzip": lambda tmp: ["data", str(_write(tmp / "train.jsonl.gz", gzip.compress(b'{"text": "a b"}\n'))),
-                                 "--model", "tiny-llama"],
-    "dataset-one-token-samples": lambda tmp: [*SEARCH, "--dataset", str(_write(tmp / "one.jsonl",
-                                                                               b'{"text": "a"}\n{"text": "b"}\n'))],
-    "probe-log-dir-a-file": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--log-dir",
-                                         str(_write(tmp / "FILE", b""))],
-    "model-folder-without-weights": lambda tmp: [*SEARCH, "--model", str(_write(
-        (tmp / "noweights").mkdir() or tmp / "noweights" / "config.json", json.dumps(PRESETS["tiny-llama"]).encode()).parent)],
-    "space-duplicate-key": lambda tmp: [*SEARCH, "--space", str(_write(tmp / "dup.yaml", b"dimensions:\n  "
-                                        b"gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n"))],
-    "set-key-twice": lambda tmp: ["probe", "--model", "tiny-llama", "--device", "cpu", "--set", "max_length=64",
-                                  "--set", "max_length=32"],
-    "storage-not-a-journal": lambda tmp: [*SEARCH, "--storage", str(_write(tmp / "notes.journal", b"my notes\n")),
-                                          "--study-name", "s"],
+    "data-out-a-file": lambda tmp: [
+        "data",
+        str(_write(tmp / "train.jsonl", b'{"text": "a b"}\n')),
+        "--model",
+        "tiny-llama",
+        "--out",
+        str(_write(tmp / "FILE", b"")),
+    ],
+    "dataset-gzip": lambda tmp: [
+        "data",
+        str(_write(tmp / "train.jsonl.gz", gzip.compress(b'{"text": "a b"}\n'))),
+        "--model",
+        "tiny-llama",
+    ],
+    "dataset-one-token-samples": lambda tmp: [
+        *SEARCH,
+        "--dataset",
+        str(_write(tmp / "one.jsonl", b'{"text": "a"}\n{"text": "b"}\n')),
+    ],
+    "probe-log-dir-a-file": lambda tmp: [
+        "probe",
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--log-dir",
+        str(_write(tmp / "FILE", b"")),
+    ],
+    "model-folder-without-weights": lambda tmp: [
+        *SEARCH,
+        "--model",
+        str(
+            _write(
+                (tmp / "noweights").mkdir() or tmp / "noweights" / "config.json",
+                json.dumps(PRESETS["tiny-llama"]).encode(),
+            ).parent
+        ),
+    ],
+    "space-duplicate-key": lambda tmp: [
+        *SEARCH,
+        "--space",
+        str(
+            _write(
+                tmp / "dup.yaml", b"dimensions:\n  gradient_checkpointing: [off, on]\n  gradient_checkpointing: [on]\n"
+            )
+        ),
+    ],
+    "set-key-twice": lambda tmp: [
+        "probe",
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--set",
+        "max_length=64",
+        "--set",
+        "max_length=32",
+    ],
+    "storage-not-a-journal": lambda tmp: [
+        *SEARCH,
+        "--storage",
+        str(_write(tmp / "notes.journal", b"my notes\n")),
+        "--study-name",
+        "s",
+    ],
     "out-a-file": lambda tmp: [*SEARCH, "--out", str(_write(tmp / "FILE", b""))],
     "standby-negative": lambda tmp: [*SEARCH, "--standby", "-1"],
     "seed-negative": lambda tmp: [*SEARCH, "--seed", "-1"],
     "probe-timeout-nan": lambda tmp: [*SEARCH, "--probe-timeout", "nan"],
-    "dataset-utf16": lambda tmp: ["data", str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
-                                  "--model", "tiny-llama"],
+    "dataset-utf16": lambda tmp: [
+        "data",
+        str(_write(tmp / "train.jsonl", '{"text": "a b"}\n'.encode("utf-16"))),
+        "--model",
+        "tiny-llama",
+    ],
 }
 
 
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
 USAGE = [f for f in FAULTS if f.id in ARGS]
 
 
@@ -181,8 +248,11 @@ USAGE = [f for f in FAULTS if f.id in ARGS]
 def test_bad_input_is_one_clear_message_and_creates_nothing(tmp_path: Path, fault: Fault) -> None:
     argv = ARGS[fault.id](tmp_path)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    proc = run_cli(*argv, "--out", str(tmp_path / "runs"), cwd=tmp_path) if argv[0] == "search" \
-        and "--out" not in argv else run_cli(*argv, cwd=tmp_path)
+    proc = (
+        run_cli(*argv, "--out", str(tmp_path / "runs"), cwd=tmp_path)
+        if argv[0] == "search" and "--out" not in argv
+        else run_cli(*argv, cwd=tmp_path)
+    )
     assert proc.returncode == fault.exit_code, proc.stderr
     assert fault.message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -192,8 +262,20 @@ def test_bad_input_is_one_clear_message_and_creates_nothing(tmp_path: Path, faul
 
 def test_a_budget_no_probe_can_finish_in_says_so_not_that_nothing_fits(tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.id == "budget-shorter-than-a-probe")
-    proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--space", "cpu-demo", "--budget", "3",
-                   "--out", str(tmp_path), cwd=tmp_path)
+    proc = run_cli(
+        "search",
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--space",
+        "cpu-demo",
+        "--budget",
+        "3",
+        "--out",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
     assert proc.returncode == fault.exit_code, proc.stderr
     assert "--budget 3: a bare number is seconds" in proc.stderr
     assert fault.message in proc.stderr and "No configuration fits" not in proc.stderr
@@ -209,16 +291,37 @@ def test_read_only_out_is_exit_4_with_one_message(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault_id, signum", [("search-interrupted", signal.SIGINT),
-                                               ("search-terminated", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "fault_id, signum", [("search-interrupted", signal.SIGINT), ("search-terminated", signal.SIGTERM)]
+)
 def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fault_id: str, signum: int) -> None:
     fault = next(f for f in FAULTS if f.id == fault_id)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
-         "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(tmp_path), "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "autofit",
+            "search",
+            "--model",
+            "tiny-llama",
+            "--space",
+            SEARCH_SPACE,
+            "--device",
+            "cpu",
+            "--memory-limit",
+            SEARCH_LIMIT,
+            "--budget",
+            "5m",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     study_db = None
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and study_db is None:  # wait for a finished probe in the study
@@ -244,8 +347,14 @@ def test_ctrl_c_while_the_command_starts_is_no_traceback(tmp_path: Path, delay: 
     """Ctrl-C in the first half second, while the command line imports its modules, printed a
     KeyboardInterrupt traceback. Each delay lands somewhere in the start; every one is a clean stop."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "autofit", *SEARCH, "--out", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autofit", *SEARCH, "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -260,9 +369,29 @@ def test_a_search_piped_into_head_runs_to_its_end(tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.id == "search-piped-into-head")
     env = {**os.environ, **fake_env("cuda_oom"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
-         "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "40s", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "autofit",
+            "search",
+            "--model",
+            "tiny-llama",
+            "--space",
+            SEARCH_SPACE,
+            "--device",
+            "cpu",
+            "--memory-limit",
+            SEARCH_LIMIT,
+            "--budget",
+            "40s",
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout is not None and proc.stdout.readline().startswith("#")
     proc.stdout.close()  # `head -1` exits
     err = proc.stderr.read() if proc.stderr else ""
@@ -281,18 +410,8 @@ def _finished(study_db: Path) -> list[tuple[int, str]]:
         study = open_study(f"sqlite:///{study_db}", spec["study_name"], create=False, seed=0)
     except KeyError:
         return []
-    return [(t.number, json.dumps(t.user_attrs.get("result"), sort_keys=True))
-            for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.user_attrs.get("result")]
-
-
-def test_data_reads_a_tokenizer_folder_without_weights(tmp_path: Path) -> None:
-    """The weights check is for training: `autofit data` needs only the tokenizer (and the config)."""
-    from autofit.config.models import resolve_model
-    from autofit.core.errors import UsageError
-
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
-    assert resolve_model(str(folder), weights=False).kind == "local"
-    with pytest.raises(UsageError, match="has a config.json but no weights"):
-        resolve_model(str(folder))
+    return [
+        (t.number, json.dumps(t.user_attrs.get("result"), sort_keys=True))
+        for t in study.get_trials(deepcopy=False)
+        if t.state.is_finished() and t.user_attrs.get("result")
+    ]

@@ -13,13 +13,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import DATA_DIR, ROOT, run_cli
 from faults import Fault, full_disk
 
 from autofit.run import regress
 
 HISTORY = regress.HISTORY
-NIGHTS = Path(__file__).parent / "data" / "regress-history-nights.jsonl"
+NIGHTS = DATA_DIR / "regress-history-nights.jsonl"
 TOL = ["--tolerance", "80%", "--memory-tolerance", "80%", "--memory-limit", "2GiB"]
 """One check never fails by noise with these (worse than twice 80%: slower than stopped, or 2.6 times the
 resident memory); a memory limit with room."""
@@ -91,7 +91,6 @@ def test_every_fault_has_a_test() -> None:
     assert {f"test_{i.replace('-', '_')}" for i in ids} <= tests
 
 
-@pytest.mark.slow
 def test_regress_history_cut(run: Path, tmp_path: Path) -> None:
     """A real history of eleven nights cut in half by `truncate`: the cut line is skipped with a warning
     naming it, tonight's record goes on a line of its own, every whole record before the cut is kept."""
@@ -117,7 +116,6 @@ def test_regress_history_cut(run: Path, tmp_path: Path) -> None:
     assert snapshot(run) == before and (run / regress.TREND).is_file()
 
 
-@pytest.mark.slow
 def test_regress_history_fifo(run: Path, tmp_path: Path) -> None:
     fault = FAULTS[1]
     os.mkfifo(run / HISTORY)
@@ -138,7 +136,6 @@ def page_aligned_history(run: Path) -> bytes:
     return record + b" " * pad + b"\n"
 
 
-@pytest.mark.slow
 def test_regress_history_full_disk(run: Path, tmp_path: Path) -> None:
     """The history lives on a disk that filled up during the night: exit 4 after measuring, the checks in the
     --json file, the history as it was (no half record)."""
@@ -174,7 +171,6 @@ def test_regress_json_full_disk(tiny_run: Path, tmp_path: Path) -> None:
     assert error.get("type") == "CannotWrite" and fault.message in error.text
 
 
-@pytest.mark.slow
 def test_regress_suspect_night(run: Path, tmp_path: Path) -> None:
     """A baseline a thousand times faster, never a regression at once (--severe-factor off) and no check
     before: suspect, exit 0, the warning on stderr, a JUnit <skipped>; the next night decides."""

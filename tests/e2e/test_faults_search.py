@@ -39,7 +39,6 @@ def _rows(run_dir: Path) -> list[dict]:
     return study_rows(open_study(spec["storage"], spec["study_name"], create=False, seed=0))[0]
 
 
-@pytest.mark.slow
 def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     if not mount_tmpfs(disk, "24m"):
@@ -48,7 +47,7 @@ def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(t
         cmd = [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE,
                "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "5m", "--out", str(disk), "--json"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 240
         run_dir = None
         while time.monotonic() < deadline and run_dir is None:
@@ -77,7 +76,6 @@ def test_disk_full_during_a_search_is_one_clear_error_and_resume_loses_nothing(t
         subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True)
 
 
-@pytest.mark.slow
 def test_a_budget_the_next_proposal_would_overrun_is_spent_on_a_cheaper_config(tmp_path: Path) -> None:
     """The default lora space on the CPU with a short budget: the budget holds (no probe outlives it,
     the search ends soon after it), a proposal too long for the time left is followed by a probe of
@@ -146,7 +144,6 @@ def _while_searching(run: Path, pid: int) -> None:
     assert "## No fit yet" in text  # a hanging probe: no fit, and no best.json for an export to take
 
 
-@pytest.mark.slow
 def test_a_probe_killed_from_outside_is_probed_once_more(tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.id == "probe-killed-in-search")
     env = dict(os.environ, **fake_env("hang"), PYTHONPATH=str(ROOT))

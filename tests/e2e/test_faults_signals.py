@@ -19,28 +19,70 @@ from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env
 from faults import Fault
 
 FAULTS = [
-    Fault("search-hup-first-probe", "SIGHUP (the terminal closed) while the first probe runs, in a run folder whose "
-          "name is not UTF-8 (exit 129 without a word; report said 'Nothing fits')",
-          "autofit search ... (SIGHUP); autofit report RUN", 130, "Continue with: autofit search --resume $'",
-          nothing_lost=True),
-    Fault("search-quit-first-probe", "SIGQUIT while the first probe runs (a core dump, a trial left running)",
-          "autofit search ... (SIGQUIT)", 130, "Continue with: autofit search --resume", nothing_lost=True),
-    Fault("search-kill-9-first-probe", "kill -9 of a search before its first probe ended, then `autofit report` "
-          "(said 'Nothing fits')", "kill -9 <autofit search>; autofit report RUN", 0,
-          "not finished: the study records no end", nothing_lost=True),
-    Fault("search-hup-after-its-end", "SIGHUP just after a search has said its result, while the interpreter "
-          "shuts down (killed by the signal: exit 129 replaced the search's own code)",
-          "autofit search --memory-limit 1MiB (SIGHUP after its last line)", 3, "Nothing was probed"),
-    Fault("search-nohup-terminal-closed", "a search under `nohup` whose terminal closed (every write fails with EIO: "
-          "a traceback, exit 1, the search stopped)", "nohup autofit search ... (terminal closed)", 3,
-          "## Nothing fits", nothing_lost=True),
-    Fault("probe-hup", "SIGHUP while `autofit probe` measures (exit 129, its child left to the parent-death "
-          "signal)", "autofit probe ... (SIGHUP)", 130, "autofit: interrupted; child processes stopped"),
-    Fault("probe-sigpipe", "SIGPIPE sent by a job runner while `autofit probe` measures: ignored, as Python sets it "
-          "(a command that restored its default would die there), then SIGTERM", "autofit probe ... (SIGPIPE, then SIGTERM)", 130,
-          "autofit: interrupted; child processes stopped"),
-    Fault("data-hup-starting", "SIGHUP while `autofit data` starts (exit 129 without a word)",
-          "autofit data train.jsonl --model tiny-llama (SIGHUP)", 130, "autofit: interrupted"),
+    Fault(
+        "search-hup-first-probe",
+        "SIGHUP (the terminal closed) while the first probe runs, in a run folder whose "
+        "name is not UTF-8 (exit 129 without a word; report said 'Nothing fits')",
+        "autofit search ... (SIGHUP); autofit report RUN",
+        130,
+        "Continue with: autofit search --resume $'",
+        nothing_lost=True,
+    ),
+    Fault(
+        "search-quit-first-probe",
+        "SIGQUIT while the first probe runs (a core dump, a trial left running)",
+        "autofit search ... (SIGQUIT)",
+        130,
+        "Continue with: autofit search --resume",
+        nothing_lost=True,
+    ),
+    Fault(
+        "search-kill-9-first-probe",
+        "kill -9 of a search before its first probe ended, then `autofit report` (said 'Nothing fits')",
+        "kill -9 <autofit search>; autofit report RUN",
+        0,
+        "not finished: the study records no end",
+        nothing_lost=True,
+    ),
+    Fault(
+        "search-hup-after-its-end",
+        "SIGHUP just after a search has said its result, while the interpreter "
+        "shuts down (killed by the signal: exit 129 replaced the search's own code)",
+        "autofit search --memory-limit 1MiB (SIGHUP after its last line)",
+        3,
+        "Nothing was probed",
+    ),
+    Fault(
+        "search-nohup-terminal-closed",
+        "a search under `nohup` whose terminal closed (every write fails with EIO: "
+        "a traceback, exit 1, the search stopped)",
+        "nohup autofit search ... (terminal closed)",
+        3,
+        "## Nothing fits",
+        nothing_lost=True,
+    ),
+    Fault(
+        "probe-hup",
+        "SIGHUP while `autofit probe` measures (exit 129, its child left to the parent-death signal)",
+        "autofit probe ... (SIGHUP)",
+        130,
+        "autofit: interrupted; child processes stopped",
+    ),
+    Fault(
+        "probe-sigpipe",
+        "SIGPIPE sent by a job runner while `autofit probe` measures: ignored, as Python sets it "
+        "(a command that restored its default would die there), then SIGTERM",
+        "autofit probe ... (SIGPIPE, then SIGTERM)",
+        130,
+        "autofit: interrupted; child processes stopped",
+    ),
+    Fault(
+        "data-hup-starting",
+        "SIGHUP while `autofit data` starts (exit 129 without a word)",
+        "autofit data train.jsonl --model tiny-llama (SIGHUP)",
+        130,
+        "autofit: interrupted",
+    ),
 ]
 
 STOPS = (signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)
@@ -55,8 +97,14 @@ def _default_signals() -> None:
 
 def _start(*args: str, cwd: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, **fake_env("hang"), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "autofit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, cwd=cwd, preexec_fn=_default_signals)
+    return subprocess.Popen(
+        [sys.executable, "-m", "autofit", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        preexec_fn=_default_signals,
+    )
 
 
 def _wait_for(pattern: str, where: Path, seconds: float = 120) -> Path:
@@ -77,16 +125,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
-SEARCH_SIGNALS = {"search-hup-first-probe": signal.SIGHUP, "search-quit-first-probe": signal.SIGQUIT,
-                  "search-kill-9-first-probe": signal.SIGKILL}
+SEARCH_SIGNALS = {
+    "search-hup-first-probe": signal.SIGHUP,
+    "search-quit-first-probe": signal.SIGQUIT,
+    "search-kill-9-first-probe": signal.SIGKILL,
+}
 
 
 @pytest.mark.parametrize("fault_id", list(SEARCH_SIGNALS))
 def test_a_search_stopped_before_its_first_probe_ended_says_it_did_not_finish(tmp_path: Path, fault_id: str) -> None:
     fault = next(f for f in FAULTS if f.id == fault_id)
     out = tmp_path / (os.fsdecode(b"caf\xe9") if fault_id == "search-hup-first-probe" else "runs")
-    search = _start("search", "--model", "tiny-llama", "--device", "cpu", "--budget", "5m", "--out", os.fsdecode(out),
-                    cwd=tmp_path)
+    search = _start(
+        "search", "--model", "tiny-llama", "--device", "cpu", "--budget", "5m", "--out", os.fsdecode(out), cwd=tmp_path
+    )
     child = int(_wait_for("*/logs/fake-child.pid", out).read_text())  # the first probe is running
     run = next(out.iterdir())
     search.send_signal(SEARCH_SIGNALS[fault_id])
@@ -102,8 +154,13 @@ def test_a_search_stopped_before_its_first_probe_ended_says_it_did_not_finish(tm
         word = err.split("--resume ", 1)[1].split()[0]  # a shell word that bash reads back as the folder
         found = subprocess.run(["bash", "-c", f"cat {word}/spec.yaml"], capture_output=True, check=False)
         assert found.returncode == 0 and found.stdout == (run / "spec.yaml").read_bytes(), found.stderr
-    report = subprocess.run([sys.executable, "-m", "autofit", "report", os.fsencode(run)], capture_output=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120, check=False)
+    report = subprocess.run(
+        [sys.executable, "-m", "autofit", "report", os.fsencode(run)],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        check=False,
+    )
     said = report.stdout.decode("utf-8", "replace")  # the folder's name, as the file system has it
     assert report.returncode == 0 and "not finished" in said, report.stderr
     text = (run / "report.md").read_text(encoding="utf-8")
@@ -116,8 +173,18 @@ def test_a_signal_after_the_command_has_ended_leaves_its_exit_code(tmp_path: Pat
     """Python puts the default actions back as it finalizes: a signal then killed the process, and the
     job runner saw 129 instead of the search's 3."""
     fault = next(f for f in FAULTS if f.id == "search-hup-after-its-end")
-    search = _start("search", "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "1MiB", "--out",
-                    str(tmp_path), cwd=tmp_path)
+    search = _start(
+        "search",
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--memory-limit",
+        "1MiB",
+        "--out",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
     assert search.stderr is not None
     said = b""
     while b"Report: " not in said:  # its last line: the work is done, the interpreter shuts down
@@ -141,10 +208,31 @@ def test_a_search_whose_terminal_closed_runs_to_its_end_under_nohup(tmp_path: Pa
         _default_signals()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    search = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
-                               SEARCH_SPACE, "--device", "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", "1m",
-                               "--out", str(tmp_path)], stdin=terminal, stdout=terminal, stderr=terminal, env=env,
-                              preexec_fn=nohup)
+    search = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "autofit",
+            "search",
+            "--model",
+            "tiny-llama",
+            "--space",
+            SEARCH_SPACE,
+            "--device",
+            "cpu",
+            "--memory-limit",
+            SEARCH_LIMIT,
+            "--budget",
+            "1m",
+            "--out",
+            str(tmp_path),
+        ],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=env,
+        preexec_fn=nohup,
+    )
     os.close(terminal)
     os.close(master)  # the terminal is gone before the search says a word
     assert search.wait(timeout=300) == fault.exit_code

@@ -21,7 +21,6 @@ def short_fit(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return probe_json(*SHORT, "--set", "micro_batch_size=2", cwd=tmp_path_factory.mktemp("fit"))
 
 
-@pytest.mark.slow
 def test_tiny_llama_fits_and_reports_figures(short_fit: dict) -> None:
     r = short_fit
     assert r["outcome"] == "fit"
@@ -41,7 +40,6 @@ def test_tiny_llama_fits_and_reports_figures(short_fit: dict) -> None:
     assert Path(r["log_path"]).is_file()
 
 
-@pytest.mark.slow
 def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
     """Beside each timed step's time, the training thread's CPU time, its wait for a CPU and the
     hypervisor's steal (Linux counters): what tells a busy host from a slow config."""
@@ -61,63 +59,6 @@ def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
     assert all(w is not None and w >= 0 for w in host["steal_cpu_s"])
 
 
-def test_a_noisy_reason_names_the_hosts_share_of_the_slowest_step() -> None:
-    from autofit.probe.child.hostclock import slowest
-
-    host = {"thread_cpu_s": [1.9, 2.0, 1.9], "process_cpu_s": [2.5, 2.6, 2.4], "run_wait_s": [0.01, 1.5, 0.0],
-            "steal_cpu_s": [0.0, 0.4, 0.0]}
-    note = slowest([2.0, 3.6, 1.95], host)
-    assert "(ran 3.60 s) against the fastest (1.95 s)" in note
-    assert "(ran 0.90 s) against the fastest (0.49 s)" in slowest([2.0, 3.6, 1.95], {**host, "step_s": [0.5, 0.9, 0.49]})
-    assert "waiting for a CPU 1.50 vs 0.00 s" in note and "hypervisor (all CPUs) 0.40 vs 0.00 s" in note
-    assert "all its threads on a CPU 2.60 vs 2.40 s" in note
-    # ranked by work where steps differ in it: the 3.6 s step carried twice the work, the fastest per unit
-    by_work = slowest([2.0, 3.6, 1.95], host, [2.0, 1.8, 1.95])
-    assert "slowest step per unit of work (ran 2.00 s) against the fastest (3.60 s)" in by_work
-    assert slowest([2.0], host) == "" and slowest([2.0, 3.0], {"thread_cpu_s": []}) == ""
-    # with the GPU's figures: its SM clock in the slowest step against the fastest, and why it was held back
-    gpu = {**host, "sm_clock_mhz": [1980, 1410, 1980], "clock_events": [["idle"], ["idle", "power cap"], ["idle"]]}
-    assert "SM clock 1,410 vs 1,980 MHz, clock held back by power cap in the slowest" in slowest([2.0, 3.6, 1.95], gpu)
-
-
-def test_the_device_clock_window_averages_its_samples_and_starts_again() -> None:
-    from autofit.probe.child.sampler import _DeviceClock, clock_event_bit
-
-    clock = _DeviceClock()
-    assert clock_event_bit("power cap") and clock_event_bit("power cap") != clock_event_bit("idle")
-    clock.add(1980, 650.0, 0)
-    clock.add(1410, 700.0, clock_event_bit("power cap"))
-    clock.add(None, None, None)  # a reading the driver refused counts for nothing
-    assert clock.window() == {"sm_clock_mhz": 1695, "power_w": 675.0, "clock_events": ["power cap"]}
-    assert clock.window() == {"sm_clock_mhz": None, "power_w": None, "clock_events": []}
-
-
-def test_fixed_cores_take_one_thread_per_physical_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autofit.probe.child.quiet import CORES_ENV, fixed_cores, one_thread_per_core
-
-    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():  # two cores, two threads each
-        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
-        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
-    assert one_thread_per_core({0, 1, 2, 3, 5}, tmp_path) == [0, 1, 5]  # cpu5's topology unread: its own core
-    assert one_thread_per_core({2, 3}, tmp_path) == [2, 3]
-    # this machine's own topology
-    allowed = os.sched_getaffinity(0)
-    cores = one_thread_per_core(allowed)
-    lists = {Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text() for c in cores}
-    assert cores and set(cores) <= allowed and len(lists) == len(cores)
-    monkeypatch.delenv(CORES_ENV, raising=False)
-    assert fixed_cores(allowed, 0) == allowed  # unset: the GPU's local cores, unchanged
-    monkeypatch.setenv(CORES_ENV, "1")
-    assert fixed_cores(allowed, 0) == {cores[0]}
-    assert fixed_cores(allowed, 1) == {cores[1 % len(cores)]}  # the next GPU, the next core
-    monkeypatch.setenv(CORES_ENV, str(len(cores) + 4))
-    assert fixed_cores(allowed, 0) == set(cores)
-    monkeypatch.setenv(CORES_ENV, "0")
-    with pytest.raises(ValueError, match=CORES_ENV):
-        fixed_cores(allowed, 0)
-
-
-@pytest.mark.slow
 def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--memory-limit", "2MiB", cwd=tmp_path)
     assert r["outcome"] == "oom"
@@ -130,7 +71,6 @@ def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:
     assert r["oom_request_bytes"] is None
 
 
-@pytest.mark.slow
 def test_peak_inside_headroom_is_an_oom(short_fit: dict, tmp_path: Path) -> None:
     # the measured peak at 75% of the limit, with 45% kept free: a peak from 55% to 100% of the
     # limit (0.73x to 1.33x this one) lands inside the headroom, below the limit itself
@@ -143,7 +83,6 @@ def test_peak_inside_headroom_is_an_oom(short_fit: dict, tmp_path: Path) -> None
     assert r["oom_shortfall_bytes"] == r["peak_memory_bytes"] - (limit - r["headroom_bytes"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sets, expected", [
     (["gradient_checkpointing=every_2"], [0, 2]),  # (on: every_1, the same code path)
     (["gradient_checkpointing=off", "quantization=nf4"], []),  # peft's default would checkpoint all
@@ -157,7 +96,6 @@ def test_checkpointing_exactly_on_the_layers_asked(tmp_path: Path, sets: list[st
     assert r["n_layers"] == 4
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sets, bnb_optimizer, paged, bnb_layers", [
     (["quantization=8bit", "optimizer=paged_adamw_8bit"], True, True, True),  # both in one probe
     (["optimizer=adamw_8bit"], True, False, False),
@@ -177,21 +115,18 @@ def test_bitsandbytes_runs_for_real_on_the_cpu(tmp_path: Path, sets: list[str], 
     assert r["loss"] is not None and r["loss"] > 0
 
 
-@pytest.mark.slow
 def test_missing_attention_kernel_is_unsupported(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--set", "attn_implementation=flash_attention_2", cwd=tmp_path)
     assert r["outcome"] == "unsupported"
     assert "flash" in r["reason"].lower()
 
 
-@pytest.mark.slow
 def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--set", "lora_targets=no_such_module", cwd=tmp_path)
     assert r["outcome"] == "crash"
     assert "Traceback" in r["error_tail"] and "no_such_module" in r["error_tail"]
 
 
-@pytest.mark.slow
 def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path, short_fit: dict) -> None:
     """lora_targets=all-linear is peft's own form: every linear layer of a block (not the head), and the
     memory model's adapter count is the probe's trainable parameters, for the names and for all-linear."""
@@ -328,7 +263,6 @@ def saved_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.slow
 def test_a_local_folder_loads_with_from_pretrained(tmp_path: Path, saved_tiny: Path) -> None:
     proc = run_cli("probe", "--model", str(saved_tiny), "--device", "cpu", "--json", *SHORT, cwd=tmp_path,
                    env={"HF_HUB_OFFLINE": "1"})
@@ -344,7 +278,6 @@ def test_a_local_folder_loads_with_from_pretrained(tmp_path: Path, saved_tiny: P
     assert json.loads(proc.stdout)["outcome"] == "fit"
 
 
-@pytest.mark.slow
 def test_a_config_json_path_builds_random_weights(tmp_path: Path, saved_tiny: Path) -> None:
     import json
 
@@ -361,7 +294,6 @@ def test_a_hub_id_not_in_the_cache_offline_is_a_clear_error(tmp_path: Path) -> N
     assert "not in the local cache" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
 def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny: Path) -> None:
     # lay the folder out as the hub cache does (models--owner--name/snapshots/<rev>/ + refs/main)
     cache = tmp_path / "hub"
@@ -383,16 +315,6 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny
 # ----------------------------------------------------------------------------- the keys
 
 
-def test_every_optimizer_name_is_a_transformers_optim() -> None:
-    from transformers.training_args import OptimizerNames
-
-    from autofit.config.spec import OPTIMIZERS
-
-    names = {o.value for o in OptimizerNames}
-    assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
-
-
-@pytest.mark.slow
 def test_weights_that_make_the_loss_non_finite_are_unstable_not_a_fit(tmp_path: Path) -> None:
     """A diverged checkpoint (a NaN norm weight): real steps, a non-finite loss, outcome unstable."""
     import torch

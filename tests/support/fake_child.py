@@ -3,7 +3,8 @@
 It speaks the runner's protocol (protocol.py: die with the parent, print the ready line,
 read one `ProbeRequest`) and then does what FAKE_MODE says: print the real CUDA OOM text
 (`cuda_oom`; `cuda_oom_capped` as under a per-process cap) and exit, hang, be SIGKILLed,
-segfault, print garbage, write a result file that is not JSON, or hold a timed phase (`timed`: announce it, wait for the go-ahead, sleep FAKE_TIMED_S).
+segfault, print garbage, write a result file that is not JSON, or hold a timed phase (`timed`: announce it,
+wait for the go-ahead, sleep FAKE_TIMED_S).
 FAKE_IMPORT_S makes its "imports" take that long before it is ready.
 """
 

@@ -1,85 +1,11 @@
 """The package's shape: each package is a layer, a module imports only its own layer or lower ones, never in
-a cycle, and torch only on the probe's child side.
-
-This file holds the one copy of the layer list; each package's `__init__.py` says what it holds.
-"""
+a cycle (the layer list: tests/support/layers.py)."""
 
 from __future__ import annotations
 
-import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import ROOT
-
-PACKAGE = ROOT / "autofit"
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("core",),              # 0 errors and exit codes, units, files written whole, paths, versions
-    ("config",),            # 1 TrialConfig and its dimensions, spaces, models, targets, training arguments
-    ("protocol",),          # 2 what crosses the process boundary, and how an outcome is judged
-    ("data",),              # 3 datasets, lengths, batching plans
-    ("estimate",),          # 4 the memory model and the declared speed effects
-    ("probe",),             # 5 the parent side of a probe (the runner); its child side is below
-    ("search",),            # 6 the driver, knowledge, policy, study, objective, replay
-    ("run",),               # 7 the run folder, its locks, the session, the report, regress
-    ("export",),            # 8 recipes for the tools people use
-    ("cli", "__main__", "_entry"),  # 9 parsing, printing, exit codes
-)
-CHILD = "probe.child"
-"""The probe's child side: the only code that imports torch; it may import layers 0-4 and nothing of the
-runner, and no module imports it (the runner starts it as `python -m autofit.probe.child`)."""
-CHILD_MAY_IMPORT = 4
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def imports(name: str, path: Path) -> set[str]:
-    """autofit modules that `path` imports, anywhere in it (deferred imports count)."""
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-            out |= {f"{base}.{a.name}" for a in node.names} if node.module is None else {base}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autofit"):
-            mod = str(node.module)
-            out |= {f"{mod}.{a.name}" for a in node.names}  # `from autofit.run import locks`: the module locks
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("autofit")}
-    known = modules()
-    return {_owner(m, known) for m in out if _owner(m, known)} - {name}
-
-
-def _owner(target: str, known: dict[str, Path]) -> str:
-    """`autofit.export.FORMATS` -> `autofit.export`: the longest module name the target starts with."""
-    while target and target not in known:
-        target = target.rpartition(".")[0]
-    return target
-
-
-def child_side(name: str) -> bool:
-    return name == f"autofit.{CHILD}" or name.startswith(f"autofit.{CHILD}.")
-
-
-def layer(name: str) -> int | None:
-    if name == "autofit":
-        return 0
-    first = name.split(".")[1] if "." in name else ""
-    return next((n for n, names in enumerate(LAYERS) if first in names), None)
-
-
-def graph() -> dict[str, set[str]]:
-    return {name: imports(name, path) for name, path in modules().items()}
+from layers import CHILD_MAY_IMPORT, PACKAGE, child_side, graph, imports, layer, modules
 
 
 def test_every_module_sits_in_a_layer_package() -> None:
@@ -128,23 +54,6 @@ def test_no_import_cycles() -> None:
         if name not in state:
             visit(name, [name])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
-
-
-def test_importing_every_module_but_the_child_side_imports_no_torch() -> None:
-    names = [m for m in modules() if not child_side(m) and m != "autofit.__main__"]
-    code = ("import importlib, json, sys\n"
-            "heavy = ('torch', 'transformers.modeling_utils', 'peft', 'trl')\n"
-            "for m in json.loads(sys.argv[1]):\n"
-            "    importlib.import_module(m)\n"
-            "    found = [h for h in heavy if h in sys.modules]\n"
-            "    if found:\n"
-            "        print(m, found)\n"
-            "        break\n")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(names)], check=False, capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "", f"imported a training library: {proc.stdout}"
-    assert "autofit.export" in names and "autofit.run.session" in names and "autofit.cli.search" in names
 
 
 def test_the_layer_check_can_fail(tmp_path: Path) -> None:

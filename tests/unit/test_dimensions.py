@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_regress import write_run
 
 from autofit.config.kernels import gate_key, needs_gate
 from autofit.config.space import load_space, shipped_spaces
@@ -18,6 +17,7 @@ from autofit.data.correctness import boundary_key
 from autofit.estimate import effects
 from autofit.estimate.memory import MODELED, NO_MEMORY
 from autofit.export import FORMATS, export_run
+from runs import write_run
 
 OTHER: dict[str, Any] = {
     "method": "full", "max_length": 4096, "micro_batch_size": 4, "global_batch": 32, "precision": "fp16",
@@ -73,8 +73,10 @@ def test_the_lists_of_keys_derive_from_the_declaration() -> None:
     assert set(effects.SPEED) == {k for k, d in KEYS.items() if d.speed}
     one = TrialConfig.from_dict({**OTHER, "method": "lora", "gpus": 1, "engine": "none", "cpu_offload": "off",
                                  "reshard_after_forward": True})
-    assert brief(one) == "L=4096 mb=4 ga=8 fp16 ckpt=every_2 nf4 paged_adamw_8bit eager liger torch_compile expandable " \
+    assert (
+        brief(one) == "L=4096 mb=4 ga=8 fp16 ckpt=every_2 nf4 paged_adamw_8bit eager liger torch_compile expandable "
         "packed"
+    )
     two = TrialConfig(method="full", gpus=2, engine="fsdp2", reshard_after_forward=False, cpu_offload="all")
     assert brief(two) == "L=2048 mb=1 ga=8 bf16 ckpt=off adamw_torch_fused full gpus=2 fsdp2 no-reshard offload=all"
 
@@ -88,8 +90,10 @@ def test_a_key_stored_before_it_existed_keeps_the_stored_key() -> None:
 def _pair(name: str) -> tuple[TrialConfig, TrialConfig]:
     """A winner with `name` at its default and the same with another value (in the context the value needs)."""
     context = CONTEXT.get(name, {})
-    return (TrialConfig.from_dict({**context, name: KEYS[name].default}),
-            TrialConfig.from_dict({**context, name: other(name)}))
+    return (
+        TrialConfig.from_dict({**context, name: KEYS[name].default}),
+        TrialConfig.from_dict({**context, name: other(name)}),
+    )
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

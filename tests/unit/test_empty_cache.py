@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from conftest import probe_json
-from test_regress import write_run
-
 from autofit.config import recipe
 from autofit.config.models import resolve_model
 from autofit.config.spec import TrialConfig
 from autofit.estimate.memory import MemoryModel, Shape
 from autofit.export import export_run
+from runs import write_run
 
 
 def test_it_reaches_trainer_as_torch_empty_cache_steps_and_zero_is_never() -> None:
@@ -26,12 +23,6 @@ def test_it_reaches_trainer_as_torch_empty_cache_steps_and_zero_is_never() -> No
     assert "torch_empty_cache_steps" not in recipe.training_arguments(TrialConfig(), on_cpu=True, max_steps=3)
     assert TrialConfig().key() == TrialConfig(empty_cache_steps=0).key()  # a stored study keeps its keys
     assert "empty_cache_steps=4" in TrialConfig(empty_cache_steps=4).key()
-
-
-@pytest.mark.slow
-def test_a_probe_trains_with_it(tmp_path: Path) -> None:
-    res = probe_json("--set", "max_length=32", "--set", "global_batch=2", "--set", "empty_cache_steps=1", cwd=tmp_path)
-    assert res["outcome"] == "fit" and res["config"]["empty_cache_steps"] == 1, res.get("reason")
 
 
 def test_each_format_spells_it_or_says_it_is_not_kept(tmp_path: Path) -> None:

@@ -7,14 +7,10 @@ with a deliberately wrong kernel injected at the process boundary (`TEST_LOSS_SC
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import ROOT, probe_json
-from optuna.trial import create_trial
-from test_regress import write_run
+from conftest import ROOT
 
 from autofit.cli import main
 from autofit.config import kernels, recipe
@@ -25,7 +21,6 @@ from autofit.core.errors import UsageError
 from autofit.estimate.memory import Shape, group_key, prior
 from autofit.export import export_run
 from autofit.probe.child.errors import Unsupported
-from autofit.probe.child.gate import TEST_LOSS_SCALE_ENV
 from autofit.probe.child.measure import run_probe
 from autofit.probe.child.state import ProbeState
 from autofit.probe.runner import Runner
@@ -33,11 +28,10 @@ from autofit.protocol.request import Checks, ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.run.report.markdown import prediction_errors
 from autofit.run.rundir import ProbeSettings
-from autofit.search.knowledge import Knowledge, Verdict
 from autofit.search.objective import best_of, speed
+from runs import write_run
 
 SHORT = {"max_length": 128, "global_batch": 4}
-DATA = ROOT / "tests" / "data" / "tiny.jsonl"
 
 # TrialConfig().key() before the kernel keys existed: stored studies look configs up by it.
 OLD_DEFAULT_KEY = ("method=lora;max_length=2048;micro_batch_size=1;global_batch=16;precision=bf16;"
@@ -113,44 +107,6 @@ def test_compile_time_is_amortised_over_the_planned_training() -> None:
     assert speed(fit(1100.0, compile_s=90.0)) == 1100.0  # no planned length: raw speed
 
 
-@pytest.mark.slow
-def test_liger_probe_is_unsupported_with_the_reason_on_the_cpu(tmp_path) -> None:
-    r = probe_json("--set", "liger=on", "--set", "max_length=128", "--set", "global_batch=4", cwd=tmp_path)
-    assert r["outcome"] == "unsupported"
-    assert "Liger's kernels are Triton GPU kernels" in r["reason"]
-
-
-@pytest.mark.slow
-def test_the_gate_in_a_real_probe_catches_a_wrong_kernel(tmp_path, monkeypatch) -> None:
-    """torch_compile runs on the CPU; the test-only factor makes its loss 1.5x: a mismatch, and the
-    study's next config with the same kernels is skipped from that stored verdict, without a child."""
-    monkeypatch.setenv(TEST_LOSS_SCALE_ENV, "1.5")
-    cfg = TrialConfig(torch_compile=True, precision="fp32", **SHORT)
-    with Runner(Target(), tmp_path, standby=0) as runner:
-        res = runner.run(cfg, resolve_model("tiny-llama"), name="wrong", timeout=600)
-    assert res.outcome is Outcome.MISMATCH, res.reason + res.error_tail
-    assert res.extra["gate"]["ok"] is False and res.extra["gate_key"] == kernels.gate_key(cfg)
-    assert res.extra["gate"]["loss_rel_err"] == pytest.approx(0.5, rel=1e-3)
-    assert best_of([res]) is None  # never a winner
-    stored = create_trial(value=0.0, user_attrs={"kind": "probe", "config_key": cfg.key(), "result": res.to_dict()})
-    stored.number = 3
-    know = Knowledge.build([stored], Shape.from_config(resolve_model("tiny-llama").config), False, None)
-    assert know.verdict(cfg.replace(micro_batch_size=2)) == (
-        Verdict.MISMATCHED, "trial 3: the kernels failed the correctness gate")
-
-
-@pytest.mark.slow
-def test_a_compiled_probe_passes_the_gate_and_reports_compile_seconds(tmp_path) -> None:
-    r = probe_json("--set", "torch_compile=on", "--set", "max_length=128", "--set", "global_batch=4",
-                   cwd=tmp_path)
-    assert r["outcome"] == "fit", r["reason"]
-    assert r["extra"]["gate"]["ok"] is True
-    assert r["compile_seconds"] > 0 and r["extra"]["first_step_s"] > r["compile_seconds"] / 2
-    assert r["extra"]["dynamo"]["graphs"] >= 1
-    # regional compilation: every decoder block compiled, the top-level forward (the loss) eager
-    assert r["extra"]["compiled_regions"] >= r["n_layers"] and r["extra"]["compiled_whole_model"] is False
-
-
 S4 = Shape(hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28, kv_heads=4, tied=False)
 """Qwen2.5-7B's shape: the large-vocabulary scenario."""
 
@@ -209,18 +165,6 @@ def test_every_format_carries_the_kernels_validated_against_the_installed_librar
     assert factory["enable_liger_kernel"] is True and factory["torch_compile"] is True
     stock = yaml.safe_load(export_run(write_run(tmp_path / "stock"), "axolotl").text)
     assert "plugins" not in stock and "torch_compile" not in stock
-
-
-@pytest.mark.slow
-def test_a_liger_script_fails_clearly_where_liger_cannot_run(tmp_path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(export_run(write_run(tmp_path / "run", config=KERNELS.to_dict()), "hf-trainer").text)
-    proc = subprocess.run([sys.executable, str(script), "--dataset", str(DATA), "--max-steps", "3",
-                           "--output-dir", str(tmp_path / "out")],
-                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "use_liger_kernel=True" in proc.stderr
-    assert "pip install 'liger-kernel>=0.8.5'" in proc.stderr or "this machine has no" in proc.stderr
 
 
 def test_train_tokens_is_a_search_flag_with_its_default_stated(capsys, tmp_path) -> None:

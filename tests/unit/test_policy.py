@@ -278,7 +278,8 @@ def test_with_a_dataset_the_expected_speed_counts_trained_tokens_and_the_micro_b
     trained, tensor = shapes.per_micro_batch("pad_max", 2048, 1)
     assert tensor == 2048 and trained == pytest.approx(sum(n - 1 for n in SHORT) / len(SHORT))
     # without the data every strategy looks alike (full rows of random tokens): the old blindness
-    assert effects.factor(c(1, "pad_max")) == effects.factor(c(1, "pad_longest")) == effects.factor(c(1, "padding_free"))
+    factors = {b: effects.factor(c(1, b)) for b in ("pad_max", "pad_longest", "padding_free")}
+    assert len(set(factors.values())) == 1, factors
 
 
 def test_with_a_dataset_of_short_samples_the_edge_policy_probes_padding_free_next() -> None:
@@ -323,7 +324,8 @@ def test_the_fixed_cost_of_a_micro_step_is_learned_from_two_micro_batches() -> N
     assert effects.fitted_half_tokens([(one, tps(one)), (two, tps(two))]) == pytest.approx(h)
     assert effects.fitted_half_tokens([(one, tps(one)), (cfg(1, "off"), tps(cfg(1, "off")))]) is None
     longer = Space("x", {**SPACE.fixed, "max_length": 4096}, SPACE.dimensions).config(
-        {"micro_batch_size": 2, "gradient_checkpointing": "on"})
+        {"micro_batch_size": 2, "gradient_checkpointing": "on"}
+    )
     assert effects.fitted_half_tokens([(one, tps(one)), (longer, tps(longer))]) is None
     # all fixed cost (micro-batch 2 trains twice the tokens in the same time, or a little more within
     # the noise): the largest H the pair can say, a multiple of its tokens, not a crash or infinity
@@ -342,6 +344,7 @@ def test_the_policy_and_the_budget_use_the_learned_fixed_cost() -> None:
     assert k.half_tokens(four) > 10 * effects.HALF_TOKENS
     assert k.half_tokens(cfg(4)) == effects.HALF_TOKENS  # bf16 weights: its own prior, not nf4's finding
     from autofit.search.policy import expected_speed, measured
+
     mu, _ = expected_speed(measured(k), four, None, k.half_tokens)
     assert 1.6 * 4667 < mu < 2.0 * 4667
     assert k.estimate_seconds(four, 7, 4) < 1.5 * k.estimate_seconds(two, 7, 4)
@@ -383,15 +386,19 @@ def test_nothing_fits_advises_only_the_savings_not_tried() -> None:
         return nothing_fits_message([oom(c, OOM_TEXT) for c in configs], LIMIT).split("Allow next: ")[1]
 
     plain = advice(cfg(4, "off", max_length=1024))
-    assert plain == ("quantization (--space qlora: a 4-bit base), a --max-length shorter than 1024, "
-                     "micro_batch_size 1 (in a --space file), gradient checkpointing (on, or on+offload), or a larger "
-                     "--memory-limit.")
+    assert plain == (
+        "quantization (--space qlora: a 4-bit base), a --max-length shorter than 1024, "
+        "micro_batch_size 1 (in a --space file), gradient checkpointing (on, or on+offload), or a larger "
+        "--memory-limit."
+    )
     tried = advice(cfg(1, "on+offload", quantization="nf4", max_length=512), cfg(2, "on", max_length=1024))
     assert tried == "a --max-length shorter than 512, or a larger --memory-limit."
     assert "with offload (on+offload)" in advice(cfg(1, "every_2", max_length=256))
     # a probe that timed out or crashed ran out of nothing: it takes no saving off the advice
-    quiet = [ProbeResult(outcome, cfg(1, "on+offload", quantization="nf4", max_length=256).to_dict(), reason="x")
-             for outcome in (Outcome.TIMEOUT, Outcome.CRASH, Outcome.CANCELLED)]
+    quiet = [
+        ProbeResult(outcome, cfg(1, "on+offload", quantization="nf4", max_length=256).to_dict(), reason="x")
+        for outcome in (Outcome.TIMEOUT, Outcome.CRASH, Outcome.CANCELLED)
+    ]
     mixed = nothing_fits_message([oom(cfg(4, "off", max_length=1024), OOM_TEXT), *quiet], LIMIT)
     assert mixed.split("Allow next: ")[1] == plain
     none = nothing_fits_message(quiet, LIMIT)  # nothing ran out of memory: no memory advice at all
@@ -439,8 +446,9 @@ def test_the_weights_floor_is_below_every_measured_peak_of_the_recorded_landscap
         land = Landscape.load(path)
         shape = Shape.from_config(land.model_source().config)
         fits = [ProbeResult.from_dict(p) for p in land.points.values() if p.get("tokens_per_s")]
-        assert fits and all(weights_floor(TrialConfig.from_dict(r.config), shape) < 0.7 * (r.peak_memory_bytes or 0)
-                            for r in fits), path.name
+        assert fits and all(
+            weights_floor(TrialConfig.from_dict(r.config), shape) < 0.7 * (r.peak_memory_bytes or 0) for r in fits
+        ), path.name
         assert not beyond_reach(land.search_space().candidates(), shape, land.usable_bytes), path.name
 
 
@@ -458,8 +466,10 @@ def test_the_savings_are_computed_and_each_is_the_least_that_fits() -> None:
     def least(configs: list[TrialConfig], shape: Shape = SHAPE) -> int:
         return min(prior(c, shape).total() for c in configs)
 
-    assert found[Change.QUANTIZE].fits and found[Change.QUANTIZE].amount == least(
-        [c.replace(quantization="nf4") for c in LORA]) <= usable
+    assert (
+        found[Change.QUANTIZE].fits
+        and found[Change.QUANTIZE].amount == least([c.replace(quantization="nf4") for c in LORA]) <= usable
+    )
     assert not found[Change.LENGTH].fits
     model = found[Change.MODEL]
     assert model.fits and 0.5e9 < (model.amount or 0) < SHAPE.total_params()
@@ -469,7 +479,8 @@ def test_the_savings_are_computed_and_each_is_the_least_that_fits() -> None:
 
     def sharded(n: int) -> list[TrialConfig]:  # FSDP2 checkpoints every layer or none
         return [c.replace(gpus=n, engine="zero3") for c in LORA] + [
-            c.replace(gpus=n, engine="fsdp2") for c in LORA if c.gradient_checkpointing in ("off", "on")]
+            c.replace(gpus=n, engine="fsdp2") for c in LORA if c.gradient_checkpointing in ("off", "on")
+        ]
 
     assert gpus >= 2 and least(sharded(gpus)) <= usable and (gpus == 2 or least(sharded(gpus // 2)) > usable)
     assert found[Change.CARD].amount == r.smallest_peak == least(LORA)

@@ -3,22 +3,19 @@ headroom, the spread rule, the evidence for the OOM killer, the runner's cancell
 
 from __future__ import annotations
 
-import threading
-import time
+import json
 from pathlib import Path
 
 import pytest
-from conftest import FAKE_CHILD
 
+from autofit.cli import build_parser
 from autofit.config.models import resolve_model
 from autofit.config.spec import TrialConfig
-from autofit.config.target import HEADROOM, Target
+from autofit.config.target import HEADROOM
 from autofit.probe.child.judge import failure_result, judge_limit
 from autofit.probe.child.state import ProbeState
 from autofit.probe.child.timing import spread, timing_done
-from autofit.probe.runner import Runner, _outside_sigkill
-from autofit.probe.standby import HOLD
-from autofit.protocol import request as protocol
+from autofit.probe.runner import _outside_sigkill
 from autofit.protocol.kills import KillWatch, oom_kill_count
 from autofit.protocol.request import SPREAD_BOUND, ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
@@ -39,10 +36,21 @@ def test_request_round_trips_through_json() -> None:
     assert back.usable_bytes == int(40 * 2**30 * 0.9)
 
 
-def test_request_defaults_are_the_protocol_s() -> None:
-    req = _request()
-    assert (req.headroom, req.warmup_steps, req.timed_steps, req.max_probe_accumulation) == (
-        protocol.HEADROOM, protocol.WARMUP_STEPS, protocol.TIMED_STEPS, protocol.MAX_PROBE_ACCUMULATION)
+@pytest.mark.parametrize("command", ["probe", "search", "regress"])
+def test_a_request_without_measuring_settings_measures_as_the_cli_s_defaults(command: str) -> None:
+    """A request that leaves the measuring settings out (as JSON reaches the child) gets what a user who
+    passes no flag gets from each command: the same headroom, warm-up, timed steps and accumulation cap."""
+    argv = {"probe": ["probe", "--model", "tiny-llama"], "search": ["search", "--model", "tiny-llama"],
+            "regress": ["regress", "runs/x"]}[command]
+    args = build_parser().parse_args(argv)
+    cfg = TrialConfig.from_mapping({"max_length": 128, "global_batch": 4, "micro_batch_size": 2})
+    minimal = json.dumps({"config": cfg.to_dict(), "model": resolve_model("tiny-llama").to_dict(),
+                          "result_path": "r.json"})
+    req = ProbeRequest.from_json(minimal)
+    wanted = {name: getattr(args, name) for name in ("headroom", "warmup_steps", "timed_steps",
+                                                     "max_probe_accumulation") if hasattr(args, name)}
+    assert wanted, argv  # each command takes some of them
+    assert {name: getattr(req, name) for name in wanted} == wanted
 
 
 @pytest.mark.parametrize("cap, ga, probed", [(4, 2, 2), (4, 16, 4), (None, 16, 16), (1, 3, 1)])
@@ -140,9 +148,21 @@ def test_oom_kill_count_from_the_cgroup_files(tmp_path: Path, layout: str) -> No
     assert oom_kill_count(tmp_path / "nothing", proc) is None
 
 
-def test_this_machine_s_oom_kill_count_reads() -> None:
-    count = oom_kill_count()
-    assert count is None or count >= 0
+def test_this_machine_s_cgroup_lines_lead_to_its_oom_kill_count(tmp_path: Path) -> None:
+    """The real /proc/self/cgroup of whatever machine runs the suite (v1, v2 or both) resolves to the
+    folder its memory cgroup has under the root: a count written there, and only there, is found."""
+    proc = Path("/proc/self/cgroup").read_text()
+    memory_line = next((line.split(":", 2) for line in proc.splitlines()
+                        if line.split(":", 2)[1:2] in (["memory"], [""])), None)
+    assert memory_line is not None, proc  # every Linux CI machine shows a v1 memory or a v2 unified line
+    _, controllers, path = memory_line
+    folder = tmp_path / ("memory" if controllers == "memory" else "") / path.lstrip("/")
+    folder.mkdir(parents=True, exist_ok=True)
+    events = "memory.oom_control" if controllers == "memory" else "memory.events"
+    (folder / events).write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n")
+    assert oom_kill_count(tmp_path, proc) == 7
+    (folder / events).write_text("oom_kill_disable 0\n")  # no count line: nothing to read
+    assert oom_kill_count(tmp_path, proc) is None
 
 
 def test_a_sigkill_without_evidence_is_a_retryable_crash() -> None:
@@ -163,56 +183,3 @@ def test_a_sigkill_with_evidence_is_host_oom() -> None:
     assert evidence is not None
     res = _outside_sigkill({}, "", evidence)
     assert res.outcome is Outcome.HOST_OOM and not res.retryable and evidence in res.reason
-
-
-# -- the runner with a stand-in child ------------------------------------------------------------------
-
-
-@pytest.fixture()
-def fake(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
-    monkeypatch.setenv("AUTOFIT_PROBE_COMMAND", f"{sys.executable} {FAKE_CHILD}")
-
-
-def test_a_cancelled_probe_is_cancelled(tmp_path: Path, fake: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_MODE", "hang")
-    with Runner(Target(), tmp_path, standby=0) as runner:
-        t0 = time.monotonic()
-        res = runner.run(_request().config, resolve_model("tiny-llama"), name="c", timeout=60,
-                         cancel=lambda: time.monotonic() - t0 > 1)
-    assert res.outcome is Outcome.CANCELLED
-    assert time.monotonic() - t0 < 30
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def test_standby_imports_are_held_during_the_timed_phase(tmp_path: Path, fake: None,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_MODE", "timed")
-    monkeypatch.setenv("FAKE_TIMED_S", "3")
-    stops = HOLD.stops
-    with Runner(Target(), tmp_path, standby=1) as runner:
-        runner.warm_up()
-        first = runner._pool[0]
-        first.ready.wait(30)
-        monkeypatch.setenv("FAKE_IMPORT_S", "30")  # the next standby "imports" for 30 s
-        out: list[ProbeResult] = []
-        th = threading.Thread(target=lambda: out.append(
-            runner.run(_request().config, resolve_model("tiny-llama"), name="t", timeout=60)))
-        th.start()
-        deadline = time.monotonic() + 20
-        while not (runner._pool and first._timing) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        importing = runner._pool[0]
-        time.sleep(0.5)
-        during = _state(importing.proc.pid)
-        th.join(30)
-        time.sleep(0.3)
-        after = _state(importing.proc.pid)
-    assert out and "timed phase over" in Path(out[0].log_path).read_text()
-    assert during == "T"  # stopped while the other probe was timed
-    assert after in ("S", "R")  # and continued once it was over
-    assert HOLD.stops == stops + 1

@@ -3,14 +3,10 @@ against an edited or unchanged baseline end to end (marked slow; CPU tolerances)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import time
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
@@ -18,12 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import DATA_DIR
 from faults import full_disk, read_only_folder
 
 from autofit.cli import main
-from autofit.config.models import resolve_model
-from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
 from autofit.core import envinfo
 from autofit.core.errors import CannotWrite, RegressionFound, UsageError
@@ -32,10 +26,9 @@ from autofit.run import regress
 from autofit.run.best import BestEntry
 from autofit.run.regress import Rule, Status, Tolerance
 from autofit.run.rundir import target_dict
+from runs import BASE, MIB, recorded, write_run
 
-MIB = 2**20
 TOL10 = Tolerance(speed=0.10, memory=0.05)
-BASE = BestEntry("winner", TrialConfig(max_length=128, micro_batch_size=4, global_batch=4), 1000.0, 100 * MIB)
 
 
 def fit(tokens_per_s: float, peak: int = 100 * MIB) -> ProbeResult:
@@ -63,35 +56,58 @@ def check_of(results: list[ProbeResult], rule: Rule = Rule()) -> regress.Check:
 # --------------------------------------------------------------------------- judging, in-process
 
 
-@pytest.mark.parametrize("results, raw, status, attempts, tokens_per_s, peak", [
-    ([fit(1000)], Status.OK, Status.OK, 1, 1000, 100 * MIB),
-    ([fit(950, 104 * MIB)], Status.OK, Status.OK, 1, 950, 104 * MIB),  # inside both tolerances
-    ([fit(500), fit(1000), fit(980)], Status.OK, Status.OK, 3, 980, 100 * MIB),  # one slow run is outvoted
-    ([fit(500), fit(520), fit(510)], Status.SLOWER, Status.SLOWER, 3, 510, 100 * MIB),  # 49% slower: at once
-    ([fit(850), fit(860), fit(855)], Status.SLOWER, Status.SUSPECT, 3, 855, 100 * MIB),  # 14.5%: one check
-    ([fit(500), fit(520), fit(1000)], Status.SLOWER, Status.INCONCLUSIVE, 3, 520, 100 * MIB),  # runs 2x apart
-    ([fit(1000, 120 * MIB), fit(1000, 121 * MIB), fit(1000, 119 * MIB)], Status.HEAVIER, Status.HEAVIER, 3, 1000,
-     121 * MIB),  # the largest peak, 21% heavier: at once
-    ([fit(2000), fit(1900), fit(2100)], Status.FASTER, Status.FASTER, 3, 2000, 100 * MIB),
-    ([fit(500), failed(Outcome.CRASH), fit(1000)], Status.SLOWER, Status.INCONCLUSIVE, 3, 750, 100 * MIB),  # a crash is not a run
-])
-def test_a_figure_outside_tolerance_is_the_median_of_three_runs(results: list[ProbeResult], raw: Status,
-                                                                status: Status, attempts: int, tokens_per_s: float,
-                                                                peak: int) -> None:
+@pytest.mark.parametrize(
+    "results, raw, status, attempts, tokens_per_s, peak",
+    [
+        ([fit(1000)], Status.OK, Status.OK, 1, 1000, 100 * MIB),
+        ([fit(950, 104 * MIB)], Status.OK, Status.OK, 1, 950, 104 * MIB),  # inside both tolerances
+        ([fit(500), fit(1000), fit(980)], Status.OK, Status.OK, 3, 980, 100 * MIB),  # one slow run is outvoted
+        ([fit(500), fit(520), fit(510)], Status.SLOWER, Status.SLOWER, 3, 510, 100 * MIB),  # 49% slower: at once
+        ([fit(850), fit(860), fit(855)], Status.SLOWER, Status.SUSPECT, 3, 855, 100 * MIB),  # 14.5%: one check
+        ([fit(500), fit(520), fit(1000)], Status.SLOWER, Status.INCONCLUSIVE, 3, 520, 100 * MIB),  # runs 2x apart
+        (
+            [fit(1000, 120 * MIB), fit(1000, 121 * MIB), fit(1000, 119 * MIB)],
+            Status.HEAVIER,
+            Status.HEAVIER,
+            3,
+            1000,
+            121 * MIB,
+        ),  # the largest peak, 21% heavier: at once
+        ([fit(2000), fit(1900), fit(2100)], Status.FASTER, Status.FASTER, 3, 2000, 100 * MIB),
+        (
+            [fit(500), failed(Outcome.CRASH), fit(1000)],
+            Status.SLOWER,
+            Status.INCONCLUSIVE,
+            3,
+            750,
+            100 * MIB,
+        ),  # a crash is not a run
+    ],
+)
+def test_a_figure_outside_tolerance_is_the_median_of_three_runs(
+    results: list[ProbeResult], raw: Status, status: Status, attempts: int, tokens_per_s: float, peak: int
+) -> None:
     """`raw`: what the figures alone say; `status`: the verdict of the default rule on a first check."""
     check = check_of(results)
-    assert (check.status, check.attempts, check.tokens_per_s, check.peak_bytes) == (status, attempts,
-                                                                                     tokens_per_s, peak)
+    assert (check.status, check.attempts, check.tokens_per_s, check.peak_bytes) == (
+        status,
+        attempts,
+        tokens_per_s,
+        peak,
+    )
     fitting = [r.tokens_per_s for r in results if r.outcome.is_fit()]
     assert check.runs == tuple(fitting) and check.tokens_per_s == statistics.median(fitting)
     assert regress.judge(BASE, regress.combine(results), TOL10) is raw
     assert check.failed is (status in (Status.SLOWER, Status.HEAVIER))
 
 
-@pytest.mark.parametrize("results, attempts", [
-    ([failed(Outcome.OOM, 130 * MIB)], 1),  # out of memory at once: no second chance
-    ([fit(500), failed(Outcome.OOM, 130 * MIB), fit(1000)], 3),  # a repeat out of memory: it does not fit
-])
+@pytest.mark.parametrize(
+    "results, attempts",
+    [
+        ([failed(Outcome.OOM, 130 * MIB)], 1),  # out of memory at once: no second chance
+        ([fit(500), failed(Outcome.OOM, 130 * MIB), fit(1000)], 3),  # a repeat out of memory: it does not fit
+    ],
+)
 def test_out_of_memory_is_no_longer_fits(results: list[ProbeResult], attempts: int) -> None:
     check = check_of(results, Rule(consecutive=5, severe=None))  # whatever the rule: no waiting for a streak
     assert check.status is Status.NO_LONGER_FITS and check.failed and check.attempts == attempts
@@ -101,44 +117,53 @@ def test_out_of_memory_is_no_longer_fits(results: list[ProbeResult], attempts: i
 
 def test_the_messages_state_the_figures_and_the_policy() -> None:
     assert check_of([fit(1000)]).messages == (
-        ("winner: 1,000 tokens/s vs baseline 1,000 (+0.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
-        "(+0.0%, tolerance 5%); 1 run"),)
+        (
+            "winner: 1,000 tokens/s vs baseline 1,000 (+0.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
+            "(+0.0%, tolerance 5%); 1 run"
+        ),
+    )
     assert check_of([fit(2000), fit(1900), fit(2100)]).messages == (
-        ("winner: 2,000 tokens/s vs baseline 1,000 (+100.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
-        "(+0.0%, tolerance 5%); median of 3 runs (spread 11%)"),
-        ("winner is faster than its baseline beyond tolerance: re-baseline by running this command again "
-        "with --update-baseline"))
+        (
+            "winner: 2,000 tokens/s vs baseline 1,000 (+100.0%, tolerance 10%); peak 100 MiB vs 100 MiB "
+            "(+0.0%, tolerance 5%); median of 3 runs (spread 11%)"
+        ),
+        (
+            "winner is faster than its baseline beyond tolerance: re-baseline by running this command again "
+            "with --update-baseline"
+        ),
+    )
     assert check_of([fit(850), fit(860), fit(855)]).messages[1] == (
         "winner is suspect: slower by 14.5%, outside the tolerance (10%) on 1 check in a row; 2 in a row make a "
         "regression (--consecutive), or one check worse than 2 times the tolerance (20%, --severe-factor). Not "
-        "failed: the next check decides.")
+        "failed: the next check decides."
+    )
     assert check_of([fit(500), fit(520), fit(1000)]).messages[1] == (
         "winner is inconclusive: slower by 48.0%, but its runs differ by 100% among themselves, as much as "
         "tonight's tokens/s differs from the baseline (92%): too noisy to judge, and not a regression on this "
-        "evidence. Measure again on an idle machine.")
+        "evidence. Measure again on an idle machine."
+    )
     assert check_of([fit(500), fit(520), fit(510)]).messages[1] == (
-        "winner is slower by 49.0%, worse than 2 times the tolerance (20%): a regression at once")
+        "winner is slower by 49.0%, worse than 2 times the tolerance (20%): a regression at once"
+    )
 
 
 def test_status_marks_and_failures() -> None:
     assert [(s.mark, s.failed(), s.doubtful()) for s in Status] == [
-        ("ok", False, False), ("FASTER", False, False), ("SUSPECT", False, True), ("INCONCLUSIVE", False, True),
-        ("SLOWER", True, False), ("HEAVIER", True, False), ("NO LONGER FITS", True, False)]
+        ("ok", False, False),
+        ("FASTER", False, False),
+        ("SUSPECT", False, True),
+        ("INCONCLUSIVE", False, True),
+        ("SLOWER", True, False),
+        ("HEAVIER", True, False),
+        ("NO LONGER FITS", True, False),
+    ]
 
 
 # --------------------------------------------------------------------------- the rule over a history, in-process
 
-NIGHTS = Path(__file__).parent / "data" / "regress-history-nights.jsonl"
+NIGHTS = DATA_DIR / "regress-history-nights.jsonl"
 """Eleven nightly checks of one winner on an H200 (tolerances 7% and 3%): a noisy night, a slowdown over two
 nights, a recovery, a single bad night, a slowdown beyond twice the tolerance, a heavier peak."""
-
-
-def recorded(check: dict[str, Any]) -> tuple[BestEntry, regress.Measured]:
-    """A recorded check's baseline, and its runs as tonight's: what `decide` takes."""
-    base = BestEntry(check["name"], TrialConfig.from_dict(check["config"]), check["baseline_tokens_per_s"],
-                     check["baseline_peak_bytes"])
-    return base, regress.Measured(True, check["tokens_per_s"], check["peak_bytes"], "fit", "", tuple(check["runs"]),
-                                  tuple(check["peaks"]))
 
 
 def replay(records: list[dict[str, Any]], rule: Rule) -> list[str]:
@@ -160,54 +185,103 @@ def test_the_recorded_nights_follow_the_rule(tmp_path: Path) -> None:
     assert replay(records, Rule(memory_exact=False))[9] == "suspect"
     # the old rule (every check outside fails): the noisy night is still no regression, the single bad night is
     assert replay(records, Rule(consecutive=1)) == [
-        "ok", "inconclusive", "ok", "slower", "slower", "ok", "slower", "ok", "slower", "heavier", "ok"]
+        "ok",
+        "inconclusive",
+        "ok",
+        "slower",
+        "slower",
+        "ok",
+        "slower",
+        "ok",
+        "slower",
+        "heavier",
+        "ok",
+    ]
     # three in a row, never at once: the slowdown of two nights and the sharp one are suspect
     assert replay(records, Rule(consecutive=3, severe=None)) == [
-        "ok", "inconclusive", "ok", "suspect", "suspect", "ok", "suspect", "ok", "suspect", "suspect", "ok"]
+        "ok",
+        "inconclusive",
+        "ok",
+        "suspect",
+        "suspect",
+        "ok",
+        "suspect",
+        "ok",
+        "suspect",
+        "suspect",
+        "ok",
+    ]
 
 
 def night(*tokens_per_s: float, peak: int = 100 * MIB, base: BestEntry = BASE) -> dict[str, Any]:
     """A history record of one check of `base` with these runs."""
-    return {"date": "2026-03-01T03:00:00+00:00",
-            "checks": [regress.settle(base, [fit(t, peak) for t in tokens_per_s], TOL10).to_dict()]}
+    return {
+        "date": "2026-03-01T03:00:00+00:00",
+        "checks": [regress.settle(base, [fit(t, peak) for t in tokens_per_s], TOL10).to_dict()],
+    }
 
 
-def verdict_of(history: list[dict[str, Any]], *tokens_per_s: float, rule: Rule = Rule(), peak: int = 100 * MIB,
-               base: BestEntry = BASE) -> regress.Verdict:
+def verdict_of(
+    history: list[dict[str, Any]],
+    *tokens_per_s: float,
+    rule: Rule = Rule(),
+    peak: int = 100 * MIB,
+    base: BestEntry = BASE,
+) -> regress.Verdict:
     return regress.decide(base, history, regress.combine([fit(t, peak) for t in tokens_per_s]), TOL10, rule)
 
 
-@pytest.mark.parametrize("history, runs, rule, status, streak", [
-    ([], (850, 860, 855), Rule(), Status.SUSPECT, 1),
-    ([night(850, 860, 855)], (850, 860, 855), Rule(), Status.SLOWER, 2),  # two in a row
-    ([night(850, 860, 855), night(1000)], (850, 860, 855), Rule(), Status.SUSPECT, 1),  # a recovery between
-    ([night(500, 520, 1000)], (850, 860, 855), Rule(), Status.SLOWER, 2),  # a noisy night outside counts
-    ([night(850, 860, 855)], (500, 520, 1000), Rule(), Status.INCONCLUSIVE, 2),  # noisy tonight: never fails
-    ([], (500, 520, 1000), Rule(consecutive=1), Status.INCONCLUSIVE, 1),  # not even where one check fails
-    ([], (900, 1150, 1900), Rule(), Status.INCONCLUSIVE, 0),  # faster, by noise
-    ([night(850, 860, 855)] * 2, (850, 860, 855), Rule(consecutive=3), Status.SLOWER, 3),
-    ([night(850, 860, 855)], (850, 860, 855), Rule(consecutive=3), Status.SUSPECT, 2),
-    ([], (700, 710, 705), Rule(severe=3.0), Status.SUSPECT, 1),  # 29.5% is not worse than 30%
-    ([], (690, 700, 695), Rule(severe=3.0), Status.SLOWER, 1),  # 30.5% is
-    ([], (100, 110, 105), Rule(severe=None), Status.SUSPECT, 1),  # never at once
-    ([{"date": "d", "checks": [regress.settle(BASE, [failed(Outcome.OOM)], TOL10).to_dict()]}], (850, 860, 855),
-     Rule(), Status.SLOWER, 2),  # a check that did not fit is no recovery
-    ([night(850, 860, 855, base=BestEntry("winner", BASE.config, 1100.0, 100 * MIB))], (850, 860, 855), Rule(),
-     Status.SUSPECT, 1),  # re-baselined since: the streak starts again
-    ([night(850, 860, 855, base=BestEntry("runner-up 1", BASE.config, 1000.0, 100 * MIB))], (850, 860, 855),
-     Rule(), Status.SUSPECT, 1),  # another config's checks are not this one's
-])
-def test_a_regression_takes_checks_in_a_row_or_one_far_outside(history: list[dict[str, Any]],
-                                                               runs: tuple[float, ...], rule: Rule, status: Status,
-                                                               streak: int) -> None:
+@pytest.mark.parametrize(
+    "history, runs, rule, status, streak",
+    [
+        ([], (850, 860, 855), Rule(), Status.SUSPECT, 1),
+        ([night(850, 860, 855)], (850, 860, 855), Rule(), Status.SLOWER, 2),  # two in a row
+        ([night(850, 860, 855), night(1000)], (850, 860, 855), Rule(), Status.SUSPECT, 1),  # a recovery between
+        ([night(500, 520, 1000)], (850, 860, 855), Rule(), Status.SLOWER, 2),  # a noisy night outside counts
+        ([night(850, 860, 855)], (500, 520, 1000), Rule(), Status.INCONCLUSIVE, 2),  # noisy tonight: never fails
+        ([], (500, 520, 1000), Rule(consecutive=1), Status.INCONCLUSIVE, 1),  # not even where one check fails
+        ([], (900, 1150, 1900), Rule(), Status.INCONCLUSIVE, 0),  # faster, by noise
+        ([night(850, 860, 855)] * 2, (850, 860, 855), Rule(consecutive=3), Status.SLOWER, 3),
+        ([night(850, 860, 855)], (850, 860, 855), Rule(consecutive=3), Status.SUSPECT, 2),
+        ([], (700, 710, 705), Rule(severe=3.0), Status.SUSPECT, 1),  # 29.5% is not worse than 30%
+        ([], (690, 700, 695), Rule(severe=3.0), Status.SLOWER, 1),  # 30.5% is
+        ([], (100, 110, 105), Rule(severe=None), Status.SUSPECT, 1),  # never at once
+        (
+            [{"date": "d", "checks": [regress.settle(BASE, [failed(Outcome.OOM)], TOL10).to_dict()]}],
+            (850, 860, 855),
+            Rule(),
+            Status.SLOWER,
+            2,
+        ),  # a check that did not fit is no recovery
+        (
+            [night(850, 860, 855, base=BestEntry("winner", BASE.config, 1100.0, 100 * MIB))],
+            (850, 860, 855),
+            Rule(),
+            Status.SUSPECT,
+            1,
+        ),  # re-baselined since: the streak starts again
+        (
+            [night(850, 860, 855, base=BestEntry("runner-up 1", BASE.config, 1000.0, 100 * MIB))],
+            (850, 860, 855),
+            Rule(),
+            Status.SUSPECT,
+            1,
+        ),  # another config's checks are not this one's
+    ],
+)
+def test_a_regression_takes_checks_in_a_row_or_one_far_outside(
+    history: list[dict[str, Any]], runs: tuple[float, ...], rule: Rule, status: Status, streak: int
+) -> None:
     v = verdict_of(history, *runs, rule=rule)
     assert (v.status, v.streak) == (status, streak)
 
 
-@pytest.mark.parametrize("exact, first, second", [(True, Status.HEAVIER, Status.HEAVIER),
-                                                  (False, Status.SUSPECT, Status.HEAVIER)])
-def test_a_gpu_peak_fails_at_once_and_resident_memory_waits_like_speed(exact: bool, first: Status,
-                                                                       second: Status) -> None:
+@pytest.mark.parametrize(
+    "exact, first, second", [(True, Status.HEAVIER, Status.HEAVIER), (False, Status.SUSPECT, Status.HEAVIER)]
+)
+def test_a_gpu_peak_fails_at_once_and_resident_memory_waits_like_speed(
+    exact: bool, first: Status, second: Status
+) -> None:
     """7% heavier (tolerance 5%, not twice over), the same on every run."""
     rule = Rule(memory_exact=exact)
     assert verdict_of([], 1000, 1000, 1000, peak=107 * MIB, rule=rule).status is first
@@ -225,11 +299,20 @@ def test_a_noisy_peak_is_inconclusive() -> None:
 
 
 def test_junit_has_a_failure_per_regression_a_skip_per_doubt_and_no_error() -> None:
-    checks = [check_of([fit(1000)]), regress.settle(BASE, [fit(500), fit(500), fit(520)], TOL10),
-              check_of([fit(850), fit(860), fit(855)]), check_of([fit(500), fit(520), fit(1000)])]
+    checks = [
+        check_of([fit(1000)]),
+        regress.settle(BASE, [fit(500), fit(500), fit(520)], TOL10),
+        check_of([fit(850), fit(860), fit(855)]),
+        check_of([fit(500), fit(520), fit(1000)]),
+    ]
     root = ET.fromstring(regress.junit_xml(checks, "autofit-regress r"))
     assert [root.get(k) for k in ("name", "tests", "failures", "errors", "skipped")] == [
-        "autofit-regress r", "4", "1", "0", "2"]
+        "autofit-regress r",
+        "4",
+        "1",
+        "0",
+        "2",
+    ]
     cases = root.findall("testcase")
     assert cases[0].find("failure") is None and cases[0].find("system-out").text == checks[0].messages[0]
     failure = cases[1].find("failure")
@@ -243,19 +326,25 @@ def test_junit_has_a_failure_per_regression_a_skip_per_doubt_and_no_error() -> N
     assert root.find(".//error") is None
 
 
-@pytest.mark.parametrize("statuses, verdict", [
-    ([Status.OK, Status.FASTER], "pass"), ([Status.OK, Status.INCONCLUSIVE], "inconclusive"),
-    ([Status.INCONCLUSIVE, Status.SUSPECT], "suspect"), ([Status.SUSPECT, Status.HEAVIER], "regression"),
-    ([Status.NO_LONGER_FITS], "regression"),
-])
+@pytest.mark.parametrize(
+    "statuses, verdict",
+    [
+        ([Status.OK, Status.FASTER], "pass"),
+        ([Status.OK, Status.INCONCLUSIVE], "inconclusive"),
+        ([Status.INCONCLUSIVE, Status.SUSPECT], "suspect"),
+        ([Status.SUSPECT, Status.HEAVIER], "regression"),
+        ([Status.NO_LONGER_FITS], "regression"),
+    ],
+)
 def test_the_job_verdict_is_its_worst_check(statuses: list[Status], verdict: str) -> None:
     checks = [replace(check_of([fit(1000)]), status=s) for s in statuses]
     assert regress.verdict(checks) == verdict
 
 
 def test_junit_error_is_an_error_not_a_failure() -> None:
-    root = ET.fromstring(regress.junit_error("autofit-regress r", "RUN: r/best.json is not valid JSON\nmore",
-                                             "UsageError"))
+    root = ET.fromstring(
+        regress.junit_error("autofit-regress r", "RUN: r/best.json is not valid JSON\nmore", "UsageError")
+    )
     assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("1", "0", "1")
     error = root.find("testcase/error")
     assert error.get("type") == "UsageError" and error.get("message") == "RUN: r/best.json is not valid JSON"
@@ -267,9 +356,14 @@ def test_reports_are_claimed_as_not_finished_then_replaced(tmp_path: Path) -> No
     reports = regress.Reports.claim(str(js), str(xml), str(tmp_path / "run"))
     error = ET.parse(xml).getroot().find("testcase/error")
     assert error.get("type") == "NotFinished" and error.text == regress.NOT_FINISHED
-    assert json.loads(js.read_text()) == {"run": str(tmp_path / "run"), "verdict": None, "regression": None,
-                                          "error": regress.NOT_FINISHED, "error_type": "NotFinished",
-                                          "checks": []}
+    assert json.loads(js.read_text()) == {
+        "run": str(tmp_path / "run"),
+        "verdict": None,
+        "regression": None,
+        "error": regress.NOT_FINISHED,
+        "error_type": "NotFinished",
+        "checks": [],
+    }
     checks = [check_of([fit(1000)])]
     reports.write({"regression": False, "checks": [c.to_dict() for c in checks]}, checks)
     assert ET.parse(xml).getroot().get("errors") == "0" and ET.parse(xml).getroot().get("tests") == "1"
@@ -291,21 +385,43 @@ def test_an_unwritable_junit_path_is_a_usage_error_and_json_gets_it(tmp_path: Pa
     assert json.loads(js.read_text())["error"] == message
 
 
-@pytest.mark.parametrize("where, error, message", [
-    ("folder", UsageError, "--json: {json} is a folder; give a file name. Give a file path."),
-    ("loop", UsageError, "--json: {json} is a symbolic link loop (or a chain of links too long to follow). Give a "
-                         "file path."),
-    ("/dev/full", CannotWrite, "--json: cannot write /dev/full (No space left on device); give a path in a writable "
-                               "folder with free space."),
-    ("x" * 300 + ".json", UsageError, "--json: cannot write {json} (File name too long); give a path in a writable "
-                                      "folder."),
-    ("run/regress-history.jsonl", UsageError, "--json: {json} is a file of the run folder {run} (the run's own "
-                                              "record); give a path outside it, or a new file name."),
-    ("run/regress-trend.png", UsageError, "--json: {json} is a file of the run folder {run} (the run's own "
-                                          "record); give a path outside it, or a new file name."),
-])
+@pytest.mark.parametrize(
+    "where, error, message",
+    [
+        ("folder", UsageError, "--json: {json} is a folder; give a file name. Give a file path."),
+        (
+            "loop",
+            UsageError,
+            "--json: {json} is a symbolic link loop (or a chain of links too long to follow). Give a file path.",
+        ),
+        (
+            "/dev/full",
+            CannotWrite,
+            "--json: cannot write /dev/full (No space left on device); give a path in a writable "
+            "folder with free space.",
+        ),
+        (
+            "x" * 300 + ".json",
+            UsageError,
+            "--json: cannot write {json} (File name too long); give a path in a writable folder.",
+        ),
+        (
+            "run/regress-history.jsonl",
+            UsageError,
+            "--json: {json} is a file of the run folder {run} (the run's own "
+            "record); give a path outside it, or a new file name.",
+        ),
+        (
+            "run/regress-trend.png",
+            UsageError,
+            "--json: {json} is a file of the run folder {run} (the run's own "
+            "record); give a path outside it, or a new file name.",
+        ),
+    ],
+)
 def test_a_report_path_that_cannot_take_the_file_is_refused_before_measuring(
-        tmp_path: Path, where: str, error: type[Exception], message: str) -> None:
+    tmp_path: Path, where: str, error: type[Exception], message: str
+) -> None:
     """A symlink loop or a name too long was a traceback; the history's or the plot's path, before the first
     job, would have been replaced by the report (or its record appended into the report); a full disk was
     exit 2."""
@@ -334,8 +450,10 @@ def test_history_appends_one_entry_per_job_and_skips_a_line_cut_short(tmp_path: 
     said: list[str] = []
     history = regress.read_history(tmp_path, said.append)
     assert history == [first, second]
-    assert said == [f"RUN: {tmp_path / regress.HISTORY} line 2 is damaged (not JSON: Unterminated string starting "
-                    "at); skipped, the other records are read"]
+    assert said == [
+        f"RUN: {tmp_path / regress.HISTORY} line 2 is damaged (not JSON: Unterminated string starting "
+        "at); skipped, the other records are read"
+    ]
     lines = (tmp_path / regress.HISTORY).read_text().split("\n")
     assert lines[1] == '{"date": "2026-' and json.loads(lines[2]) == second and lines[3:] == [""]
     assert first["gpu"] == "cpu" and first["memory_limit_bytes"] == 2 * 2**30
@@ -347,33 +465,57 @@ def test_history_appends_one_entry_per_job_and_skips_a_line_cut_short(tmp_path: 
 RECORD = json.dumps(json.loads(NIGHTS.read_text().splitlines()[0]))
 
 
-@pytest.mark.parametrize("line, problem", [
-    (b"not json", "not JSON: Expecting value"),
-    (b'{"date": "2026-03-01", "che\xff', "not JSON: 'utf-8' codec can't decode byte 0xff in position 27: "
-                                        "invalid start byte"),
-    (b"[1, 2, 3]", "not a regress record: no date and list of checks"),
-    (b"\x00\x00garbage", "not JSON: Expecting value"),
-    (b"[" * 100_000, "not JSON: maximum recursion depth exceeded while decoding a JSON array from a unicode string"),
-    (b'{"date": "2026-03-01", "checks": [{"name": "winner"}]}',
-     "a check without baseline_tokens_per_s, baseline_peak_bytes, tokens_per_s, peak_bytes, status"),
-    (RECORD.replace('"baseline_peak_bytes": 32212254720', '"baseline_peak_bytes": 0').encode(),
-     "a check with a baseline that is not positive"),
-    (RECORD.replace('"tokens_per_s": 11420,', '"tokens_per_s": true,').encode(), "a check without tokens_per_s"),
-    (RECORD.replace('"tokens_per_s": 11420,', '"tokens_per_s": NaN,').encode(),
-     "a check with a figure that is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        (b"not json", "not JSON: Expecting value"),
+        (
+            b'{"date": "2026-03-01", "che\xff',
+            "not JSON: 'utf-8' codec can't decode byte 0xff in position 27: invalid start byte",
+        ),
+        (b"[1, 2, 3]", "not a regress record: no date and list of checks"),
+        (b"\x00\x00garbage", "not JSON: Expecting value"),
+        (
+            b"[" * 100_000,
+            "not JSON: maximum recursion depth exceeded while decoding a JSON array from a unicode string",
+        ),
+        (
+            b'{"date": "2026-03-01", "checks": [{"name": "winner"}]}',
+            "a check without baseline_tokens_per_s, baseline_peak_bytes, tokens_per_s, peak_bytes, status",
+        ),
+        (
+            RECORD.replace('"baseline_peak_bytes": 32212254720', '"baseline_peak_bytes": 0').encode(),
+            "a check with a baseline that is not positive",
+        ),
+        (RECORD.replace('"tokens_per_s": 11420,', '"tokens_per_s": true,').encode(), "a check without tokens_per_s"),
+        (
+            RECORD.replace('"tokens_per_s": 11420,', '"tokens_per_s": NaN,').encode(),
+            "a check with a figure that is not a finite number",
+        ),
+    ],
+)
 def test_a_damaged_history_line_is_skipped_naming_its_line(tmp_path: Path, line: bytes, problem: str) -> None:
     (tmp_path / regress.HISTORY).write_bytes(RECORD.encode() + b"\n" + line + b"\n\n" + RECORD.encode() + b"\n")
     said: list[str] = []
     assert regress.read_history(tmp_path, said.append) == [json.loads(RECORD)] * 2
-    assert said == [f"RUN: {tmp_path / regress.HISTORY} line 2 is damaged ({problem}); skipped, the other records "
-                    "are read"]
+    assert said == [
+        f"RUN: {tmp_path / regress.HISTORY} line 2 is damaged ({problem}); skipped, the other records are read"
+    ]
 
 
-@pytest.mark.parametrize("name, kind", [(regress.HISTORY, "folder"), (regress.HISTORY, "fifo"),
-                                        (regress.TREND, "folder"), (regress.TREND, "fifo"), (regress.TREND, "loop")])
-def test_a_history_or_plot_that_is_no_file_is_a_usage_error_before_measuring(tmp_path: Path, name: str,
-                                                                             kind: str) -> None:
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        (regress.HISTORY, "folder"),
+        (regress.HISTORY, "fifo"),
+        (regress.TREND, "folder"),
+        (regress.TREND, "fifo"),
+        (regress.TREND, "loop"),
+    ],
+)
+def test_a_history_or_plot_that_is_no_file_is_a_usage_error_before_measuring(
+    tmp_path: Path, name: str, kind: str
+) -> None:
     """A FIFO there made the job hang at its end, opening it to append or to draw into."""
     path = tmp_path / name
     if kind == "folder":
@@ -384,8 +526,11 @@ def test_a_history_or_plot_that_is_no_file_is_a_usage_error_before_measuring(tmp
         path.symlink_to(path)
     with pytest.raises(UsageError) as e:
         regress.read_history(tmp_path)
-    what = {"folder": "is a folder, not a regular file", "fifo": "is a FIFO (named pipe), not a regular file",
-            "loop": "is a symbolic link loop (or a chain of links too long to follow)"}[kind]
+    what = {
+        "folder": "is a folder, not a regular file",
+        "fifo": "is a FIFO (named pipe), not a regular file",
+        "loop": "is a symbolic link loop (or a chain of links too long to follow)",
+    }[kind]
     then = "regress starts a new history" if name == regress.HISTORY else "regress draws a new one"
     assert e.value.problems == [f"RUN: {path} {what}. Move it out of the run folder; {then}."]
 
@@ -405,31 +550,12 @@ def test_a_history_that_cannot_be_written_keeps_the_checks_in_the_reports(tmp_pa
 # --------------------------------------------------------------------------- the baseline and target, in-process
 
 
-def write_run(run_dir: Path, limit: int | None = 2 * 2**30, **winner: Any) -> Path:
-    """A run folder as `autofit search` leaves it (spec.yaml, best.json with a runner-up, env.json)."""
-    run_dir.mkdir(parents=True)
-    spec = {"run_id": run_dir.name, "created": "20260101T000000Z", "model": resolve_model("tiny-llama").to_dict(),
-            "space": {"name": "s", "source": "", "fixed": {}, "dimensions": {"max_length": [128]},
-                      "divisors_only": False},
-            "targets": [target_dict(Target("cpu", None, "", limit))], "budget_s": 60.0,
-            "storage": f"sqlite:///{run_dir.resolve() / 'study.db'}", "study_name": f"autofit-{run_dir.name}",
-            "seed": 0, "probe": {"warmup_steps": 2, "timed_steps": 5, "max_probe_accumulation": 4,
-                                 "timeout_s": 900.0, "confirm": 1}}
-    (run_dir / "spec.yaml").write_text(yaml.safe_dump(spec))
-    target = {"device": "cpu", "gpu_index": None, "gpu_name": "", "memory_limit_bytes": limit, "headroom": 0.05}
-    entry = {"outcome": "fit", "config": BASE.config.to_dict(), "tokens_per_s": 1000.0,
-             "peak_memory_bytes": 100 * MIB}
-    runner_up = {**entry, "config": BASE.config.replace(micro_batch_size=2).to_dict(), "tokens_per_s": 800.0}
-    best = {**entry, "run_id": run_dir.name, "target": target, "runners_up": [runner_up], **winner}
-    (run_dir / "best.json").write_text(json.dumps(best))
-    (run_dir / "env.json").write_text(json.dumps({"packages": {"torch": "2.0.0"}, "gpus": []}))
-    return run_dir
-
-
 def test_plan_reads_the_baseline_and_keeps_the_stored_target(tmp_path: Path) -> None:
     p = regress.plan(write_run(tmp_path / "run"), top=2)
     assert [(c.name, c.config.micro_batch_size, c.tokens_per_s) for c in p.configs] == [
-        ("winner", 4, 1000.0), ("runner-up 1", 2, 800.0)]
+        ("winner", 4, 1000.0),
+        ("runner-up 1", 2, 800.0),
+    ]
     assert p.target == Target("cpu", None, "", 2 * 2**30, 0.05) and p.run_id == "run"
     assert p.probe["timeout_s"] == 900.0 and p.env_before["packages"] == {"torch": "2.0.0"}
     assert [c.name for c in regress.plan(tmp_path / "run", top=1).configs] == ["winner"]
@@ -449,12 +575,25 @@ def test_a_memory_limit_flag_replaces_the_stored_limit() -> None:
     assert regress.choose_target(stored, None, "cpu", None) == stored
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"outcome":', ("RUN: {best} is not valid JSON (line 1 column 12: Expecting value); "
-                    "`autofit report {run}` rewrites it from the study.")),
-    ("[1,2,3]", ("RUN: {best} holds a JSON list, not an object with the winner; "
-                "`autofit report {run}` rewrites it from the study.")),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            '{"outcome":',
+            (
+                "RUN: {best} is not valid JSON (line 1 column 12: Expecting value); "
+                "`autofit report {run}` rewrites it from the study."
+            ),
+        ),
+        (
+            "[1,2,3]",
+            (
+                "RUN: {best} holds a JSON list, not an object with the winner; "
+                "`autofit report {run}` rewrites it from the study."
+            ),
+        ),
+    ],
+)
 def test_a_corrupt_best_json_is_a_usage_error_naming_it(tmp_path: Path, content: str, message: str) -> None:
     run = write_run(tmp_path / "run")
     (run / "best.json").write_text(content)
@@ -464,15 +603,17 @@ def test_a_corrupt_best_json_is_a_usage_error_naming_it(tmp_path: Path, content:
 
 
 def test_a_best_json_without_figures_names_each_problem(tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run", tokens_per_s=None, runners_up=[{"config": {}, "tokens_per_s": 5,
-                                                                      "peak_memory_bytes": True}])
+    run = write_run(
+        tmp_path / "run", tokens_per_s=None, runners_up=[{"config": {}, "tokens_per_s": 5, "peak_memory_bytes": True}]
+    )
     with pytest.raises(UsageError) as e:
         regress.plan(run, top=1)
     best = run / "best.json"
     assert e.value.problems == [
         f"RUN: {best}: the winner: tokens_per_s is None, expected a positive number",
         f"RUN: {best}: the runner-up 1: peak_memory_bytes is True, expected a positive number",
-        f"RUN: `autofit report {run}` rewrites it from the study."]
+        f"RUN: `autofit report {run}` rewrites it from the study.",
+    ]
 
 
 def test_other_gpu_models_and_top_0_are_refused(tmp_path: Path) -> None:
@@ -481,9 +622,12 @@ def test_other_gpu_models_and_top_0_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as e:
         regress.plan(run, top=1, device="cpu")
     assert e.value.problems == [
-        ("the baseline was measured on NVIDIA H200, this check would run on cpu: figures from different GPUs "
-        "are not comparable. Run on the baseline's GPU model, or pass --allow-gpu-change (and then "
-        "--update-baseline) to start a new baseline.")]
+        (
+            "the baseline was measured on NVIDIA H200, this check would run on cpu: figures from different GPUs "
+            "are not comparable. Run on the baseline's GPU model, or pass --allow-gpu-change (and then "
+            "--update-baseline) to start a new baseline."
+        )
+    ]
     assert regress.plan(run, top=1, device="cpu", allow_gpu_change=True).target.device == "cpu"
     with pytest.raises(UsageError, match=r"^--top: at least 1 \(the winner\)\.$"):
         regress.plan(run, top=0)
@@ -498,7 +642,8 @@ def test_bad_input_in_process_exits_2_with_a_junit_error(tmp_path: Path) -> None
     assert error.get("type") == "UsageError" and error.text.startswith(f"RUN: {run / 'best.json'} holds a JSON list")
     assert main(["regress", str(run), "--junit", str(xml), "--tolerance", "lots"]) == 2
     assert ET.parse(xml).getroot().find("testcase/error").text == (
-        "--tolerance: 'lots' is not a tolerance; expected a percentage such as 7% (or 0.07).")
+        "--tolerance: 'lots' is not a tolerance; expected a percentage such as 7% (or 0.07)."
+    )
 
 
 # --------------------------------------------------------------------------- re-baselining, in-process
@@ -516,14 +661,23 @@ def test_update_baseline_rewrites_the_figures_and_keeps_the_old_ones(tmp_path: P
     assert len(list(p.run_dir.glob("env.previous-*.json"))) == 1
 
 
-@pytest.mark.parametrize("runs, said", [
-    ([(1000,), (800,)], ""),
-    ([(2000, 1900, 2100), (800,)], ""),  # faster: what re-baselining is for
-    ([(850, 860, 855), (800,)], "the new baseline takes in figures outside the tolerance (winner suspect); drop "
-                                "--update-baseline from a nightly job"),
-    ([(500, 510, 520), (500, 520, 1000)], "the new baseline takes in a regression (winner slower, runner-up 1 "
-                                          "inconclusive); drop --update-baseline from a nightly job"),
-])
+@pytest.mark.parametrize(
+    "runs, said",
+    [
+        ([(1000,), (800,)], ""),
+        ([(2000, 1900, 2100), (800,)], ""),  # faster: what re-baselining is for
+        (
+            [(850, 860, 855), (800,)],
+            "the new baseline takes in figures outside the tolerance (winner suspect); drop "
+            "--update-baseline from a nightly job",
+        ),
+        (
+            [(500, 510, 520), (500, 520, 1000)],
+            "the new baseline takes in a regression (winner slower, runner-up 1 "
+            "inconclusive); drop --update-baseline from a nightly job",
+        ),
+    ],
+)
 def test_a_new_baseline_says_what_it_takes_in(tmp_path: Path, runs: list[tuple[float, ...]], said: str) -> None:
     p = regress.plan(write_run(tmp_path / "run"), top=2)
     checks = [regress.settle(c, [fit(t) for t in ts], TOL10) for c, ts in zip(p.configs, runs)]
@@ -539,21 +693,27 @@ def test_a_full_disk_after_measuring_is_exit_4_and_leaves_every_file_whole(tmp_p
         p = regress.plan(run, top=1)
         with pytest.raises(CannotWrite) as e:
             regress.plot_trend(run, [night(1000)])
-        assert str(e.value) == (f"RUN: cannot write the trend plot {run / regress.TREND} (No space left on device); "
-                                f"the checks are in {run / regress.HISTORY}.")
+        assert str(e.value) == (
+            f"RUN: cannot write the trend plot {run / regress.TREND} (No space left on device); "
+            f"the checks are in {run / regress.HISTORY}."
+        )
         with pytest.raises(CannotWrite) as e:
             regress.update_baseline(p, [regress.settle(p.configs[0], [fit(2000)] * 3, TOL10)], {})
         kept = str(e.value).split("cannot write ")[1].split(" ")[0]
         assert Path(kept).name.startswith("best.previous-") and str(e.value) == (
             f"RUN: cannot re-baseline {run}: cannot write {kept} (No space left on device); nothing was rewritten; "
-            f"the checks are in {run / regress.HISTORY}.")
+            f"the checks are in {run / regress.HISTORY}."
+        )
         assert {f.name: f.read_bytes() for f in run.iterdir()} == before
 
 
 def test_a_report_on_a_read_only_disk_is_exit_4(tmp_path: Path) -> None:
     with read_only_folder(tmp_path / "ro") as ro:
-        with pytest.raises(CannotWrite, match=rf"^--junit: cannot write {ro / 'r.xml'} \(Read-only file system\); "
-                                              "give a path in a writable folder with free space.$"):
+        with pytest.raises(
+            CannotWrite,
+            match=rf"^--junit: cannot write {ro / 'r.xml'} \(Read-only file system\); "
+            "give a path in a writable folder with free space.$",
+        ):
             regress.Reports.claim(str(tmp_path / "r.json"), str(ro / "r.xml"), "run")
     assert json.loads((tmp_path / "r.json").read_text())["error_type"] == "CannotWrite"
 
@@ -568,180 +728,45 @@ def test_update_baseline_refuses_a_config_that_no_longer_fits(tmp_path: Path) ->
 
 # --------------------------------------------------------------------------- end to end (slow)
 
-# The verdicts below do not hinge on the machine's speed. With these tolerances one check is never a
-# regression by noise: a check worse than twice 80% would be slower than stopped, or 2.6 times the
-# resident memory. A test that needs a regression edits the baseline a thousand times past any noise.
-TOL = ["--tolerance", "80%", "--memory-tolerance", "80%", "--memory-limit", "2GiB"]
-FAR = 1000
-"""The factor a test edits a baseline by, so that its verdict does not depend on today's timings."""
 
-
-@pytest.fixture()
-def run(tiny_run: Path, tmp_path: Path) -> Path:
-    """Each test's own copy of the tiny run (tests edit best.json and append history)."""
-    dest = tmp_path / tiny_run.name
-    shutil.copytree(tiny_run, dest)
-    return dest
-
-
-def edit_best(run: Path, **changes: float) -> dict:
-    best = json.loads((run / "best.json").read_text())
-    for k, factor in changes.items():
-        best[k] = best[k] * factor
-    (run / "best.json").write_text(json.dumps(best))
-    return best
-
-
-def regress_cli(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli("regress", str(run), "--json", str(run / "r.json"), "--junit", str(run / "r.xml"), *args)
-
-
-def decided(run: Path, check: dict[str, Any]) -> str:
-    """The verdict the rule gives on the recorded figures of `check` (a first check, the tolerances of
-    the --json file): what the command must have printed and recorded, whatever today's timings."""
-    doc = json.loads((run / "r.json").read_text())
-    base, tonight = recorded(check)
-    return regress.decide(base, [], tonight, Tolerance(doc["tolerance"], doc["memory_tolerance"]),
-                          Rule(**doc["rule"])).status.value
-
-
-@pytest.mark.slow
-def test_an_unchanged_run_passes_history_is_appended_and_the_version_diff_is_shown(run: Path) -> None:
-    env = json.loads((run / "env.json").read_text())
-    env["packages"]["torch"] = "2.0.0"  # the baseline's torch says it was another version: a diff, no regression
-    (run / "env.json").write_text(json.dumps(env))
-    proc = regress_cli(run, *TOL)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads((run / "r.json").read_text())
-    check = doc["checks"][0]
-    assert check["status"] == decided(run, check) and doc["verdict"] in ("pass", "suspect", "inconclusive")
-    assert f"[{Status(check['status']).mark}] {check['messages'][0]}" in proc.stdout
-    assert doc["rule"] == {"consecutive": 2, "severe": 2.0, "memory_exact": False}
-    history = regress.read_history(run)
-    assert len(history) == 1 and history[-1]["checks"] == [check]
-    root = ET.parse(run / "r.xml").getroot()
-    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("1", "0", "0")
-    rows = {line.split()[1] if line.startswith("  *") else line.split()[0]: line for line in proc.stdout.splitlines()
-            if line.startswith("   ") or line.startswith("  *")}
-    assert rows["torch"].split() == ["*", "torch", "2.0.0", regress.now_env()["packages"]["torch"]]
-    assert rows["transformers"].split()[0] == "transformers"  # unchanged: not marked
-    assert (run / "regress-trend.png").is_file()
-
-
-@pytest.mark.slow
-def test_a_baseline_far_faster_is_a_speed_regression_after_waiting_for_the_job_before(run: Path) -> None:
-    """A nightly job that overran into the next: the second measured under the first's load and both
-    appended to one history. It now waits for the run's lock, saying who holds it, then reads the baseline
-    the first job left (here edited a thousand times faster meanwhile) and measures against it: a
-    regression at once (worse than twice the 40% tolerance), on a first check."""
-    with open(run / "regress.lock", "a+") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.truncate(0)  # as a holder does: the copied run kept the fixture's lock file in it
-        held.write("pid 4242, since last night\n")
-        held.flush()
-        proc = subprocess.Popen([sys.executable, "-m", "autofit", "regress", str(run), "--json", str(run / "r.json"),
-                                 "--junit", str(run / "r.xml"), *TOL, "--tolerance", "40%"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        said = ""
-        while "waiting for it to finish" not in said:
-            line = proc.stderr.readline()
-            assert line, f"regress ended without waiting: {said}"
-            said += line
-        assert "another autofit regress of this run is measuring (pid 4242, since last night)" in said
-        time.sleep(1.0)
-        assert proc.poll() is None and not (run / "regress-history.jsonl").exists()  # nothing measured meanwhile
-        best = edit_best(run, tokens_per_s=FAR)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, out + err
-    assert "[SLOWER] winner" in out and f"{best['tokens_per_s']:,.0f}" in out
-    assert "worse than 2 times the tolerance (80%): a regression at once" in out
-    assert "autofit: error: 1 of 1 config(s) regressed: winner slower" in err
-    failure = ET.parse(run / "r.xml").getroot().find("testcase/failure")
-    assert failure is not None and failure.get("type") == "slower"
-    doc = json.loads((run / "r.json").read_text())
-    check = doc["checks"][0]
-    assert check["baseline_tokens_per_s"] == pytest.approx(best["tokens_per_s"])
-    assert doc["regression"] is True and doc["verdict"] == "regression" and check["attempts"] == 3  # measured again
-    assert len(check["runs"]) == 3 and check["tokens_per_s"] == statistics.median(check["runs"])
-    assert len(regress.read_history(run)) == 1
-    assert (run / "regress.lock").read_text().startswith(f"pid {proc.pid}, since ")
-
-
-@pytest.mark.slow
-def test_a_baseline_at_a_tenth_of_the_memory_is_a_memory_regression(run: Path) -> None:
-    edit_best(run, peak_memory_bytes=0.1)
-    proc = regress_cli(run, *TOL, "--memory-tolerance", "40%")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "[HEAVIER] winner" in proc.stdout
-    assert ET.parse(run / "r.xml").getroot().find("testcase/failure").get("type") == "heavier"
-
-
-@pytest.mark.slow
-def test_a_winner_that_now_ooms_fails(run: Path) -> None:
-    proc = regress_cli(run, *TOL[:4], "--memory-limit", "2MiB")
-    assert proc.returncode == 1
-    assert "[NO LONGER FITS] winner no longer fits: outcome oom" in proc.stdout
-    check = json.loads((run / "r.json").read_text())["checks"][0]
-    assert (check["status"], check["attempts"]) == ("no_longer_fits", 1)
-
-
-@pytest.mark.slow
-def test_a_different_gpu_model_is_refused_unless_allowed(run: Path) -> None:
-    best = json.loads((run / "best.json").read_text())
-    best["target"].update(device="cuda", gpu_name="NVIDIA H200", gpu_index=0)
-    (run / "best.json").write_text(json.dumps(best))
-    proc = regress_cli(run, *TOL, "--device", "cpu")
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("autofit: error: the baseline was measured on NVIDIA H200, this check would "
-                                  "run on cpu: figures from different GPUs are not comparable.")
-    assert ET.parse(run / "r.xml").getroot().find("testcase/error").get("type") == "UsageError"
-    proc = regress_cli(run, *TOL, "--device", "cpu", "--allow-gpu-change")
-    assert proc.returncode == 0, proc.stdout + proc.stderr  # a first check with these tolerances never fails
-
-
-@pytest.mark.slow
-def test_update_baseline_keeps_the_previous_one_and_says_what_it_takes_in(run: Path) -> None:
-    """A baseline a thousand times faster: the figures measured are a regression, taken in as asked."""
-    old = edit_best(run, tokens_per_s=FAR)
-    proc = regress_cli(run, *TOL, "--tolerance", "40%", "--update-baseline")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stderr.endswith("autofit: warning: the new baseline takes in a regression (winner slower); drop "
-                                "--update-baseline from a nightly job\n")
-    kept = list(run.glob("best.previous-*.json"))
-    assert len(kept) == 1 and json.loads(kept[0].read_text()) == old
-    check = json.loads((run / "r.json").read_text())["checks"][0]
-    best = json.loads((run / "best.json").read_text())
-    assert (best["tokens_per_s"], best["peak_memory_bytes"]) == (check["tokens_per_s"], check["peak_bytes"])
-    assert best["baseline_updated"] in kept[0].name and len(list(run.glob("env.previous-*.json"))) == 1
-    assert f"baseline updated; the previous one is kept as {kept[0]}" in proc.stdout
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--tolerance", "lots"], "--tolerance: 'lots' is not a tolerance; expected a percentage such as 7% (or 0.07)."),
-    (["--memory-tolerance", "200%"], "--memory-tolerance: '200%' is 100% or more of the baseline; a tolerance is "
-                                     "below 100%, such as 7% (or 0.07)."),
-    (["--top", "0"], "--top: at least 1 (the winner)."),
-])
-def test_bad_regress_flags_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = regress_cli(write_run(tmp_path / "run"), *args)
-    assert proc.returncode == 2 and proc.stderr == f"autofit: error: {message}\n"
-
-
-@pytest.mark.parametrize("args, messages", [
-    (["--consecutive", "0"], ["--consecutive: '0' is not a number of checks; give 1 or more (1: every check "
-                              "outside tolerance is a regression; default 2)."]),
-    (["--consecutive", "two", "--severe-factor", "0.5"],
-     ["--consecutive: 'two' is not a number of checks; give 1 or more (1: every check outside tolerance is a "
-      "regression; default 2).",
-      "--severe-factor: '0.5' is not a factor of the tolerance; give a number of 1 or more, such as 2 (a check "
-      "worse than twice the tolerance fails at once), or off."]),
-    (["--severe-factor", "nan"], ["--severe-factor: 'nan' is not a factor of the tolerance; give a number of 1 or "
-                                  "more, such as 2 (a check worse than twice the tolerance fails at once), or off."]),
-    (["--severe-factor", "inf"], ["--severe-factor: 'inf' is not a factor of the tolerance; give a number of 1 or "
-                                  "more, such as 2 (a check worse than twice the tolerance fails at once), or off."]),
-])
-def test_bad_rule_flags_exit_2_naming_each(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
-                                           messages: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args, messages",
+    [
+        (
+            ["--consecutive", "0"],
+            [
+                "--consecutive: '0' is not a number of checks; give 1 or more (1: every check "
+                "outside tolerance is a regression; default 2)."
+            ],
+        ),
+        (
+            ["--consecutive", "two", "--severe-factor", "0.5"],
+            [
+                "--consecutive: 'two' is not a number of checks; give 1 or more (1: every check outside tolerance "
+                "is a regression; default 2).",
+                "--severe-factor: '0.5' is not a factor of the tolerance; give a number of 1 or more, such as 2 "
+                "(a check worse than twice the tolerance fails at once), or off.",
+            ],
+        ),
+        (
+            ["--severe-factor", "nan"],
+            [
+                "--severe-factor: 'nan' is not a factor of the tolerance; give a number of 1 or "
+                "more, such as 2 (a check worse than twice the tolerance fails at once), or off."
+            ],
+        ),
+        (
+            ["--severe-factor", "inf"],
+            [
+                "--severe-factor: 'inf' is not a factor of the tolerance; give a number of 1 or "
+                "more, such as 2 (a check worse than twice the tolerance fails at once), or off."
+            ],
+        ),
+    ],
+)
+def test_bad_rule_flags_exit_2_naming_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], messages: list[str]
+) -> None:
     run = write_run(tmp_path / "run")
     assert main(["regress", str(run), "--junit", str(tmp_path / "r.xml"), *args]) == 2
     assert capsys.readouterr().err == "".join(f"autofit: error: {m}\n" for m in messages)
@@ -756,35 +781,19 @@ def test_the_severe_factor_reads_a_number_or_off(text: str, factor: float | None
     assert severe_factor(text) == factor
 
 
-def test_regress_of_a_folder_that_is_not_a_run_exits_2(tmp_path: Path) -> None:
-    proc = run_cli("regress", str(tmp_path))
-    assert proc.returncode == 2 and proc.stderr == (
-        f"autofit: error: RUN: {tmp_path} is not an autofit run (it has no spec.yaml); give a folder made by "
-        "`autofit search`.\n")
-    assert list(tmp_path.iterdir()) == []  # no lock left in a folder that is no run
-
-
-@pytest.mark.slow
-def test_regress_and_a_resumed_search_do_not_measure_one_run_at_once(run: Path) -> None:
-    from autofit.run import locks
-    from autofit.run.rundir import REGRESS_LOCK, SEARCH_LOCK
-
-    with locks.held(run / REGRESS_LOCK, lambda who: None):  # a regress job measuring the run
-        resumed = run_cli("search", "--resume", str(run), "--budget", "1m")
-    assert resumed.returncode == 2 and f"--resume: autofit regress is measuring {run} (pid " in resumed.stderr
-    with locks.held(run / SEARCH_LOCK, lambda who: None):  # its search resumed and running
-        proc = regress_cli(run, *TOL)
-    assert proc.returncode == 2 and f"RUN: a search is running in {run} (pid " in proc.stderr, proc.stderr
-    assert not (run / "regress-history.jsonl").exists()  # nothing measured
-
-
 # --------------------------------------------------------------------------- several GPUs per probe, in-process
 
 
 def multi_gpu_run(run_dir: Path, n: int, on_runner_up: bool = False) -> Path:
     """A run stored on an H200 group of n GPUs whose winner (or first runner-up) spans n GPUs (fsdp2)."""
-    h200 = {"device": "cuda", "gpu_index": 0, "gpu_name": "NVIDIA H200", "memory_limit_bytes": None,
-            "ranks": n, "gpu_indices": list(range(n))}
+    h200 = {
+        "device": "cuda",
+        "gpu_index": 0,
+        "gpu_name": "NVIDIA H200",
+        "memory_limit_bytes": None,
+        "ranks": n,
+        "gpu_indices": list(range(n)),
+    }
     wide = BASE.config.replace(gpus=n, engine="fsdp2").to_dict()
     if on_runner_up:
         entry = {"outcome": "fit", "config": wide, "tokens_per_s": 800.0, "peak_memory_bytes": 100 * MIB}
@@ -807,7 +816,8 @@ def test_a_run_stored_for_more_gpus_than_attached_is_a_usage_error_naming_it(tmp
     assert e.value.problems == [
         f"RUN: {run}: the winner was measured on {n} GPUs (gpus={n}) and {attached}: a probe spans as many "
         f"GPUs as it was stored with. Run `autofit regress` on a host with {n} GPUs of the baseline's model "
-        f"(--gpu with {n} indices to choose them)."]
+        f"(--gpu with {n} indices to choose them)."
+    ]
     with pytest.raises(UsageError, match=r"and --gpu 0 names 1: a probe spans"):
         regress.plan(run, top=1, gpu="0")
     xml = tmp_path / "r.xml"
@@ -818,8 +828,11 @@ def test_a_run_stored_for_more_gpus_than_attached_is_a_usage_error_naming_it(tmp
 def test_a_runner_up_on_more_gpus_names_top_to_check_only_those_before_it(tmp_path: Path) -> None:
     n = max(2, len(envinfo.gpus()) + 1)
     run = multi_gpu_run(tmp_path / "run", n, on_runner_up=True)
-    with pytest.raises(UsageError, match=rf"the runner-up 1 was measured on {n} GPUs .*, or --top 1 to check "
-                                         r"only the configs before it\.$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"the runner-up 1 was measured on {n} GPUs .*, or --top 1 to check "
+        r"only the configs before it\.$",
+    ):
         regress.plan(run, top=2)
     if not envinfo.gpus():  # the winner alone spans one GPU: today's check of the stored GPU remains
         with pytest.raises(UsageError, match="GPU 0 does not exist here"):
@@ -837,8 +850,12 @@ def test_on_the_cpu_any_number_of_ranks_runs_as_gloo_processes(tmp_path: Path) -
 
 
 def test_the_version_diff_says_none_where_a_machine_has_no_gpu_stack() -> None:
-    rows = {what: (before, now, changed) for what, before, now, changed in
-            regress.version_diff({"packages": {"torch": "2.13.0"}}, {"driver": "580.1", "packages": {"torch": "2.13.0"}})}
+    rows = {
+        what: (before, now, changed)
+        for what, before, now, changed in regress.version_diff(
+            {"packages": {"torch": "2.13.0"}}, {"driver": "580.1", "packages": {"torch": "2.13.0"}}
+        )
+    }
     assert rows["driver"] == ("none", "580.1", True) and rows["CUDA (driver)"] == ("none", "none", False)
     assert rows["GPU"] == ("none", "none", False) and rows["torch"] == ("2.13.0", "2.13.0", False)
 
@@ -850,8 +867,9 @@ def test_a_run_that_ran_the_checks_does_not_set_the_peak_when_others_did_not() -
     from autofit.run.regress import combine
 
     cfg = BASE.config.to_dict()
-    checked = ProbeResult(Outcome.FIT, cfg, tokens_per_s=1000.0, peak_memory_bytes=128 * MIB,
-                          extra={"boundaries": {"ok": True}})
+    checked = ProbeResult(
+        Outcome.FIT, cfg, tokens_per_s=1000.0, peak_memory_bytes=128 * MIB, extra={"boundaries": {"ok": True}}
+    )
     plain = [ProbeResult(Outcome.FIT, cfg, tokens_per_s=990.0, peak_memory_bytes=p * MIB) for p in (103, 104)]
     assert combine([checked, *plain]).peak_bytes == 104 * MIB
     assert combine([checked]).peak_bytes == 128 * MIB  # one run only: what there is

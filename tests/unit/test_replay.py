@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from optuna.trial import FrozenTrial
 from stored import probe_trial
 
@@ -18,7 +19,7 @@ from autofit.protocol.result import Outcome
 from autofit.search.knowledge import Knowledge, Verdict
 from autofit.search.replay import Landscape, ReplayOutcome, ReplayRunner, SimClock, replay
 
-LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
+LANDSCAPES = ROOT / "bench" / "landscapes"
 COMMITTED = sorted(LANDSCAPES.glob("*.json"))
 S1 = Landscape.load(LANDSCAPES / "s1.json")
 MODEL = resolve_model("llama2-7b")
