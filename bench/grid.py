@@ -105,8 +105,10 @@ def main() -> None:
     save(a.name, figures)
     for name, sc in scenarios.items():
         b = sc["best"]
-        print(f"{name}: {sc['fits']} fits; best "
-              + (f"{b['tokens_per_s']:,.0f} tok/s at {b['peak_gib']} GiB ({config_brief(b['config'])})" if b else "none"))
+        print(
+            f"{name}: {sc['fits']} fits; best "
+            + (f"{b['tokens_per_s']:,.0f} tok/s at {b['peak_gib']} GiB ({config_brief(b['config'])})" if b else "none")
+        )
 
 
 if __name__ == "__main__":

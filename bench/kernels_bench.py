@@ -595,24 +595,45 @@ def export_fidelity(setup: Setup, run_dir: Path, best: ProbeResult | None,
     # repeat) and this call's; their median is the probe's figure least moved by one noisy process
     every = [*best.measurements, *again_tps]
     every_median = statistics.median(every) if every else None
-    return {"steps": setup.export_steps, "probe_tokens_per_s": best.tokens_per_s, "probe_peak_bytes": best.peak_memory_bytes,
-            "same_call_probes": [{k: r.get(k) for k in ("outcome", "tokens_per_s", "tokens_per_s_min",
-                                                          "tokens_per_s_max", "peak_memory_bytes", "reason")}
-                                 for r in again],
-            "tokens_per_s_ratio_vs_same_call_median": mine.get("tokens_per_s", 0) / same if same else None,
-            "probe_measurements": every,
-            "tokens_per_s_ratio_vs_every_probe_median": mine.get("tokens_per_s", 0) / every_median
-            if every_median else None,
-            "recipe": mine, "tokens_per_s_ratio": tps, "peak_ratio": peak,
-            "meets_speed_and_peak": bool(tps and abs(tps - 1) <= 0.05 and peak and abs(peak - 1) <= 0.03),
-            "stock_recipe": stock, "loss_curve_max_rel_diff": diff,
-            "loss_tolerance": tol, "loss_curve_within_tolerance": diff is not None and diff <= tol,
-            "curve_variants": variants, "stock_floor_max_rel_diff": floor,
-            "warm_start": warmed,  # None: the curves start from the preset's random weights
-            # the correctness gate's own rule (data/correctness.py): max(table, FLOOR_FACTOR x the floor
-            # two correct implementations show)
-            "loss_bound_with_floor": bound,
-            "loss_curve_within_floor_bound": None if bound is None or diff is None else diff <= bound}
+    return {
+        "steps": setup.export_steps,
+        "probe_tokens_per_s": best.tokens_per_s,
+        "probe_peak_bytes": best.peak_memory_bytes,
+        "same_call_probes": [
+            {
+                k: r.get(k)
+                for k in (
+                    "outcome",
+                    "tokens_per_s",
+                    "tokens_per_s_min",
+                    "tokens_per_s_max",
+                    "peak_memory_bytes",
+                    "reason",
+                )
+            }
+            for r in again
+        ],
+        "tokens_per_s_ratio_vs_same_call_median": mine.get("tokens_per_s", 0) / same if same else None,
+        "probe_measurements": every,
+        "tokens_per_s_ratio_vs_every_probe_median": mine.get("tokens_per_s", 0) / every_median
+        if every_median
+        else None,
+        "recipe": mine,
+        "tokens_per_s_ratio": tps,
+        "peak_ratio": peak,
+        "meets_speed_and_peak": bool(tps and abs(tps - 1) <= 0.05 and peak and abs(peak - 1) <= 0.03),
+        "stock_recipe": stock,
+        "loss_curve_max_rel_diff": diff,
+        "loss_tolerance": tol,
+        "loss_curve_within_tolerance": diff is not None and diff <= tol,
+        "curve_variants": variants,
+        "stock_floor_max_rel_diff": floor,
+        "warm_start": warmed,  # None: the curves start from the preset's random weights
+        # the correctness gate's own rule (data/correctness.py): max(table, FLOOR_FACTOR x the floor
+        # two correct implementations show)
+        "loss_bound_with_floor": bound,
+        "loss_curve_within_floor_bound": None if bound is None or diff is None else diff <= bound,
+    }
 
 
 # ----------------------------------------------------------------------------- the scenarios
@@ -627,19 +648,35 @@ def config_of(res: ProbeResult | dict[str, Any]) -> dict[str, Any]:
 def figure(model: str, res: ProbeResult | None, matmul: float | None) -> dict[str, Any] | None:
     if res is None:
         return None
-    return {"config": config_of(res), "tokens_per_s": res.tokens_per_s, "tokens_per_s_ranked": round(speed(res)),
-            "peak_gib": round(res.peak_memory_bytes / GIB, 2) if res.peak_memory_bytes else None,
-            "compile_seconds": res.compile_seconds, "train_tokens": res.train_tokens,
-            "gate": (res.extra or {}).get("gate"), **mfu(model, res.config, res.tokens_per_s, matmul)}
+    return {
+        "config": config_of(res),
+        "tokens_per_s": res.tokens_per_s,
+        "tokens_per_s_ranked": round(speed(res)),
+        "peak_gib": round(res.peak_memory_bytes / GIB, 2) if res.peak_memory_bytes else None,
+        "compile_seconds": res.compile_seconds,
+        "train_tokens": res.train_tokens,
+        "gate": (res.extra or {}).get("gate"),
+        **mfu(model, res.config, res.tokens_per_s, matmul),
+    }
 
 
-def verdict(setup: Setup, sc: Scenario, today: ProbeResult | None, best: ProbeResult | None,
-            matmul: float | None, gpu: int | None = None) -> dict:
+def verdict(
+    setup: Setup,
+    sc: Scenario,
+    today: ProbeResult | None,
+    best: ProbeResult | None,
+    matmul: float | None,
+    gpu: int | None = None,
+) -> dict:
     """Ratio by the objective's speed (compile seconds amortised over the planned training length)."""
     ratio = speed(best) / speed(today) if today and best and speed(today) else None
-    out = {"today": figure(sc.model, today, matmul), "with_kernels": figure(sc.model, best, matmul),
-           "ratio": round(ratio, 3) if ratio else None, "target": sc.target,
-           "met": None if sc.target is None or ratio is None else ratio >= sc.target}
+    out = {
+        "today": figure(sc.model, today, matmul),
+        "with_kernels": figure(sc.model, best, matmul),
+        "ratio": round(ratio, 3) if ratio else None,
+        "target": sc.target,
+        "met": None if sc.target is None or ratio is None else ratio >= sc.target,
+    }
     if out["met"] is False and best is not None:
         out["profile_of_winner"] = profile_point(setup, sc.model, sc.limit, {**config_of(best)}, gpu)
     return out
@@ -650,32 +687,57 @@ def keep_run(run_dir: Path, keep: str | None, name: str) -> None:
     if keep:
         import shutil
 
-        shutil.copytree(run_dir, Path(keep) / name, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("logs", ".standby*"))
+        shutil.copytree(
+            run_dir, Path(keep) / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("logs", ".standby*")
+        )
 
 
-def run_searches(setup: Setup, sc: Scenario, budget: str, folder: Path, matmul: float | None,
-                 gpus: tuple[int | None, int | None] = (None, None), keep: str | None = None) -> dict[str, Any]:
+def run_searches(
+    setup: Setup,
+    sc: Scenario,
+    budget: str,
+    folder: Path,
+    matmul: float | None,
+    gpus: tuple[int | None, int | None] = (None, None),
+    keep: str | None = None,
+) -> dict[str, Any]:
     """Today's space and the extended one, one after the other, or at once on two GPUs."""
     attention = runnable_attention("cpu" if setup.small else "cuda")
-    spaces = [write_space(today_space(setup), folder, f"{sc.name}-today"),
-              write_space(kernel_space(setup, attention), folder, f"{sc.name}-kernels")]
+    spaces = [
+        write_space(today_space(setup), folder, f"{sc.name}-today"),
+        write_space(kernel_space(setup, attention), folder, f"{sc.name}-kernels"),
+    ]
     with ThreadPoolExecutor(2 if gpus[0] is not None else 1) as pool:
         (today_rows, today_wall, today_dir), (k_rows, k_wall, k_dir) = pool.map(
-            lambda i: search(setup, sc.model, sc.limit, spaces[i], budget, gpus[i]), (0, 1))
+            lambda i: search(setup, sc.model, sc.limit, spaces[i], budget, gpus[i]), (0, 1)
+        )
     keep_run(today_dir, keep, f"{sc.name}-today")
     keep_run(k_dir, keep, f"{sc.name}-kernels")
     best = best_of(k_rows)
     out = verdict(setup, sc, best_of(today_rows), best, matmul, gpus[1])
     mism = [config_of(r) for r in k_rows if r.outcome.value == "mismatch"]
-    out.update({"attention_searched": attention, "search_wall_seconds": {"today": today_wall, "kernels": k_wall},
-                "probes": {"today": len(today_rows), "kernels": len(k_rows)}, "mismatches": mism,
-                "outcomes_with_kernels": [{"config": config_of(r), "outcome": r.outcome.value, "reason": r.reason,
-                                           "tokens_per_s": r.tokens_per_s, "compile_seconds": r.compile_seconds}
-                                          for r in k_rows],
-                "run_dirs": {"today": str(today_dir), "kernels": str(k_dir)},
-                "export": export_fidelity(setup, k_dir, best, gpus) if setup.export_steps
-                else {"skipped": "--export-steps 0"}})
+    out.update(
+        {
+            "attention_searched": attention,
+            "search_wall_seconds": {"today": today_wall, "kernels": k_wall},
+            "probes": {"today": len(today_rows), "kernels": len(k_rows)},
+            "mismatches": mism,
+            "outcomes_with_kernels": [
+                {
+                    "config": config_of(r),
+                    "outcome": r.outcome.value,
+                    "reason": r.reason,
+                    "tokens_per_s": r.tokens_per_s,
+                    "compile_seconds": r.compile_seconds,
+                }
+                for r in k_rows
+            ],
+            "run_dirs": {"today": str(today_dir), "kernels": str(k_dir)},
+            "export": export_fidelity(setup, k_dir, best, gpus)
+            if setup.export_steps
+            else {"skipped": "--export-steps 0"},
+        }
+    )
     return out
 
 
@@ -688,10 +750,17 @@ def run_probes(setup: Setup, sc: Scenario, matmul: float | None) -> dict[str, An
     results = [ProbeResult.from_dict(d) for d in rows if d.get("outcome") != "bench_error"]
     today = best_of([r for r in results if not any(r.config.get(k) for k in KERNEL_KEYS)])
     out = verdict(setup, sc, today, best_of(results), matmul)
-    out["points"] = [{"config": p, "outcome": d.get("outcome"), "reason": d.get("reason", "")[:500],
-                      "tokens_per_s": d.get("tokens_per_s"), "compile_seconds": d.get("compile_seconds"),
-                      "peak_gib": round(d["peak_memory_bytes"] / GIB, 2) if d.get("peak_memory_bytes") else None}
-                     for p, d in zip(sc.points, rows, strict=True)]
+    out["points"] = [
+        {
+            "config": p,
+            "outcome": d.get("outcome"),
+            "reason": d.get("reason", "")[:500],
+            "tokens_per_s": d.get("tokens_per_s"),
+            "compile_seconds": d.get("compile_seconds"),
+            "peak_gib": round(d["peak_memory_bytes"] / GIB, 2) if d.get("peak_memory_bytes") else None,
+        }
+        for p, d in zip(sc.points, rows, strict=True)
+    ]
     return out
 
 
@@ -701,11 +770,19 @@ def main() -> None:
     ap.add_argument("--scenarios", default="S1,S2,S4")
     ap.add_argument("--budget", default="20m", help="per search (two searches per scenario)")
     ap.add_argument("--small", action="store_true", help="tiny-llama on the CPU: the plumbing, no GPU figures")
-    ap.add_argument("--train-tokens", type=int, default=TRAIN_TOKENS,
-                    help=f"planned training length compile time is amortised over (default {TRAIN_TOKENS:,})")
+    ap.add_argument(
+        "--train-tokens",
+        type=int,
+        default=TRAIN_TOKENS,
+        help=f"planned training length compile time is amortised over (default {TRAIN_TOKENS:,})",
+    )
     ap.add_argument("--export-steps", type=int, default=50, help="steps of the exported winner (0: skip the export)")
-    ap.add_argument("--gpus", default="", help="comma-separated GPU indices, two a scenario: its two searches (and "
-                    "the exported recipes) run at once, every scenario at once")
+    ap.add_argument(
+        "--gpus",
+        default="",
+        help="comma-separated GPU indices, two a scenario: its two searches (and "
+        "the exported recipes) run at once, every scenario at once",
+    )
     ap.add_argument("--profile-point", help="JSON of one point: profile it and print the table")
     ap.add_argument("--matmul", action="store_true", help="print this GPU's bf16 matmul TFLOP/s and exit")
     ap.add_argument("--model", default="llama2-7b")
@@ -713,32 +790,59 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--name", help="result file name (default kernels-<mode>)")
     ap.add_argument("--keep", help="copy every search's run folder here (logs left out)")
-    ap.add_argument("--reprobes", type=int, default=2,
-                    help="with the export: probe the winner again this many times in the same call (default 2)")
-    ap.add_argument("--no-stock-reference", action="store_true",
-                    help="export fidelity without the stock-kernel recipe's loss curve (speed and peak only)")
-    ap.add_argument("--curve-variants", default="",
-                    help=f"with the export: more recipes for the loss curve, comma-separated of "
-                         f"{', '.join(CURVE_VARIANTS)} (eager: the floor two correct stock kernels reach)")
+    ap.add_argument(
+        "--reprobes",
+        type=int,
+        default=2,
+        help="with the export: probe the winner again this many times in the same call (default 2)",
+    )
+    ap.add_argument(
+        "--no-stock-reference",
+        action="store_true",
+        help="export fidelity without the stock-kernel recipe's loss curve (speed and peak only)",
+    )
+    ap.add_argument(
+        "--curve-variants",
+        default="",
+        help=f"with the export: more recipes for the loss curve, comma-separated of "
+        f"{', '.join(CURVE_VARIANTS)} (eager: the floor two correct stock kernels reach)",
+    )
     ap.add_argument("--export-run", help="a kernel search's run folder (from --keep): only its export fidelity")
-    ap.add_argument("--resume-first", metavar="DURATION",
-                    help="with --export-run: resume a copy of the run for this long first (`autofit search --resume`), "
-                         "so a best measured once is measured again and its figure is a median; then the export")
-    ap.add_argument("--winner-changes", metavar="JSON",
-                    help="with --export-run: export the run's winner with these config changes (a copy of the run, "
-                         "as the stock reference is made), e.g. the best a resume of the run found")
-    ap.add_argument("--warm-steps", type=int, default=0,
-                    help="with the export: start the loss curves from the preset trained this many steps by the "
-                         "stock recipe (a settled loss, as fine-tuning a trained model), not from random weights")
+    ap.add_argument(
+        "--resume-first",
+        metavar="DURATION",
+        help="with --export-run: resume a copy of the run for this long first (`autofit search --resume`), "
+        "so a best measured once is measured again and its figure is a median; then the export",
+    )
+    ap.add_argument(
+        "--winner-changes",
+        metavar="JSON",
+        help="with --export-run: export the run's winner with these config changes (a copy of the run, "
+        "as the stock reference is made), e.g. the best a resume of the run found",
+    )
+    ap.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="with the export: start the loss curves from the preset trained this many steps by the "
+        "stock recipe (a settled loss, as fine-tuning a trained model), not from random weights",
+    )
     a = ap.parse_args()
     unknown = {x.strip() for x in a.curve_variants.split(",") if x.strip()} - set(CURVE_VARIANTS)
     if unknown:
-        ap.error(f"--curve-variants: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(CURVE_VARIANTS)}")
-    setup = Setup(small=a.small, train_tokens=a.train_tokens, export_steps=a.export_steps,
-                  stock_reference=not a.no_stock_reference, reprobes=a.reprobes,
-                  curve_variants=tuple(x.strip() for x in a.curve_variants.split(",") if x.strip()),
-                  warm_steps=a.warm_steps,
-                  gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()))
+        ap.error(
+            f"--curve-variants: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(CURVE_VARIANTS)}"
+        )
+    setup = Setup(
+        small=a.small,
+        train_tokens=a.train_tokens,
+        export_steps=a.export_steps,
+        stock_reference=not a.no_stock_reference,
+        reprobes=a.reprobes,
+        curve_variants=tuple(x.strip() for x in a.curve_variants.split(",") if x.strip()),
+        warm_steps=a.warm_steps,
+        gpus=tuple(int(g) for g in a.gpus.split(",") if g.strip()),
+    )
     if a.matmul:
         print(matmul_tflops())
         return
@@ -754,12 +858,14 @@ def main() -> None:
             run_dir, head["resumed"] = resumed_copy(run_dir, a.resume_first)
         if a.winner_changes:
             head["winner_changes"] = json.loads(a.winner_changes)
-            run_dir = variant_copy(run_dir, Path(tempfile.mkdtemp(prefix="kernels-changed-")), "changed",
-                                   head["winner_changes"])
+            run_dir = variant_copy(
+                run_dir, Path(tempfile.mkdtemp(prefix="kernels-changed-")), "changed", head["winner_changes"]
+            )
         best = ProbeResult.from_dict(json.loads((run_dir / "best.json").read_text()))
         head["winner"] = config_of(best)
-        export = export_fidelity(setup, run_dir, best,
-                                 keep=lambda part: save(name, {**head, "export": part, "complete": False}))
+        export = export_fidelity(
+            setup, run_dir, best, keep=lambda part: save(name, {**head, "export": part, "complete": False})
+        )
         save(name, {**head, "export": export, "complete": True})
         return
     require_kernel_keys()
@@ -770,17 +876,28 @@ def main() -> None:
     scenarios: dict[str, Any] = {}
 
     def write() -> None:
-        save(name, {"mode": a.mode, "small": a.small, "budget_per_search": a.budget if a.mode == "search" else None,
-                    "gpus": list(setup.gpus),
-                    "matmul_tflops_measured": matmul, "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
-                    "train_tokens_for_amortisation": a.train_tokens,
-                    "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(),
-                    "scenarios": dict(scenarios)})
+        save(
+            name,
+            {
+                "mode": a.mode,
+                "small": a.small,
+                "budget_per_search": a.budget if a.mode == "search" else None,
+                "gpus": list(setup.gpus),
+                "matmul_tflops_measured": matmul,
+                "datasheet_tflops": H200_BF16_DENSE_TFLOPS,
+                "train_tokens_for_amortisation": a.train_tokens,
+                "mfu_formula": __doc__.split("MFU (stated with every figure):")[1].strip(),
+                "scenarios": dict(scenarios),
+            },
+        )
 
     def one(i: int) -> dict[str, Any]:
         sc = chosen[i]
-        out = run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i), a.keep) if a.mode == "search" \
+        out = (
+            run_searches(setup, sc, a.budget, folder, matmul, setup.gpu_pair(i), a.keep)
+            if a.mode == "search"
             else run_probes(setup, sc, matmul)
+        )
         print(sc.name, json.dumps({k: out[k] for k in ("ratio", "target", "met")}), flush=True)
         scenarios[sc.name] = out
         write()  # after every scenario: a call cut short keeps what it measured

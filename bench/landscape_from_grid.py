@@ -111,17 +111,25 @@ def main() -> None:
     src = f"bench/results/{Path(a.grid).name}"
     LANDSCAPES.mkdir(exist_ok=True)
     s1 = landscape(grid, "s1", 40 * GIB, points, space, f"the grid {src} as measured under 40 GiB")
-    s2 = landscape(grid, "s2", 24 * GIB, {k: under_smaller_limit(r, 24 * GIB, oom_wall, request) for k, r in points.items()}, space,
-                   f"read off the 40 GiB grid {src} (not measured under 24 GiB): a peak inside 24 GiB's usable "
-                   "memory is kept; a peak in the headroom is out of memory with its tokens/s kept; a peak "
-                   "over 24 GiB is out of memory in its first step (no tokens/s, peak = the limit, proving the limit "
-                   f"plus one failed request ({request / GIB:.2f} GiB, the grid's median), never more than its need; "
-                   f"wall time at most the grid's median first-step OOM's, {oom_wall:.1f} s): bench/landscape_from_grid.py")
+    s2 = landscape(
+        grid,
+        "s2",
+        24 * GIB,
+        {k: under_smaller_limit(r, 24 * GIB, oom_wall, request) for k, r in points.items()},
+        space,
+        f"read off the 40 GiB grid {src} (not measured under 24 GiB): a peak inside 24 GiB's usable "
+        "memory is kept; a peak in the headroom is out of memory with its tokens/s kept; a peak "
+        "over 24 GiB is out of memory in its first step (no tokens/s, peak = the limit, proving the limit "
+        f"plus one failed request ({request / GIB:.2f} GiB, the grid's median), never more than its need; "
+        f"wall time at most the grid's median first-step OOM's, {oom_wall:.1f} s): bench/landscape_from_grid.py",
+    )
     for ls in (s1, s2):
         path = ls.save(LANDSCAPES / f"{ls.scenario}.json")
         fits = sum(ProbeResult.from_dict(pt).outcome.is_fit() for pt in ls.points.values())
-        print(f"wrote {path.relative_to(HERE.parent)}: {len(ls.points)} points, {fits} fit, best "
-              f"{ls.best().tokens_per_s:,.0f} tokens/s")
+        print(
+            f"wrote {path.relative_to(HERE.parent)}: {len(ls.points)} points, {fits} fit, best "
+            f"{ls.best().tokens_per_s:,.0f} tokens/s"
+        )
 
 
 if __name__ == "__main__":

@@ -65,17 +65,26 @@ def probe(model: str, limit: str | None, n: int, small: bool, point: dict[str, A
     sets = {**(SMALL if small else COMMON), **point}
     args = ["probe", "--model", model, "--json", "--timeout", "900", *where(n, small)]
     args += ["--memory-limit", limit] if limit else []
-    proc = autofit_cli(*args, *itertools.chain.from_iterable(("--set", f"{k}={v}") for k, v in sets.items()), timeout=1200)
+    proc = autofit_cli(
+        *args, *itertools.chain.from_iterable(("--set", f"{k}={v}") for k, v in sets.items()), timeout=1200
+    )
     if proc.returncode != 0 or not proc.stdout.strip():
         return {"outcome": "bench_error", "reason": proc.stderr[-2000:], "point": point}
     r = json.loads(proc.stdout)
-    return {"point": point, "outcome": r["outcome"], "tokens_per_s": r["tokens_per_s"],
-            "peak_memory_bytes": r["peak_memory_bytes"], "reason": r["reason"][:300],
-            "wall_seconds": r["wall_seconds"], "ranks": r["extra"].get("ranks")}
+    return {
+        "point": point,
+        "outcome": r["outcome"],
+        "tokens_per_s": r["tokens_per_s"],
+        "peak_memory_bytes": r["peak_memory_bytes"],
+        "reason": r["reason"][:300],
+        "wall_seconds": r["wall_seconds"],
+        "ranks": r["extra"].get("ranks"),
+    }
 
 
-def grid(model: str, limit: str | None, n: int, small: bool, done: list[dict[str, Any]], path: Path,
-         deadline: float) -> list[dict[str, Any]]:
+def grid(
+    model: str, limit: str | None, n: int, small: bool, done: list[dict[str, Any]], path: Path, deadline: float
+) -> list[dict[str, Any]]:
     """Every grid point not in `done`, written to `path` after each (a later call resumes)."""
     seen = [d["point"] for d in done]
     for point in grid_points(small):
@@ -92,17 +101,36 @@ def search(model: str, limit: str | None, n: int, small: bool, budget: str) -> d
     space = "cpu-distributed.yaml" if small else "distributed"
     if small:
         space = str(out / space)
-        Path(space).write_text(json.dumps({"fixed": SMALL, "dimensions": {
-            "engine": ["none", "fsdp2"], "micro_batch_size": [1, 2]}}))
+        Path(space).write_text(
+            json.dumps({"fixed": SMALL, "dimensions": {"engine": ["none", "fsdp2"], "micro_batch_size": [1, 2]}})
+        )
     t0 = time.monotonic()
-    args = ["search", "--model", model, "--space", space, "--budget", budget, "--out", str(out), "--json",
-            "--confirm", "0" if small else "2", *where(n, small)]
+    args = [
+        "search",
+        "--model",
+        model,
+        "--space",
+        space,
+        "--budget",
+        budget,
+        "--out",
+        str(out),
+        "--json",
+        "--confirm",
+        "0" if small else "2",
+        *where(n, small),
+    ]
     proc = autofit_cli(*args, *(["--memory-limit", limit] if limit else []), timeout=3 * 3600)
     summary = json.loads(proc.stdout) if proc.stdout.strip() else {}
     run_dir = Path(summary["run_dir"]) if summary.get("run_dir") else None
-    return {"wall_seconds": round(time.monotonic() - t0, 1), "rc": proc.returncode, "run_dir": str(run_dir),
-            "best": summary.get("best"), "probes": len(read_trials(run_dir)) if run_dir else 0,
-            "stderr_tail": proc.stderr[-1500:]}
+    return {
+        "wall_seconds": round(time.monotonic() - t0, 1),
+        "rc": proc.returncode,
+        "run_dir": str(run_dir),
+        "best": summary.get("best"),
+        "probes": len(read_trials(run_dir)) if run_dir else 0,
+        "stderr_tail": proc.stderr[-1500:],
+    }
 
 
 def run_recipe(run_dir: Path, n: int, steps: int, small: bool) -> dict[str, Any]:
@@ -114,8 +142,20 @@ def run_recipe(run_dir: Path, n: int, steps: int, small: bool) -> dict[str, Any]
         return {"error": proc.stderr[-2000:]}
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps({"text": " ".join(["token"] * 400)}) + "\n" for _ in range(400)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
-           "--dataset", str(data), "--output-dir", str(work / "out"), "--max-steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        str(script),
+        "--dataset",
+        str(data),
+        "--output-dir",
+        str(work / "out"),
+        "--max-steps",
+        str(steps),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600, env=bench_env())
     lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
@@ -132,19 +172,37 @@ def one_count(args: argparse.Namespace, n: int, resume: list[dict[str, Any]], de
     s = search(model, limit, n, args.small, args.budget)
     best = s["best"]
     ratio = best["tokens_per_s"] / grid_best["tokens_per_s"] if best and grid_best else None
-    common = next((p for p in points if p["point"] == {"engine": "zero3", "cpu_offload": "off", "micro_batch_size": 1}
-                   and p["outcome"] == "fit"), None) or next(
-        (p for p in points if p["point"] == {"engine": "fsdp2", "cpu_offload": "off", "micro_batch_size": 1}), None)
-    out = {"gpus": n, "grid": points, "grid_complete": len(points) == len(grid_points(args.small)),
-           "grid_best": grid_best, "search": s, "search_vs_grid": ratio, "meets_0_97": bool(ratio and ratio >= 0.97),
-           "common_recipe": common,
-           "best_vs_common": best["tokens_per_s"] / common["tokens_per_s"]
-           if best and common and common.get("tokens_per_s") else None}
+    common = next(
+        (
+            p
+            for p in points
+            if p["point"] == {"engine": "zero3", "cpu_offload": "off", "micro_batch_size": 1} and p["outcome"] == "fit"
+        ),
+        None,
+    ) or next(
+        (p for p in points if p["point"] == {"engine": "fsdp2", "cpu_offload": "off", "micro_batch_size": 1}), None
+    )
+    out = {
+        "gpus": n,
+        "grid": points,
+        "grid_complete": len(points) == len(grid_points(args.small)),
+        "grid_best": grid_best,
+        "search": s,
+        "search_vs_grid": ratio,
+        "meets_0_97": bool(ratio and ratio >= 0.97),
+        "common_recipe": common,
+        "best_vs_common": best["tokens_per_s"] / common["tokens_per_s"]
+        if best and common and common.get("tokens_per_s")
+        else None,
+    }
     if best and args.export_steps:
         rec = run_recipe(Path(s["run_dir"]), n, args.export_steps, args.small)
         tps, peak = rec.get("tokens_per_s"), rec.get("peak_bytes")
-        out["export"] = {**rec, "tokens_per_s_ratio": tps / best["tokens_per_s"] if tps else None,
-                         "peak_ratio": peak / best["peak_memory_bytes"] if peak and best.get("peak_memory_bytes") else None}
+        out["export"] = {
+            **rec,
+            "tokens_per_s_ratio": tps / best["tokens_per_s"] if tps else None,
+            "peak_ratio": peak / best["peak_memory_bytes"] if peak and best.get("peak_memory_bytes") else None,
+        }
     return out
 
 
@@ -164,9 +222,14 @@ def main() -> None:
     resumed = {int(Path(f).stem.rsplit("-", 1)[1]): json.loads(Path(f).read_text()) for f in args.resume}
     deadline = time.monotonic() + args.grid_seconds
     results = [one_count(args, n, resumed.get(n, []), deadline) for n in counts]
-    save(args.name or ("multigpu-small" if args.small else "multigpu-bench"),
-         {"model": "tiny-llama" if args.small else args.model, "limit": None if args.small else args.limit,
-          "counts": results})
+    save(
+        args.name or ("multigpu-small" if args.small else "multigpu-bench"),
+        {
+            "model": "tiny-llama" if args.small else args.model,
+            "limit": None if args.small else args.limit,
+            "counts": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -134,16 +134,21 @@ def main() -> int:
     modes: dict[str, Any] = {}
     for m in a.modes.split(","):  # saved after each mode: a run cut short keeps what it measured
         modes[m] = measure(target, cfg, model, a, m)
-        save(a.name or f"noise-{a.model}-{a.device}", {
-            "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
-                        f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby, "
-                        f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}, timed steps: {a.timed_steps}",
-            "target": target.describe(long=True),
-            "host_cpus": {"allowed": len(os.sched_getaffinity(0)),
-                          "physical_cores": len(one_thread_per_core(os.sched_getaffinity(0)))},
-            "config": cfg.to_dict(),
-            "modes": modes,
-        })
+        save(
+            a.name or f"noise-{a.model}-{a.device}",
+            {
+                "scenario": f"{a.model}, LoRA, length {a.length}, micro-batch 1, checkpointing on, global batch "
+                f"{a.global_batch}, limit {a.memory_limit}, {a.runs} runs per mode, {a.standby} standby, "
+                f"micro-steps timed per step: {a.max_probe_accumulation or 'all'}, timed steps: {a.timed_steps}",
+                "target": target.describe(long=True),
+                "host_cpus": {
+                    "allowed": len(os.sched_getaffinity(0)),
+                    "physical_cores": len(one_thread_per_core(os.sched_getaffinity(0))),
+                },
+                "config": cfg.to_dict(),
+                "modes": modes,
+            },
+        )
     for m, r in modes.items():
         print(m, "max/min across runs:", r["max_over_min"], r["tokens_per_s"])
     return 0
