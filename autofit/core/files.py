@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,23 +43,13 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     An OSError (a full disk) leaves no temporary file and the old `path` as it was. An existing target
     that is not a regular file (`/dev/null`, `/dev/stdout`, a FIFO) is written into as asked, never
     replaced."""
-    # a link is written through: `latest.json` -> a dated report stays a link
-    target = Path(os.path.realpath(path))
-    if _special(target):
-        with open(target, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        return
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:200]}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _mode(target))
-        os.replace(tmp, target)
-    except BaseException:
-        _remove(tmp)
-        raise
+    payload = data.encode() if isinstance(data, str) else data
+
+    def write(into: str) -> None:
+        with open(into, "wb") as f:
+            f.write(payload)
+
+    _whole(path, write, "")
 
 
 def write_json(path: str | os.PathLike[str], doc: object) -> None:
@@ -68,15 +59,22 @@ def write_json(path: str | os.PathLike[str], doc: object) -> None:
 
 def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 110) -> None:
     """A matplotlib figure saved whole or not at all (a disk that fills while it renders leaves no
-    damaged image)."""
+    damaged image); the temporary file keeps the suffix that tells matplotlib the format."""
+    _whole(path, lambda into: fig.savefig(into, dpi=dpi), Path(path).suffix)
+
+
+def _whole(path: str | os.PathLike[str], write: Callable[[str], None], suffix: str) -> None:
+    """`write(name)` into a temporary file beside `path`, flushed to disk, then renamed over it; nothing left
+    behind on a failure. A link is written through (`latest.json` -> a dated report stays a link); a target
+    that is not a regular file (a device, a FIFO) is written into directly."""
     target = Path(os.path.realpath(path))
     if _special(target):
-        fig.savefig(target, dpi=dpi)
+        write(str(target))
         return
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem[:200]}.", suffix=target.suffix)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name[:200]}.", suffix=suffix or ".tmp")
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=dpi)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, _mode(target))

@@ -9,6 +9,7 @@ import errno
 import os
 import shlex
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from autofit.core.errors import UsageError
@@ -61,25 +62,25 @@ def problem(e: OSError) -> str:
 def input_file(path: str | os.PathLike[str], flag: str, remedy: str = "") -> Path:
     """A regular file to read, or a UsageError naming `flag`: missing, a folder, a FIFO or a device
     (a read of which may never end), a symlink loop, a name too long."""
-    p = Path(path)
-    try:
-        mode = p.stat().st_mode
-    except OSError as e:
-        raise UsageError(f"{flag}: {shown(p)} {problem(e)}.{_then(remedy)}") from None
-    if not stat.S_ISREG(mode):
-        raise UsageError(f"{flag}: {shown(p)} is {kind(mode)}, not a regular file.{_then(remedy)}")
-    return p
+    return _existing(path, flag, remedy, stat.S_ISREG, "not a regular file")
 
 
 def input_folder(path: str | os.PathLike[str], flag: str, remedy: str = "") -> Path:
     """An existing folder, or a UsageError naming `flag`."""
+    return _existing(path, flag, remedy, stat.S_ISDIR, "not a folder")
+
+
+def _existing(path: str | os.PathLike[str], flag: str, remedy: str, wanted: Callable[[int], bool],
+              otherwise: str) -> Path:
+    """`path` if it exists and its mode is what `wanted` accepts, else a UsageError naming `flag`: what the
+    path is (its error, or its kind) and `otherwise`."""
     p = Path(path)
     try:
         mode = p.stat().st_mode
     except OSError as e:
         raise UsageError(f"{flag}: {shown(p)} {problem(e)}.{_then(remedy)}") from None
-    if not stat.S_ISDIR(mode):
-        raise UsageError(f"{flag}: {shown(p)} is {kind(mode)}, not a folder.{_then(remedy)}")
+    if not wanted(mode):
+        raise UsageError(f"{flag}: {shown(p)} is {kind(mode)}, {otherwise}.{_then(remedy)}")
     return p
 
 
