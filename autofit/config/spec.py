@@ -48,6 +48,17 @@ whole replica per GPU), fsdp2 (PyTorch FSDP2 through Trainer's fsdp_config), zer
 CPU_OFFLOADS = ("off", "optimizer", "all")
 """What the engine keeps in host memory: the optimizer state (ZeRO), or parameters, gradients and
 optimizer state (FSDP2's CPUOffloadPolicy, ZeRO-3's offload_param)."""
+TRAINERS = ("sft", "dpo")
+"""What a probe trains: supervised fine-tuning (transformers Trainer on sequences) or preference tuning (TRL's
+DPOTrainer on pairs of a prompt with a chosen and a rejected completion)."""
+DPO_REFERENCES = ("shared", "copy")
+"""Where DPO's reference log-probabilities come from: `shared`, no second copy of the weights (LoRA: the base
+with the adapter disabled, TRL's default for a PEFT model; full fine-tuning: the policy before training, which
+only precomputed log-probabilities allow), or `copy`, a separate reference model held beside the policy."""
+DPO_BATCHINGS = ("pad_max", "pad_longest")
+"""The batchings TRL 1.16's DPOTrainer runs: its DataCollatorForPreference pads chosen and rejected rows to the
+longest of the micro-batch (`pad_longest`; `pad_max`: padded to max_length with pad_to_multiple_of). Its
+`padding_free=True` warns and falls back to padding since TRL's DPO refactor, and it packs nothing."""
 OFFLOADS_BY_ENGINE = {"none": ("off",), "fsdp2": ("off", "all"), "zero2": ("off", "optimizer"),
                       "zero3": ("off", "optimizer", "all")}
 _CKPT_RE = re.compile(r"^(off|on|every_([1-9][0-9]*))(\+offload)?$")
@@ -317,9 +328,29 @@ class TrialConfig:
         kept_by=("hf-trainer", "trl", "llama-factory"),
         label=lambda c: f"empty_cache={c.empty_cache_steps}" if c.empty_cache_steps else None, label_at=18)
 
+    trainer: str = dim(
+        "sft", "sft (supervised fine-tuning, transformers Trainer) or dpo (preference tuning on prompt/chosen/"
+        "rejected pairs, TRL's DPOTrainer: chosen and rejected in one forward, a reference forward without saved "
+        "activations); the workload, fixed by a space, so every config of a search shares it",
+        allowed=TRAINERS, late=True, label=lambda c: c.trainer if c.trainer != "sft" else None, label_at=19)
+    precompute_ref_log_probs: bool = dim(
+        False, "trainer=dpo: the reference log-probabilities computed once over the data before training "
+        "(DPOConfig precompute_ref_log_probs): no reference forward in a step, that pass paid once per epoch",
+        late=True,
+        # a step without the reference forward: ~1 forward of ~4 (forward + 2x backward + reference forward)
+        speed={False: 1.0, True: 1.3}, fixed_cost=True, training_argument="precompute_ref_log_probs",
+        kept_by=("trl",), label=lambda c: "precompute_ref" if c.precompute_ref_log_probs else None, label_at=20)
+    dpo_reference: str = dim(
+        "shared", "trainer=dpo: the reference model: shared (no second copy: LoRA disables the adapter, TRL's "
+        "default; full fine-tuning only with precompute_ref_log_probs) or copy (a separate reference model in "
+        "memory, as full fine-tuning without precomputed log-probabilities needs)", allowed=DPO_REFERENCES,
+        late=True, speed={"shared": 1.0, "copy": 1.0},  # the same reference forward, other weights
+        label=lambda c: "ref=copy" if c.dpo_reference == "copy" else None, label_at=21)
+
     def __post_init__(self) -> None:
         problems = [p for k in KEYS.values() if (p := k.problem(getattr(self, k.name)))]
         problems += self._engine_problems() if not problems else []
+        problems += self._trainer_problems() if not problems else []
         if self.quantization != "none" and self.method == "full":
             problems.append(
                 f"quantization={self.quantization} needs method=lora: a quantized base cannot be "
@@ -348,6 +379,29 @@ class TrialConfig:
             out.append(f"quantization={self.quantization} with engine={self.engine}: a quantized base is not "
                        "sharded by autofit; use engine=none (plain data parallel) or quantization=none")
         return out
+
+    def _trainer_problems(self) -> list[str]:
+        """The preference-tuning rules: its knobs need trainer=dpo; what TRL's DPOTrainer cannot run."""
+        if self.trainer != "dpo":
+            return [f"{k}={getattr(self, k)} is a preference-tuning setting; it needs trainer=dpo"
+                    for k in ("precompute_ref_log_probs", "dpo_reference") if getattr(self, k) != KEYS[k].default]
+        out = []
+        if self.batching not in DPO_BATCHINGS:
+            out.append(f"batching={self.batching} with trainer=dpo: TRL's DPOTrainer pads each micro-batch's "
+                       f"chosen and rejected rows (its padding_free falls back to padding); use "
+                       f"{' or '.join(DPO_BATCHINGS)}")
+        if self.method == "full" and self.dpo_reference == "shared" and not self.precompute_ref_log_probs:
+            out.append("dpo_reference=shared with method=full: a fully fine-tuned policy has no adapter to disable; "
+                       "use dpo_reference=copy or precompute_ref_log_probs=true")
+        if self.gpus > 1 or self.engine != "none":
+            out.append("trainer=dpo is measured on one GPU by autofit; use gpus=1 and engine=none")
+        return out
+
+    @property
+    def rows_per_item(self) -> int:
+        """Sequences one sample puts through the forward: a preference pair is two (prompt + chosen and prompt
+        + rejected, concatenated along the batch in one forward by TRL's DPOTrainer)."""
+        return 2 if self.trainer == "dpo" else 1
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "--set") -> TrialConfig:
@@ -415,7 +469,8 @@ class TrialConfig:
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch_size * self.max_length
+        """Tokens of one forward at max_length: a DPO micro-batch of n pairs is 2n rows (chosen and rejected)."""
+        return self.micro_batch_size * self.rows_per_item * self.max_length
 
     def differing_keys(self, other: TrialConfig) -> set[str]:
         """The keys (not the derived figures) in which two configs differ."""

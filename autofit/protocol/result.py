@@ -122,6 +122,9 @@ class ProbeResult:
     tokens_per_s: float | None = None
     tokens_per_s_min: float | None = None
     tokens_per_s_max: float | None = None
+    pairs_per_s: float | None = None
+    """trainer=dpo: trained preference pairs per second (the objective's figure; tokens/s of both rows beside
+    it ranks alike at one length)."""
     peak_memory_bytes: int | None = None
     """Reserved peak plus memory outside the PyTorch allocator (on the CPU: RSS added)."""
     max_memory_allocated: int | None = None

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import IO
 
 from autofit.core.envinfo import package_versions
+from autofit.probe.child.dpo import run_dpo_probe
 from autofit.probe.child.judge import failure_result, judge_limit
 from autofit.probe.child.measure import run_probe
 from autofit.probe.child.state import ProbeState
@@ -52,7 +53,7 @@ def silence_known_noise() -> None:
 def handle(req: ProbeRequest, announce: Callable[[str], None]) -> ProbeResult:
     state = ProbeState()
     try:
-        res = run_probe(req, state, announce)
+        res = (run_dpo_probe if req.config.trainer == "dpo" else run_probe)(req, state, announce)
     except BaseException as exc:  # every failure becomes an outcome; the runner judges the rest
         if isinstance(exc, KeyboardInterrupt):
             raise

@@ -1,0 +1,334 @@
+"""A preference-tuning probe: one configuration trained through TRL's `DPOTrainer`, measured as an SFT probe is.
+
+The same protocol as `measure.run_probe` (docs/DESIGN.md, "The probe"): the device and its cap, the model as
+the recipe builds it, warm-up then timed optimizer steps with the same callback, checkpointing verified per
+layer, the same outcomes. What differs is what DPO trains:
+
+- a micro-batch of n pairs is one policy forward of 2n rows (prompt + chosen, prompt + rejected, concatenated
+  along the batch by TRL's DataCollatorForPreference), and the reference's log-probabilities come from a
+  second forward under `no_grad` (LoRA: the same model with the adapter disabled, TRL's default for a PEFT
+  model; `dpo_reference=copy`: a separate reference model), or were computed once before training
+  (`precompute_ref_log_probs`: no reference forward in the step);
+- the pairs: random tokens with prompt + completion at max_length (the worst case), or the dataset's pairs
+  tokenized as `data/preference.py` counts them; the heaviest micro-batch (the longest pairs) first, then a
+  seeded draw of the data's;
+- the figures: trained preference pairs per second, with the tokens/s of the two rows beside it (non-pad
+  tokens of prompt + chosen and prompt + rejected), each brought to the data's mean micro-batch by a fixed
+  cost per micro-batch plus a cost per token (`effects.HALF_TOKENS`, as the spread rule counts a step's work).
+  A precomputed reference pass is paid once per epoch: its seconds per pair are added to each pair's time.
+
+The pairs reach DPOTrainer tokenized (`prompt_ids`, `chosen_ids`, `rejected_ids`): the subclass passes such
+a dataset through instead of tokenizing text again (TRL's `_prepare_dataset` tokenizes text rows only), so
+the search, `autofit data` and the probe count the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autofit.config import recipe
+from autofit.data.preference import PairLengths, pair_tokenizer, read_preferences, token_pairs
+from autofit.estimate.effects import HALF_TOKENS
+from autofit.probe.child.build import Model, build_model, decoder_layers
+from autofit.probe.child.errors import Unsupported
+from autofit.probe.child.gate import check_architecture, check_support
+from autofit.probe.child.measure import (
+    Trained,
+    _stop_runaway,
+    check_lora_targets,
+    describe_optimizer,
+    figures,
+    prepare_device,
+    verify_checkpointing,
+)
+from autofit.probe.child.quiet import freeze_built_objects
+from autofit.probe.child.sampler import Memory
+from autofit.probe.child.state import ProbeState
+from autofit.probe.child.timing import TimingPlan, make_callback, spread
+from autofit.protocol.request import SPREAD_BOUND, ProbeRequest
+from autofit.protocol.result import ProbeResult
+
+if TYPE_CHECKING:
+    from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]  # datasets 5.2: no type hints
+
+TokenPair = tuple[list[int], list[int], list[int]]
+"""(prompt ids, chosen ids, rejected ids)."""
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The pairs a probe trains, in order (the heaviest micro-batch first), and the data's mean micro-batch."""
+
+    ids: list[TokenPair]
+    pad_id: int
+    max_length: int
+    pad_max: bool
+    """Rows padded to max_length (`batching=pad_max`) rather than to the micro-batch's longest."""
+    mean_tensor: float
+    """The data's mean micro-batch: tensor tokens (2 rows a pair, padded as the batching pads)."""
+    mean_real: float
+    """The data's mean micro-batch: non-pad tokens of both rows."""
+    dropped: int = 0
+    """Pairs of the data TRL would drop at this max_length (the prompt fills it): never drawn, counted."""
+
+    def lengths(self, k: int) -> PairLengths:
+        p, c, r = self.ids[k]
+        return PairLengths(len(p), len(c), len(r))
+
+    def micro_batch_tensor(self, first: int, size: int) -> int:
+        """Tensor tokens of the micro-batch of pairs [first, first + size): 2 rows per pair."""
+        rows = [self.lengths(k % len(self.ids)).rows(self.max_length) for k in range(first, first + size)]
+        return 2 * size * (self.max_length if self.pad_max else max(max(r) for r in rows))
+
+
+def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
+    """Run the DPO probe `req` describes; `state` collects figures as they come, for failures."""
+    cfg = req.config
+    os.environ.update(recipe.process_env(cfg))
+    check_support(req)
+    state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
+    state.mem.runaway = lambda now: _stop_runaway(req, state, now)
+    check_architecture(req)
+    sync = prepare_device(req, state)
+    pairs = probe_pairs(req)
+    policy, reference, peft_config = load_models(req, state)
+    state.stage = "setup"
+    trained, extra, losses = train_dpo(req, state, policy, reference, peft_config, pairs, sync, announce)
+    verify_checkpointing(req, state.callback, trained.n_layers)
+    assert state.callback is not None
+    state.callback.losses = losses  # the DPO loss Trainer logged each step (the forward's own is not it)
+    return dpo_figures(req, state, trained, pairs, extra)
+
+
+def load_models(req: ProbeRequest, state: ProbeState) -> tuple[Model, Model | None, Any]:
+    """The policy's base as the recipe builds it (dtype, quantization, k-bit preparation; LoRA as a
+    `LoraConfig` that DPOTrainer applies, as the exported TRL recipe does) and, for `dpo_reference=copy`, a
+    second model with the same weights."""
+    import torch
+
+    cfg, src, mem = req.config, req.model, state.mem
+    assert mem is not None
+    path = state.weights or src.ref
+    if req.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    mem.start()
+
+    def base() -> Model:
+        torch.manual_seed(0)  # the same random weights for the policy and its reference copy
+        model = build_model(cfg, src, req.device, path)
+        model.config.use_cache = False
+        kbit = recipe.kbit_preparation(cfg)
+        if kbit is not None:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, **kbit)
+        return model
+
+    policy = base()
+    peft_config = None
+    lora = recipe.lora_arguments(cfg)
+    if lora is not None:
+        from peft import LoraConfig
+
+        check_lora_targets(policy, lora["target_modules"])
+        peft_config = LoraConfig(**lora)
+    reference = base() if cfg.dpo_reference == "copy" else None
+    if reference is not None:
+        reference.requires_grad_(False)
+    state.memory_after_load = mem.allocator_now()[1]
+    mem.phase()
+    freeze_built_objects()
+    return policy, reference, peft_config
+
+
+def probe_pairs(req: ProbeRequest) -> Pairs:
+    """The pairs of the probe: random tokens at max_length (prompt half, each completion the other half), or
+    the dataset's, the longest micro-batch first and then a seeded draw; enough for every step."""
+    cfg = req.config
+    n = req.micro_batches * cfg.micro_batch_size
+    if req.dataset is None:
+        import torch
+
+        half = cfg.max_length // 2
+        vocab = int(req.model.config.get("vocab_size", 32000))
+        g = torch.Generator().manual_seed(0)
+        ids = [tuple(torch.randint(0, vocab, (k,), generator=g).tolist() for k in (half, cfg.max_length - half,
+                                                                                     cfg.max_length - half))
+               for _ in range(n)]
+        tensor = 2 * cfg.micro_batch_size * cfg.max_length
+        return Pairs([(p, c, r) for p, c, r in ids], 0, cfg.max_length, True, tensor, tensor)
+    return data_pairs(req, n)
+
+
+def data_pairs(req: ProbeRequest, n: int) -> Pairs:
+    """The dataset's pairs, tokenized as `autofit data` counts them, ordered for the probe."""
+    assert req.dataset is not None
+    cfg = req.config
+    prefs = read_preferences(str(req.dataset["path"]))
+    if prefs.content_hash != req.dataset.get("content_hash"):
+        raise Unsupported(f"the dataset {prefs.path} changed since the search started")
+    tok = pair_tokenizer(req.model, prefs, req.data_cache)
+    every = token_pairs(prefs, tok)
+    kept = [p for p in every if len(p[0]) < cfg.max_length]  # TRL drops a pair whose prompt fills max_length
+    if not kept:
+        raise Unsupported(f"every pair's prompt fills max_length={cfg.max_length}: TRL drops them all")
+    pad_max = cfg.batching == "pad_max"
+    mb = cfg.micro_batch_size
+    longest = sorted(range(len(kept)), key=lambda k: -PairLengths(*map(len, kept[k])).longest)
+    order = list(range(len(kept)))
+    random.Random(f"dpo-pairs:{req.data_seed}").shuffle(order)
+    epoch = Pairs(kept, tok.pad_id, cfg.max_length, pad_max, 0.0, 0.0)
+    batches = [order[i:i + mb] for i in range(0, len(order), mb)]
+    tensor = statistics.fmean(_tensor(epoch, b) for b in batches)
+    real = statistics.fmean(sum(sum(epoch.lengths(k).rows(cfg.max_length)) for k in b) for b in batches)
+    drawn = [order[k % len(order)] for k in range(max(n - mb, 0))]
+    ids = [kept[k] for k in (longest[:mb] + drawn)]
+    return Pairs(ids, tok.pad_id, cfg.max_length, pad_max, tensor, real, len(every) - len(kept))
+
+
+def _tensor(pairs: Pairs, batch: Sequence[int]) -> int:
+    rows = [pairs.lengths(k).rows(pairs.max_length) for k in batch]
+    return 2 * len(batch) * (pairs.max_length if pairs.pad_max else max(max(r) for r in rows))
+
+
+def _dataset(pairs: Pairs) -> Dataset:
+    from datasets import Dataset  # type: ignore[import-untyped,unused-ignore]
+
+    return Dataset.from_dict({"prompt_ids": [p for p, _, _ in pairs.ids], "chosen_ids": [c for _, c, _ in pairs.ids],
+                              "rejected_ids": [r for _, _, r in pairs.ids]})
+
+
+def pad_tokenizer(pad_id: int) -> Any:
+    """What DPOTrainer needs of a tokenizer when the pairs come tokenized: a pad token in its vocabulary (the
+    collator pads with its id; the attention mask hides it)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<pad>": pad_id}, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>")
+
+
+class Timed:
+    """The seconds of the precomputed reference pass (TRL runs it inside DPOTrainer's constructor)."""
+
+    precompute_seconds = 0.0
+
+
+def trainer_class(timed: Timed) -> Any:
+    """DPOTrainer, passing tokenized pairs through (`_prepare_dataset` tokenizes text rows only) and timing
+    the precomputed reference pass into `timed`."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    class ProbeDPOTrainer(DPOTrainer):
+
+        def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+            if "prompt_ids" in dataset.column_names:
+                return dataset
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+        def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+            t0 = time.perf_counter()
+            out = super()._precompute_ref_logps(dataset, name, batch_size)
+            timed.precompute_seconds = time.perf_counter() - t0
+            return out
+
+    return ProbeDPOTrainer
+
+
+def dpo_arguments(req: ProbeRequest, out: str, steps: int, pairs: Pairs) -> dict[str, Any]:
+    """DPOConfig's keyword arguments: the recipe's TrainingArguments (DPOConfig is one) and TRL's own."""
+    cfg = req.config
+    kw = recipe.training_arguments(cfg, on_cpu=req.device == "cpu", max_steps=steps,
+                                   gradient_accumulation_steps=req.probe_accumulation)
+    kw.update(output_dir=out, logging_steps=1, disable_tqdm=True, max_length=cfg.max_length,
+              train_sampling_strategy="sequential", dataloader_drop_last=False,
+              # explicit: DPOConfig's own default is on (TrainingArguments' off)
+              gradient_checkpointing=kw["activation_checkpointing"],
+              pad_to_multiple_of=cfg.max_length if pairs.pad_max else None)
+    return kw
+
+
+def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Model | None, peft_config: Any,
+              pairs: Pairs, sync: Callable[[], object],
+              announce: Callable[[str], None]) -> tuple[Trained, dict[str, Any], list[float]]:
+    """Warm-up and timed optimizer steps through DPOTrainer; (what trained, DPO's figures, the logged losses)."""
+    from transformers import TrainerCallback
+    from trl.trainer.dpo_config import DPOConfig
+
+    cfg, ga = req.config, req.probe_accumulation
+    assert state.mem is not None
+    plan = TimingPlan(req.warmup_steps, req.timed_steps, req.extra_timed_steps,
+                      req.config_accumulation - ga, announce)
+    cb = state.callback = make_callback(state.mem, sync, plan)
+    if not isinstance(cb, TrainerCallback):
+        raise TypeError(f"autofit: the timing callback {type(cb).__name__} is not a TrainerCallback")
+    per_step = ga * cfg.micro_batch_size
+    cb.step_cost = lambda step: float(sum(
+        pairs.micro_batch_tensor(step * per_step + m * cfg.micro_batch_size, cfg.micro_batch_size) + HALF_TOKENS
+        for m in range(ga)))
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(**dpo_arguments(req, out, plan.most_steps, pairs))
+        timed = Timed()
+        trainer = trainer_class(timed)(model=policy, ref_model=reference, args=args, train_dataset=_dataset(pairs),
+                      processing_class=pad_tokenizer(pairs.pad_id), peft_config=peft_config, callbacks=[cb])
+        model = trainer.model
+        hook = model.register_forward_hook(cb.forward_hook)
+        cb.trainer = trainer
+        trainer.train()
+        hook.remove()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        logged = [h for h in trainer.state.log_history if "loss" in h]
+    cb.stop_timing()
+    sync()
+    state.mem.stop()
+    extra: dict[str, Any] = {"precompute_seconds": round(timed.precompute_seconds, 4),
+                                "precompute_pairs": len(pairs.ids) if cfg.precompute_ref_log_probs else 0,
+                                "reference": "separate model" if reference is not None else (
+                                    "precomputed" if cfg.precompute_ref_log_probs else "adapter disabled"),
+                                "dpo_last_log": {k: v for k, v in (logged[-1] if logged else {}).items()
+                                                 if k.startswith(("rewards/", "logps/", "loss", "grad_norm"))}}
+    return Trained(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                   total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
+                   train_seconds=time.perf_counter() - state.t_start, optimizer=describe_optimizer(optimizer),
+                   engine={}, bnb_modules=sum(type(m).__module__.startswith("bitsandbytes")
+                                              for m in model.modules())), extra, [float(h["loss"]) for h in logged]
+
+
+def dpo_figures(req: ProbeRequest, state: ProbeState, trained: Trained, pairs: Pairs,
+                extra: dict[str, Any]) -> ProbeResult:
+    """The SFT probe's figures (memory, steps, stability), with DPO's speed: pairs/s and tokens/s of both
+    rows at the data's mean micro-batch, a precomputed reference pass paid once per epoch."""
+    cfg, cb = req.config, state.callback
+    assert cb is not None
+    res = figures(req, state, trained)
+    real = cb.real_seconds()[-req.timed_steps:]
+    first = len(cb.steps) - len(real)
+    per_step = req.probe_accumulation * cfg.micro_batch_size
+    pre = float(extra["precompute_seconds"]) / max(int(extra["precompute_pairs"]) or 1, 1)  # seconds a pair
+    pairs_s, tokens_s = [], []
+    for k, t in enumerate(real):
+        step = first + k
+        probed = statistics.fmean(pairs.micro_batch_tensor(step * per_step + m * cfg.micro_batch_size,
+                                                           cfg.micro_batch_size) + HALF_TOKENS
+                                  for m in range(req.probe_accumulation))
+        # seconds of the data's mean micro-batch: this step's time per micro-batch, scaled by cost
+        mean_s = t / req.config_accumulation * (pairs.mean_tensor + HALF_TOKENS) / probed
+        pair_s = mean_s / cfg.micro_batch_size + pre
+        pairs_s.append(1 / pair_s)
+        tokens_s.append(pairs.mean_real / cfg.micro_batch_size / pair_s)
+    res.tokens_per_s, res.tokens_per_s_min, res.tokens_per_s_max = (statistics.median(tokens_s), min(tokens_s),
+                                                                     max(tokens_s))
+    res.pairs_per_s = statistics.median(pairs_s)
+    res.noisy = spread(tokens_s) > SPREAD_BOUND
+    res.extra.update(extra, trainer="dpo", pairs_per_s=res.pairs_per_s,
+                     tokens_per_pair=round(pairs.mean_real / cfg.micro_batch_size, 2),
+                     mean_micro_batch_tensor_tokens=round(pairs.mean_tensor, 2), pairs_dropped=pairs.dropped,
+                     heaviest_tensor_tokens=pairs.micro_batch_tensor(0, cfg.micro_batch_size))
+    return res
