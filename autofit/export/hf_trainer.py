@@ -1,52 +1,37 @@
-"""`--format hf-trainer`: a standalone transformers Trainer + peft script."""
+"""`--format hf-trainer`: a standalone transformers Trainer + peft script (`script.render_script`)."""
 
 from __future__ import annotations
 
 from autofit.export.common import ExportRun, Rendered, check_fields
-from autofit.export.data_script import DATA_HELPERS, HF_DATA_MAIN, data_header, data_settings
 from autofit.export.fields import installed_fields, versions
-from autofit.export.multi_gpu import script_launch, script_main
-from autofit.export.script_parts import (
-    BLOCK_HELPERS,
-    HELPERS,
-    TAIL,
-    check_fsdp_fields,
-    checked_names,
-    header,
-    settings,
-)
+from autofit.export.multi_gpu import script_launch
+from autofit.export.script import render_script, sampling_fields
+from autofit.export.winner import Winner, describe
 
-MAIN = '''
 
-def main():
-    a, tokenizer, blocks, model = prepare()  # first: a bad argument or dataset is said before the imports
-    from transformers import Trainer, TrainingArguments
-
-    data = [{"input_ids": b, "labels": list(b), "attention_mask": [1] * len(b)} for b in blocks]
-    args = TrainingArguments(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})
-    short = below_one_step(len(blocks), args.per_device_train_batch_size * args.gradient_accumulation_steps
-                           * args.world_size, "block")
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      callbacks=[throughput_callback(token_counter(model, trained=False), short)])
-'''
+def check_names(w: Winner, training: set[str], trainer: str = "TrainingArguments") -> None:
+    """The constructors' argument names the recipe writes, against the installed libraries (both formats):
+    `trainer`'s fields (TrainingArguments, or TRL's SFTConfig), its fsdp_config keys, LoraConfig,
+    BitsAndBytesConfig and prepare_model_for_kbit_training."""
+    have, v = installed_fields(), versions()
+    library = f"trl {v['trl']}" if trainer == "SFTConfig" else f"transformers {v['transformers']}"
+    check_fields(have[trainer], training, f"{library} {trainer}")
+    check_fields(have["fsdp_config"], w.training.get("fsdp_config", {}),
+                 f"transformers {v['transformers']} TrainingArguments fsdp_config (its documented keys)")
+    check_fields(have["LoraConfig"], w.lora or {}, f"peft {v['peft']} LoraConfig")
+    check_fields(have["BitsAndBytesConfig"], w.quantization or {},
+                 f"transformers {v['transformers']} BitsAndBytesConfig")
+    check_fields(have["prepare_model_for_kbit_training"], w.kbit or {},
+                 f"peft {v['peft']} prepare_model_for_kbit_training")
 
 
 def render(r: ExportRun) -> Rendered:
-    names, have, v = checked_names(r), installed_fields(), versions()
-    check_fields(have["TrainingArguments"], names["training"],
-                 f"transformers {v['transformers']} TrainingArguments")
-    check_fsdp_fields(names, have)
-    check_fields(have["LoraConfig"], names["lora"], f"peft {v['peft']} LoraConfig")
-    check_fields(have["BitsAndBytesConfig"], names["quant"],
-                 f"transformers {v['transformers']} BitsAndBytesConfig")
-    check_fields(have["prepare_model_for_kbit_training"], names["kbit"],
-                 f"peft {v['peft']} prepare_model_for_kbit_training")
-    cfg = r.config
-    if r.dataset is not None:  # searched with --dataset: the measured batching, samples truncated
-        return Rendered(data_header(header(r, "train.py"), cfg.batching, r.dataset) + settings(r)
-                        + data_settings(cfg.batching, cfg.micro_batch_size, r.dataset) + HELPERS
-                        + DATA_HELPERS
-                        + script_main(HF_DATA_MAIN, cfg) + TAIL, launch=script_launch(cfg))
-    return Rendered(header(r, "train.py") + settings(r) + HELPERS + BLOCK_HELPERS + script_main(MAIN, cfg)
-                    + TAIL,
-                    launch=script_launch(cfg))
+    w = describe(r)
+    check_names(w, set(w.training_for("hf-trainer")) | set(sampling_fields(w)))
+    notes = []
+    if w.batching == "packed":
+        notes.append("batching=packed: the hf-trainer recipe packs with TRL's pack_dataset (best-fit decreasing, "
+                     "as measured): it needs trl installed")
+    lost = w.not_kept("hf-trainer")
+    return Rendered(render_script(r, w, "hf-trainer", "train.py", lost), lost, notes=notes,
+                    launch=script_launch(w.config))

@@ -16,7 +16,6 @@ Companion files are named bare and written beside the recipe (`Rendered.companio
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import yaml
@@ -28,19 +27,22 @@ from autofit.export.yaml_targets import ACCELERATE
 DEEPSPEED_JSON = "ds_config.json"
 ACCELERATE_FSDP = "accelerate_fsdp.yaml"
 
-FSDP_ON_CPU = "\n\n" + inspect.getsource(distributed.fsdp_on_cpu)
-"""The probe's own function, carried by an FSDP2 recipe (one definition of what runs in both)."""
+RANK_HELPERS = '''
 
-TRAINER_LINE = "    trainer = "
+def distributed_type():
+    """What Trainer really ran: FSDP, DEEPSPEED, MULTI_GPU (DDP), NO, ..."""
+    from accelerate.state import AcceleratorState
+
+    return str(AcceleratorState().distributed_type.value)
 
 
-def script_main(main: str, cfg: TrialConfig) -> str:
-    """A Python recipe's `main` (after the helpers): with `fsdp_on_cpu()` called before Trainer for FSDP2."""
-    if cfg.engine != "fsdp2":
-        return main
-    assert main.count(TRAINER_LINE) == 1, "the recipe's main builds its trainer in one statement"
-    call = "    fsdp_on_cpu()  # on a CPU only: accelerate shards with FSDP for accelerator types alone\n"
-    return FSDP_ON_CPU + main.replace(TRAINER_LINE, call + TRAINER_LINE)
+def sharded_parameters(model):
+    """How many of the model's parameters are shards (DTensor, as FSDP2 leaves them) on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) for p in model.parameters()) if model is not None else 0
+'''
+"""What a recipe launched on several ranks adds to its summary (`script.throughput`)."""
 
 
 def script_doc(cfg: TrialConfig) -> str:

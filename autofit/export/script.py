@@ -1,0 +1,446 @@
+"""The Python recipes (`hf-trainer`, `trl`): a short script a user keeps, the libraries doing the work.
+
+The script is text (it runs where autofit is not installed), rendered from the winner's description
+(`winner.Winner`): what the search decided is a block of constants at the top, and the rest is the usual
+transformers / TRL program around them. Only what the winner needs is written: the quantization lines for a
+quantized base, the Liger check for Liger, the engine's lines for several GPUs.
+
+How each batching strategy is spelled (TRL 1.16, transformers 5.25):
+- `blocks` (a run searched without --dataset: every sequence max_length long): TRL `packing_strategy=
+  "wrapped"`; hf-trainer cuts the tokenized text into MAX_LENGTH blocks with a `datasets.map`;
+- pad_max: padded to MAX_LENGTH (`pad_to_multiple_of`); pad_longest: to the longest of the micro-batch;
+  group_by_length: the same in transformers' length-grouped order (`train_sampling_strategy`);
+- padding_free: micro_batch_size samples flattened into one row (TRL `padding_free=True`, transformers'
+  `DataCollatorWithFlattening`). TRL enforces no max_length there without packing, so the recipe cuts the
+  samples to MAX_LENGTH itself;
+- packed: TRL's best-fit-decreasing packing (`packing_strategy="bfd"`, padding-free rows of MAX_LENGTH), at the
+  accumulation the probe's plan gave (`data.batching.step_shape`); hf-trainer packs with TRL's `pack_dataset`.
+Samples longer than MAX_LENGTH are cut (TRL's `max_length`, the tokenizer's `truncation`), as the probe did.
+Text rows get the tokenizer's special tokens and, through TRL, an end-of-sequence token; chats (`messages`
+of {role, content}, ShareGPT's {from, value}) the tokenizer's chat template, or autofit's plain rendering
+where it has none.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+from autofit.config import distributed
+from autofit.config.recipe import Arguments
+from autofit.data import DatasetRef
+from autofit.data.tokenizer import PLAIN_CHAT
+from autofit.export.common import DataForm, ExportRun, comment_block, data_form
+from autofit.export.winner import Winner
+
+INDENT = "    "
+SAMPLE_BY = {"lines": "line", "paragraphs": "paragraph", "whole": "document"}
+"""autofit's text modes in the `datasets` text loader's words (`sample_by`)."""
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}" + PLAIN_CHAT.replace("{role}", "{{ m['role'] }}")
+                       .replace("{content}", "{{ m['content'] }}") + "{% endfor %}")
+"""autofit's rendering of a chat where the tokenizer has no template, as a chat template."""
+
+
+def py(value: object) -> str:
+    """A value as Python source (torch dtypes named `torch.X`, as the recipe imports torch)."""
+    return repr(value)
+
+
+def call(name: str, args: Arguments, torch_values: Iterable[str] = ()) -> str:
+    """`Name(key=value, ...)` on one line; the keys in `torch_values` hold dtype names, written `torch.X`."""
+    parts = [f"{k}=torch.{v}" if k in torch_values else f"{k}={py(v)}" for k, v in args.items()]
+    return f"{name}({', '.join(parts)})"
+
+
+TOGETHER = (("bf16", "fp16", "tf32"), ("report_to", "save_strategy", "logging_steps", "seed", "remove_unused_columns"),
+            ("packing", "packing_strategy", "padding_free"))
+"""Keys written on one line: the precision's two flags; the bookkeeping that changes neither speed nor memory."""
+
+
+def dict_block(name: str, items: dict[str, object], comments: dict[str, str]) -> list[str]:
+    """`NAME = {` one key a line (the keys of a TOGETHER group on one), a comment where a value is surprising."""
+    lines, done = [f"{name} = {{"], set()
+    for key in items:
+        if key in done:
+            continue
+        group = next((g for g in TOGETHER if key in g), (key,))
+        keys = [k for k in group if k in items] if len(group) > 1 else [key]
+        done.update(keys)
+        said = [comments[k] for k in keys if k in comments]
+        note = f"  # {'; '.join(said)}" if said else ""
+        lines.append(INDENT + ", ".join(f"{k!r}: {py(items[k])}" for k in keys) + f",{note}")
+    return [*lines, "}"]
+
+
+# ----------------------------------------------------------------------------- what each strategy sets
+
+
+def sft_fields(w: Winner) -> dict[str, object]:
+    """SFTConfig's fields beside TrainingArguments' for the winner's batching (TRL 1.16)."""
+    data = {"dataset_text_field": text_field(w)}
+    if w.batching == "blocks":
+        return {"max_length": w.max_length, "packing": True, "packing_strategy": "wrapped", "padding_free": False,
+                **data}
+    if w.batching == "packed":
+        return {"max_length": w.max_length, "packing": True, "packing_strategy": "bfd", **data}
+    if w.batching == "padding_free":
+        return {"max_length": None, "packing": False, "padding_free": True, **data}
+    pad = {"pad_to_multiple_of": w.max_length} if w.batching == "pad_max" else {}
+    return {"max_length": w.max_length, "packing": False, "padding_free": False, **pad, **data}
+
+
+def sampling_fields(w: Winner) -> dict[str, object]:
+    """TrainingArguments' sampler for the batching (both formats)."""
+    return {"train_sampling_strategy": "group_by_length"} if w.batching == "group_by_length" else {}
+
+
+def comments(w: Winner, fmt: str) -> dict[str, str]:
+    """The values a reader would not expect, each with why."""
+    out = {}
+    if w.config.torch_compile and w.config.precision == "bf16":
+        out["bf16"] = "tf32 pinned: compiled in bf16, Trainer would turn TF32 matmuls on by itself"
+    samples = f"{w.step_samples} samples per optimizer step"
+    if w.packed_on_average:
+        out["gradient_accumulation_steps"] = f"packed rows: {w.step_samples.split(' ')[0]} samples per optimizer " \
+                                             "step on average, as measured"
+    elif w.batching != "blocks":
+        out["gradient_accumulation_steps"] = samples
+    if w.batching == "padding_free":
+        out["max_length"] = "TRL cuts nothing without packing: main() cuts the samples to MAX_LENGTH"
+    if w.batching == "packed":
+        out["packing"] = "best-fit decreasing: whole samples in rows of max_length, boundaries kept"
+    if w.batching == "blocks":
+        out["packing"] = "text cut into full max_length blocks, as measured (no padding)"
+    if w.batching == "padding_free":
+        out["packing"] = "micro_batch_size samples flattened into one row, positions restarting per sample"
+    if w.training.get("use_cpu"):
+        out["use_cpu"] = "measured on the CPU: set False to train on a GPU"
+    return out
+
+
+# ----------------------------------------------------------------------------- the script's parts
+
+
+def header(r: ExportRun, w: Winner, fmt: str, name: str) -> list[str]:
+    launch = distributed.launch_command(w.config, name, "")
+    trainer = "TRL's SFTTrainer" if fmt == "trl" else "transformers' Trainer"
+    doc = [f"Fine-tune with the configuration autofit measured as the fastest that fits ({trainer}).", "",
+           f"    {launch} [--model PATH] [--dataset FILE] [--output-dir out] [--max-steps N]"]
+    doc += multi_gpu_doc(w)
+    text = "\n".join(doc).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    return ["#!/usr/bin/env python3", comment_block(r.provenance()), f'"""{text}\n"""', ""]
+
+
+def multi_gpu_doc(w: Winner) -> list[str]:
+    from autofit.export.multi_gpu import script_doc
+
+    doc = script_doc(w.config)
+    return ["", *doc.strip("\n").splitlines()] if doc else []
+
+
+def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
+    stdlib = ["argparse", "gc", "json", "os", "time"]
+    if w.config.liger:
+        stdlib.append("importlib.util")
+    if fmt == "hf-trainer" and w.batching == "packed":
+        stdlib.append("itertools")
+    lines = [f"import {m}" for m in sorted(stdlib)] + [""]
+    for key, value in w.environment.items():
+        lines.insert(len(lines) - 1, f"os.environ.setdefault({key!r}, {value!r})  # before torch starts: as measured")
+    if w.environment:
+        lines.append("")
+    lines += ["import torch", "from datasets import load_dataset, load_from_disk"]
+    peft = (["LoraConfig"] if w.lora else []) + (["get_peft_model"] if w.lora and fmt == "hf-trainer" else []) \
+        + (["prepare_model_for_kbit_training"] if w.kbit else [])
+    if peft:
+        lines.append(f"from peft import {', '.join(peft)}")
+    tf = ["AutoModelForCausalLM", "AutoTokenizer", "TrainerCallback"]
+    tf += ["BitsAndBytesConfig"] if w.quantization else []
+    if fmt == "hf-trainer":
+        tf += ["Trainer", "TrainingArguments", hf_collator_class(w)]
+    lines.append(f"from transformers import {', '.join(sorted(set(tf)))}")
+    if w.config.engine == "zero3":
+        lines.append("from transformers.integrations import HfDeepSpeedConfig")
+    if fmt == "trl":
+        lines.append("from trl import SFTConfig, SFTTrainer")
+    elif w.batching == "packed":
+        lines.append("from trl import pack_dataset  # TRL's best-fit-decreasing packing (pip install trl)")
+    return lines
+
+
+def hf_collator_class(w: Winner) -> str:
+    if w.batching in ("padding_free", "packed"):
+        return "DataCollatorWithFlattening"
+    return "default_data_collator" if w.batching == "blocks" else "DataCollatorForLanguageModeling"
+
+
+def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
+    model = (f"MODEL = {w.model!r}" if w.model is not None else
+             'MODEL = "PATH/TO/MODEL"  # measured on a shape preset (random weights): give a model of that shape')
+    dataset = w.dataset.path if w.dataset is not None else "data.jsonl"
+    lines = ["", "# What the search decided.", model, f"DATASET = {dataset!r}", f"TEXT_FIELD = {text_field(w)!r}"]
+    if form is not None and form.chat:
+        lines.append(f"MESSAGES_FIELD = {w.dataset.messages_field if w.dataset else 'messages'!r}")
+        lines.append(f"PLAIN_CHAT = {PLAIN_CHAT_TEMPLATE!r}  # autofit's rendering where a tokenizer has no template")
+    lines += [f"MAX_LENGTH = {w.max_length}", f"DTYPE = torch.{w.dtype}", f"ATTENTION = {w.attention!r}"]
+    if w.quantization:
+        lines.append("QUANTIZATION = " + call("BitsAndBytesConfig", w.quantization, ["bnb_4bit_compute_dtype"]))
+    if w.kbit:
+        lines.append(f"KBIT_PREPARATION = {w.kbit!r}")
+    if w.lora:
+        lines.append("LORA = " + call("LoraConfig", w.lora))
+    fields = {**w.training_for(fmt), **sampling_fields(w)}
+    if fmt == "trl":
+        fields = {**fields, **sft_fields(w)}
+    return [*lines, *dict_block("TRAINING_ARGS", fields, comments(w, fmt))]
+
+
+def text_field(w: Winner) -> str:
+    return w.dataset.text_field if w.dataset is not None else "text"
+
+
+THROUGHPUT = '''
+
+class Throughput(TrainerCallback):
+    """Trained (label-bearing) tokens/s after two warm-up steps, the losses and the peak memory, as autofit counts."""
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.seen, self.tokens, self.times = 0, [], []
+        model.register_forward_pre_hook(self.count, with_kwargs=True)
+
+    def count(self, module, args, kwargs):
+        labels = kwargs.get("labels")
+        self.seen += int((labels[..., 1:] != -100).sum()) if labels is not None else 0
+
+    def on_step_begin(self, args, state, control, **kw):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.times.append(time.perf_counter() - self.start)
+@TOKENS@        self.seen = 0
+
+    def on_train_end(self, args, state, control, model=None, **kw):
+        warm = 2 if len(self.times) > 2 else 0
+        tokens, seconds = sum(self.tokens[warm:]), sum(self.times[warm:])
+        losses = [(h["step"], h["loss"]) for h in state.log_history if "loss" in h]
+        summary = {"steps": len(self.times), "tokens_per_s": tokens / seconds, "steady_tokens": tokens,
+                   "steady_seconds": seconds, "losses": losses@GROUP@}
+        if torch.cuda.is_available():  # the peak as autofit counts it: the most reserved, and memory outside torch
+            free, total = torch.cuda.mem_get_info()
+            summary.update(max_memory_reserved=torch.cuda.max_memory_reserved(), device_used=total - free,
+                           memory_reserved_now=torch.cuda.memory_reserved())
+@PRINT@
+'''
+
+ONE_RANK = ("        self.tokens.append(self.seen)\n", "", '        print("recipe-summary " + json.dumps(summary), '
+            "flush=True)")
+RANKS = ("        seen = torch.tensor([self.seen], device=args.device)\n"
+         "        torch.distributed.all_reduce(seen)  # every rank's tokens: the rate is the group's\n"
+         "        self.tokens.append(int(seen.item()))\n",
+         ',\n                   "world_size": args.world_size, "distributed_type": distributed_type(),\n'
+         '                   "sharded_parameters": sharded_parameters(model)',
+         "        if state.is_world_process_zero:  # one summary for the group\n"
+         '            print("recipe-summary " + json.dumps(summary), flush=True)')
+
+
+def throughput(w: Winner) -> str:
+    tokens, group, printed = RANKS if distributed.launched(w.config) else ONE_RANK
+    return THROUGHPUT.replace("@TOKENS@", tokens).replace("@GROUP@", group).replace("@PRINT@", printed)
+
+
+LOAD_DATA = '''
+
+def load_data(path):
+    """The rows of a JSONL/JSON/CSV/TSV/parquet file (by its extension), a `save_to_disk` folder, or a text file."""
+    if os.path.isdir(path):
+        return load_from_disk(path)
+    ext = os.path.splitext(path)[1].lower()
+    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(ext, "text")
+    options = {"sep": "\\t"} if ext == ".tsv" else {"sample_by": @SAMPLE_BY@} if kind == "text" else {}
+    return load_dataset(kind, data_files=path, split="train", **options)
+'''
+
+HF_TOKENIZE = '''
+
+def tokenized(data, tokenizer):
+    """Token ids of each row: its text, or its chat through the tokenizer's template; cut to MAX_LENGTH."""
+    def ids(row):
+        chat = row.get("messages")
+        text = tokenizer.apply_chat_template(chat, tokenize=False) if chat else row[TEXT_FIELD]
+        return {"input_ids": tokenizer(text, truncation=True, max_length=MAX_LENGTH)["input_ids"]}
+    return data.map(ids, remove_columns=data.column_names)
+'''
+
+HF_BLOCKS = '''
+
+def blocks(data, tokenizer):
+    """The text tokenized, joined with end-of-sequence tokens and cut into full MAX_LENGTH blocks, as measured."""
+    def cut(rows):
+        ids = [t for text in rows[TEXT_FIELD] for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+        ids = ids[:len(ids) // MAX_LENGTH * MAX_LENGTH]
+        rows = [ids[i:i + MAX_LENGTH] for i in range(0, len(ids), MAX_LENGTH)]
+        return {"input_ids": rows, "labels": rows}
+    return data.map(cut, batched=True, remove_columns=data.column_names)
+'''
+
+HF_PACKED = '''
+
+def packed_rows(rows):
+    """TRL's packed rows back into their samples, flattened into one row (positions restarting per sample)."""
+    samples = []
+    for row in rows:
+        bounds = list(itertools.accumulate(row["seq_lengths"], initial=0))
+        samples += [{"input_ids": row["input_ids"][a:b]} for a, b in zip(bounds, bounds[1:])]
+    return DataCollatorWithFlattening()(samples)
+'''
+
+
+def helpers(w: Winner, fmt: str) -> str:
+    parts = [throughput(w)]
+    if distributed.launched(w.config):
+        from autofit.export.multi_gpu import RANK_HELPERS
+
+        parts.append(RANK_HELPERS)
+    mode = SAMPLE_BY.get(w.dataset.text_mode, "line") if w.dataset is not None else "document"
+    parts.append(LOAD_DATA.replace("@SAMPLE_BY@", repr(mode)))
+    if fmt == "hf-trainer":
+        parts.append(HF_BLOCKS if w.batching == "blocks" else HF_TOKENIZE)
+        if w.batching == "packed":
+            parts.append(HF_PACKED)
+    if w.config.engine == "fsdp2":
+        parts.append("\n\n" + inspect.getsource(distributed.fsdp_on_cpu))
+    return "".join(parts)
+
+
+ARGUMENTS = '''
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=MODEL, help="folder or hub id of the model, with its tokenizer")
+    parser.add_argument("--dataset", default=DATASET, help="JSONL/JSON/CSV/parquet/text file or save_to_disk folder")
+    parser.add_argument("--output-dir", default="autofit-out", help="where the trained adapter or model is saved")
+    parser.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
+    parser.add_argument("--emulate-memory-gib", type=float, help="cap the GPU's memory (a smaller card on this one)")
+    a = parser.parse_args()
+    if a.max_steps < 1:
+        parser.error(f"--max-steps: {a.max_steps} is not a number of optimizer steps; give 1 or more")
+    if a.emulate_memory_gib is not None and not 0 < a.emulate_memory_gib < float("inf"):
+        parser.error(f"--emulate-memory-gib: {a.emulate_memory_gib} is not a memory size; give GiB above 0")
+    if not os.path.isfile(a.dataset) and not os.path.isdir(a.dataset):
+        parser.error(f"--dataset: cannot read {a.dataset}: not a file or a folder")
+    try:
+        data = load_data(a.dataset)
+    except Exception as e:  # datasets' own error, in one line
+        parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
+    if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
+        parser.error(f"--dataset: {a.dataset} has no rows with a {TEXT_FIELD!r} field@CHATS_SAID@")
+    if os.path.exists(a.output_dir) and not os.path.isdir(a.output_dir):  # said now, not after the training
+        parser.error(f"--output-dir: {a.output_dir} exists and is not a folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(a.model)
+    except (OSError, ValueError) as e:
+        parser.error(f"--model: cannot load a tokenizer from {a.model} ({str(e).strip().splitlines()[0]})")
+'''
+
+LIGER = '''    if importlib.util.find_spec("liger_kernel") is None or not torch.cuda.is_available():
+        parser.error("this recipe uses Liger's kernels (use_liger_kernel=True): pip install 'liger-kernel>=0.8.5' "
+                     "and run it on a CUDA GPU (this machine has no liger-kernel or no GPU), or export liger=off")
+'''
+
+DEVICE = '''    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+'''
+
+EMULATE = '''    if a.emulate_memory_gib and torch.cuda.is_available():  # a smaller card's memory, this GPU's speed
+        torch.zeros(1, device=f"cuda:{os.environ.get('LOCAL_RANK', 0)}")  # CUDA's context first: outside the cap
+        free, total = torch.cuda.mem_get_info()
+        outside = total - free - torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((a.emulate_memory_gib * 2**30 - outside) / total)
+'''
+
+
+def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
+    """main() after the argument checks: the data, the model, the trainer."""
+    chat = form is not None and form.chat
+    out: list[str] = []
+    if chat and form is not None:
+        out += chat_lines(form, fmt, w.dataset)
+    if fmt == "hf-trainer":
+        out.append("    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token")
+        out.append(f"    data = {'blocks' if w.batching == 'blocks' else 'tokenized'}(data, tokenizer)")
+        if w.batching == "packed":
+            out.append('    data = pack_dataset(data, MAX_LENGTH, strategy="bfd")  # best-fit decreasing, as measured')
+    zero3 = w.config.engine == "zero3"
+    if zero3:
+        out.append('    zero3 = HfDeepSpeedConfig(TRAINING_ARGS["deepspeed"])  # ZeRO-3: the model is built sharded')
+    load = "    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPE, attn_implementation=ATTENTION"
+    if w.quantization:  # bitsandbytes quantizes on this rank's device
+        out += [load + ",", '                                                 quantization_config=QUANTIZATION, '
+                'device_map={"": device})']
+    else:  # Trainer moves it to the device; ZeRO-3 builds it sharded
+        out.append(load + ")")
+    out.append("    model.config.use_cache = False")
+    if w.kbit:
+        out.append("    model = prepare_model_for_kbit_training(model, **KBIT_PREPARATION)")
+    if fmt == "hf-trainer" and w.lora:
+        out.append("    model = get_peft_model(model, LORA)")
+    config = "SFTConfig" if fmt == "trl" else "TrainingArguments"
+    out.append(f'    args = {config}(output_dir=a.output_dir, **{{**TRAINING_ARGS, "max_steps": a.max_steps}})')
+    if w.config.engine == "fsdp2":
+        out.append("    fsdp_on_cpu()  # on a CPU only: accelerate shards with FSDP for accelerator types alone")
+    if fmt == "trl":
+        peft = ", peft_config=LORA" if w.lora else ""
+        out += ["    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer"
+                f"{peft},", "                         callbacks=[Throughput()])"]
+        if w.batching == "padding_free":
+            out += ["    trainer.train_dataset = trainer.train_dataset.map(  # cut to MAX_LENGTH, as measured",
+                    '        lambda row: {k: row[k][:MAX_LENGTH] for k in ("input_ids", "labels")})']
+    else:
+        out += [f"    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator={hf_collator(w)},",
+                "                      processing_class=tokenizer, callbacks=[Throughput()])"]
+    out += ["    gc.freeze()  # as measured: a garbage collection never scans the model's objects in a step",
+            "    trainer.train()", "    trainer.save_model(a.output_dir)", "", "", 'if __name__ == "__main__":',
+            "    main()"]
+    return out
+
+
+def hf_collator(w: Winner) -> str:
+    if w.batching == "blocks":
+        return "default_data_collator"
+    if w.batching == "padding_free":
+        return "DataCollatorWithFlattening()"
+    if w.batching == "packed":
+        return "packed_rows"
+    pad = ", pad_to_multiple_of=MAX_LENGTH" if w.batching == "pad_max" else ""
+    return f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad})"
+
+
+def chat_lines(form: DataForm, fmt: str, dataset: DatasetRef | None) -> list[str]:
+    """Chats in the form the libraries read: a `messages` column of {role, content} (TRL converts ShareGPT's
+    `conversations` of {from, value} itself); autofit's plain rendering where the tokenizer has no template."""
+    lines = ["    tokenizer.chat_template = tokenizer.chat_template or PLAIN_CHAT"]
+    sharegpt = (form.role, form.content) == ("from", "value")
+    if sharegpt and fmt == "trl":
+        if dataset is not None and dataset.messages_field != "conversations":
+            lines.insert(0, '    data = data.rename_column(MESSAGES_FIELD, "conversations")')
+    elif sharegpt:
+        lines.insert(0, "    data = data.map(lambda row: {\"messages\": [{\"role\": {\"human\": \"user\", \"gpt\": "
+                        "\"assistant\"}.get(m[\"from\"], m[\"from\"]), \"content\": m[\"value\"]} for m in "
+                        "row[MESSAGES_FIELD]]})")
+    elif dataset is not None and dataset.messages_field != "messages":
+        lines.insert(0, '    data = data.rename_column(MESSAGES_FIELD, "messages")')
+    return lines
+
+
+def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[str] | None = None) -> str:
+    """The whole recipe: header, imports, the decided constants, the helpers and main(); `differs`: what it
+    trains otherwise than the probe, said in comments above the constants."""
+    form = data_form(w.dataset) if w.dataset is not None else None
+    chats = form is not None and form.chat
+    arguments = ARGUMENTS.replace("@CHATS@", 'MESSAGES_FIELD, "conversations"' if chats else '"messages"')
+    arguments = arguments.replace("@CHATS_SAID@", " or {MESSAGES_FIELD!r} chats" if chats else "")
+    body = arguments + (LIGER if w.config.liger else "") + EMULATE + (DEVICE if w.quantization else "")
+    said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
+    lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]
+    return "\n".join(lines) + helpers(w, fmt) + body + "\n".join(main_body(w, fmt, form)) + "\n"

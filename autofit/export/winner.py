@@ -1,0 +1,99 @@
+"""What the search decided, described once for every export format.
+
+`describe(run)` turns the run's winner into plain data in the libraries' own terms (the model and its
+loading, LoRA, quantization, the TrainingArguments fields, the process environment, the batching, the
+accumulation the probe trained): the Python recipes write these values as their constants, the YAML
+formats translate the same values into their keys. Each dimension of `config.spec.KEYS` is placed in one
+field of the description (`CARRIED`, or `training` for a dimension declared with a TrainingArguments field):
+a dimension added without a place fails `describe`, so no format can silently leave it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autofit.config import recipe
+from autofit.config.recipe import Arguments
+from autofit.config.spec import KEYS, TrialConfig, not_kept, training_argument_values
+from autofit.data import DatasetRef
+from autofit.export.common import ExportRun
+
+CARRIED: dict[str, str] = {
+    "method": "lora", "max_length": "max_length", "micro_batch_size": "training", "global_batch": "accumulation",
+    "precision": "training", "gradient_checkpointing": "training", "quantization": "quantization",
+    "optimizer": "training", "attn_implementation": "attention", "liger": "training", "torch_compile": "training",
+    "expandable_segments": "environment", "lora_r": "lora", "lora_alpha": "lora", "lora_targets": "lora",
+    "lora_dropout": "lora", "batching": "batching", "gpus": "training", "engine": "training",
+    "reshard_after_forward": "training", "cpu_offload": "training", "trainer": "trainer",
+    "dpo_reference": "trainer",
+}
+"""The field of `Winner` that carries each dimension; a dimension declared with a TrainingArguments field
+(`Dimension.training_argument`) is carried by `training` without being listed here."""
+
+LOGGING_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Winner:
+    """The winner in the libraries' terms: one description that every format renders."""
+
+    config: TrialConfig
+    model: str | None
+    """The model to load (a folder or hub id); None for a shape preset, which has no weights to give."""
+    dataset: DatasetRef | None
+    max_length: int
+    batching: str
+    dtype: str
+    """torch dtype name of the base weights (`recipe.weights_dtype`)."""
+    attention: str
+    lora: Arguments | None
+    quantization: Arguments | None
+    """BitsAndBytesConfig arguments, the compute dtype as a name."""
+    kbit: Arguments | None
+    """prepare_model_for_kbit_training's arguments for a quantized base."""
+    training: Arguments
+    """TrainingArguments fields as the probe passed them, with the accumulation it trained."""
+    environment: dict[str, str]
+    accumulation: int
+    step_samples: str
+    """Samples per optimizer step as the probe counted them (a mean, said so, for packed rows)."""
+    packed_on_average: bool
+    """The accumulation comes from the probe's plan: packed rows hold however many samples fit."""
+    trainer: str
+    """What the winner trains: `sft`; a preference-tuning winner (`dpo`) is not exported yet."""
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.training["per_device_train_batch_size"])
+
+    def training_for(self, fmt: str) -> Arguments:
+        """`training` without the declared TrainingArguments fields that `fmt` does not take."""
+        dropped = set(training_argument_values(self.config)) - set(training_argument_values(self.config, fmt))
+        return {k: v for k, v in self.training.items() if k not in dropped}
+
+    def not_kept(self, fmt: str) -> list[str]:
+        """`key=value: why` of what `fmt` cannot keep of the winner, whatever the format's own code adds."""
+        out = not_kept(self.config, fmt)
+        if self.trainer != "sft":
+            out += [f"{k}={getattr(self.config, k)}: autofit exports supervised fine-tuning recipes only; this "
+                    "recipe trains SFT on the same settings, not preference pairs" for k in ("trainer", "dpo_reference")
+                    if getattr(self.config, k) != KEYS[k].default]
+        return out
+
+
+def describe(r: ExportRun, max_steps: int = 1000) -> Winner:
+    """The run's winner as a `Winner` (every dimension placed: `CARRIED`)."""
+    cfg = r.config
+    unplaced = sorted(k for k, d in KEYS.items() if k not in CARRIED and not d.training_argument)
+    if unplaced:
+        raise AssertionError(f"export/winner.py: place {unplaced} in CARRIED (which field of Winner says it)")
+    training = recipe.training_arguments(cfg, on_cpu=r.best.target.get("device") == "cpu", max_steps=max_steps,
+                                         gradient_accumulation_steps=r.accumulation)
+    training["logging_steps"] = LOGGING_STEPS
+    return Winner(
+        config=cfg, model=None if r.model.random_weights else r.model.ref, dataset=r.dataset,
+        max_length=cfg.max_length, batching=cfg.batching if r.dataset is not None else "blocks",
+        dtype=recipe.weights_dtype(cfg), attention=cfg.attn_implementation, lora=recipe.lora_arguments(cfg),
+        quantization=recipe.quantization_arguments(cfg), kbit=recipe.kbit_preparation(cfg), training=training,
+        environment=recipe.process_env(cfg), accumulation=r.accumulation, step_samples=r.step_samples,
+        packed_on_average=r.accumulation != cfg.gradient_accumulation_steps, trainer=getattr(cfg, "trainer", "sft"))
