@@ -9,9 +9,11 @@ import os
 from pathlib import Path
 
 from autofit.cli.common import Formatter, Subcommands, add_data_flags, data_fields, warn
+from autofit.config.models import ModelSource
 from autofit.core.errors import CannotWrite, UsageError, gather
 from autofit.core.paths import output_folder, shown, source
 from autofit.data import TextMode, summarize
+from autofit.data.preference import looks_like_preferences, summarize_preferences
 from autofit.run.session import model_source
 
 DATA_EPILOG = """\
@@ -27,6 +29,12 @@ examples:
   autofit data train.jsonl --model tiny-llama
   autofit data chats.jsonl --model ./my-model --messages-field conversation --json
   autofit data corpus.txt --model llama2-7b --text-mode paragraphs --max-length 1024 2048
+  autofit data prefs.jsonl --model tiny-llama     # preference pairs (prompt/chosen/rejected, TRL's formats)
+
+Preference pairs (rows with chosen and rejected, as text or conversations, with a prompt or without one):
+the lengths of prompt, chosen, rejected and of the longer row of each pair, and at each max_length the
+pairs TRL drops (the prompt fills it), those truncated and the completion tokens lost. Every bad row is
+an error naming its line and field (exit 2).
 
 exit codes: 0 summarized, 2 usage error (a missing, empty, binary file or no usable row; --out a file),
   4 --out cannot be written
@@ -49,6 +57,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out(args.path)
     output_folder(out, "--out" if args.out else "autofit data", "Give a folder (created if missing) for "
                   "lengths.png, data.json and the caches with --out.")
+    if looks_like_preferences(args.path):
+        return _preferences(args, model, out, lengths)
     try:
         summary = summarize(args.path, model, out, *data_fields(args), TextMode(args.text_mode),
                             lengths, flag="PATH")
@@ -57,6 +67,18 @@ def cmd_data(args: argparse.Namespace) -> int:
                           f"({e.strerror or e}); give a writable folder with --out.") from None
     if summary.data.bad.count:
         warn(f"{shown(args.path)}: {summary.data.bad.summary()}")
+    print(json.dumps(summary.to_dict(), indent=1) if args.json else summary.text)
+    return 0
+
+
+def _preferences(args: argparse.Namespace, model: ModelSource, out: Path, lengths: tuple[int, ...]) -> int:
+    """Preference pairs (rows with chosen and rejected): the lengths of prompt, chosen and rejected, and what
+    each max_length drops (a prompt that fills it) and truncates."""
+    try:
+        summary = summarize_preferences(args.path, model, out, lengths, flag="PATH")
+    except OSError as e:
+        raise CannotWrite(f"{'--out' if args.out else 'autofit data'}: cannot write to {shown(out)} "
+                          f"({e.strerror or e}); give a writable folder with --out.") from None
     print(json.dumps(summary.to_dict(), indent=1) if args.json else summary.text)
     return 0
 

@@ -414,3 +414,64 @@ def is_preference_ref(ref: Mapping[str, object] | None) -> bool:
 def jsonl(rows: Sequence[Mapping[str, object]]) -> str:
     """Rows as JSONL text (tests and the bench write preference files with it)."""
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def looks_like_preferences(path: str | os.PathLike[str]) -> bool:
+    """The file's first row is a JSON object with `chosen` or `rejected`: TRL's preference formats (sniffed
+    from the first 64 KiB, so that a large SFT file is not read twice)."""
+    try:
+        with open(Path(path).expanduser(), "rb") as f:
+            head = f.read(65536).decode("utf-8-sig", errors="replace").lstrip()
+    except OSError:
+        return False
+    if head.startswith("["):
+        head = head[1:].lstrip()
+    first = head.split("\n", 1)[0].rstrip().rstrip(",")
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return '"chosen"' in first or '"rejected"' in first  # a bad first row: its own error says why
+    return isinstance(row, dict) and ("chosen" in row or "rejected" in row)
+
+
+@dataclass(frozen=True)
+class PreferenceSummary:
+    """What `autofit data` shows of preference pairs: their format, the tokenizer, the lengths of prompt,
+    chosen and rejected, and what each max_length candidate drops and truncates."""
+
+    prefs: PreferenceSet
+    stats: PreferenceStats
+    tokenizer: str
+    approximate: bool
+    note: str
+
+    @property
+    def text(self) -> str:
+        head = (f"{self.prefs.path}: {len(self.prefs)} preference pairs ({self.prefs.format}); no bad rows")
+        note = f"\n{self.note}" if self.approximate else ""
+        return f"{head}{note}\n{format_preference_stats(self.stats)}"
+
+    def to_dict(self) -> dict[str, object]:
+        s = self.stats
+        return {"dataset": preference_ref_dict(self.prefs), "format": self.prefs.format, "pairs": s.count,
+                "tokenizer": self.tokenizer, "approximate": self.approximate, "note": self.note,
+                "percentiles": {k: {f"p{q:g}": v for q, v in p.items()} for k, p in s.percentiles.items()},
+                "mean": s.mean, "candidates": list(s.candidates),
+                "cuts": [{"max_length": c.max_length, "pairs_dropped": c.dropped, "pairs_truncated": c.truncated,
+                          "completion_tokens_lost": c.completion_tokens_lost} for c in s.cuts]}
+
+
+def summarize_preferences(path: str | os.PathLike[str], model: ModelSource, out_dir: str | Path | None = None,
+                          max_lengths: Sequence[int] = (), flag: str = "--dataset") -> PreferenceSummary:
+    """Read, check and measure preference pairs (data.json in `out_dir` when given)."""
+    prefs = read_preferences(path, flag)
+    tok = pair_tokenizer(model, prefs, out_dir)
+    positions = model.config.get("max_position_embeddings")
+    stats = preference_stats(pair_lengths(token_pairs(prefs, tok)), max_lengths,
+                             int(positions) if positions else None)
+    summary = PreferenceSummary(prefs, stats, tok.identity, tok.approximate, tok.note)
+    if out_dir:
+        from autofit.core.files import write_json
+
+        write_json(Path(out_dir) / "data.json", summary.to_dict())
+    return summary

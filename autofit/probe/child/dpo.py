@@ -96,8 +96,8 @@ def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str]
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, state, now)
     check_architecture(req)
+    pairs = probe_pairs(req)  # before the device's baseline: tokenizing is not the probe's memory
     sync = prepare_device(req, state)
-    pairs = probe_pairs(req)
     policy, reference, peft_config = load_models(req, state)
     state.stage = "setup"
     trained, extra, losses = train_dpo(req, state, policy, reference, peft_config, pairs, sync, announce)
