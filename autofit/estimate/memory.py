@@ -97,6 +97,10 @@ class Breakdown:
     their reduce-scatter)."""
     buffers: int = 0
     """Engine buffers: DDP's gradient buckets, ZeRO's reduce buckets, offload staging."""
+    reference: int = 0
+    """trainer=dpo: the reference model's share: a separate copy's weights (`dpo_reference=copy`) and the
+    working set of its forward under no_grad (one layer's intermediates at a time, held beside the policy's
+    saved activations); none in the step with precomputed log-probabilities."""
 
     def allocated(self) -> int:
         """What PyTorch's allocator hands out (`TERMS`); the allocator's slack and the rest come on top."""
@@ -112,13 +116,16 @@ class Breakdown:
             out[GATHERED] = self.gathered
         if self.buffers:
             out[BUFFERS] = self.buffers
+        if self.reference:
+            out[REFERENCE] = self.reference
         return {**out, "activations": self.activations, "logits and loss": self.logits,
                 "allocator overhead": self.allocator, "outside PyTorch": self.outside}
 
 
 GATHERED = "gathered layers (FSDP2 / ZeRO-3)"
 BUFFERS = "engine buffers (DDP / ZeRO buckets, offload staging)"
-TERMS = ("weights", "trainable", "gathered", "buffers", "activations", "logits")
+REFERENCE = "DPO reference (its copy's weights, its forward without saved activations)"
+TERMS = ("weights", "trainable", "gathered", "buffers", "activations", "logits", "reference")
 """The allocated terms (allocator and outside are derived from them, or constant)."""
 
 
@@ -157,10 +164,16 @@ def prior(cfg: TrialConfig, shape: Shape, on_gpu: bool = True) -> Breakdown:
         # about a quarter of the activations). None assumed with checkpointing (pytorch#193193:
         # a compiled backward with checkpointed blocks can hold more, not less).
         activations = int(activations * 0.75)
-    logits = fused_loss_bytes(tokens, shape, b) if cfg.liger else tokens * shape.vocab * (b + 4 + 4)
+    if cfg.trainer == "dpo":  # TRL's fused LM head: per-token log-probs in tiles, never the logits
+        logits = logprob_tile_bytes(tokens, shape, b)
+    elif cfg.liger:
+        logits = fused_loss_bytes(tokens, shape, b)
+    else:
+        logits = tokens * shape.vocab * (b + 4 + 4)
     logits += _nf4_head_copy_bytes(cfg, shape, b)
     outside = (CUDA_CONTEXT + (NCCL_BUFFERS if cfg.gpus > 1 else 0)) if on_gpu else 0
-    out = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers)
+    out = Breakdown(st.weights, st.trainable, activations, logits, 0, outside, st.gathered, st.buffers,
+                    reference_bytes(cfg, shape, tokens, b))
     return replace(out, allocator=int(out.allocated() * ALLOCATOR_SLACK))
 
 
@@ -299,6 +312,42 @@ def fused_loss_bytes(tokens: int, shape: Shape, b: int) -> int:
     rows = math.ceil(tokens / math.ceil(shape.vocab / shape.hidden))
     chunk = min(tokens, 1 << max(0, math.ceil(math.log2(rows))))
     return chunk * shape.vocab * (b + 4) + tokens * shape.hidden * b + tokens * 4
+
+
+LOGPROB_TILE_TOKENS = 4096
+"""Tokens per tile of TRL's chunked log-probability kernel (trl/kernels/chunked_logprob.py,
+TOKEN_CHUNK_SIZE): DPOTrainer's fused LM head projects at most this many tokens onto a vocabulary tile at a
+time."""
+
+
+def logprob_tile_bytes(tokens: int, shape: Shape, b: int) -> int:
+    """DPOTrainer's log-probabilities (TRL 1.16, `add_fused_lm_head`): a tile of at most 4,096 tokens by the
+    vocabulary (taken whole: the prior's upper bound) in the compute dtype with its fp32 accumulator, the
+    hidden states' gradient (tokens x hidden), and a few fp32 figures per token (log-prob, log-sum-exp,
+    entropy, top-1)."""
+    if not (tokens and shape.vocab and shape.hidden):
+        return 0
+    tile = min(tokens, LOGPROB_TILE_TOKENS) * shape.vocab * (b + 4)
+    return tile + tokens * shape.hidden * b + tokens * 4 * 4
+
+
+def reference_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
+    """What DPO's reference adds to the step's peak: with `dpo_reference=copy` a second model's weights (as
+    the base is loaded: quantized or not); unless the log-probabilities were precomputed, its forward under
+    no_grad over the micro-batch's rows while the policy's activations are held: one layer's working set at
+    a time (the hidden stream in and out, q/k/v/o, gate and up) and its log-probability tile."""
+    if cfg.trainer != "dpo":
+        return 0
+    out = 0
+    if cfg.dpo_reference == "copy":
+        weight_b = 4 if cfg.precision == "fp32" else 2
+        lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
+        out += _base_bytes(cfg, lin, emb, weight_b)
+    if not cfg.precompute_ref_log_probs:
+        # one decoder layer's intermediates under no_grad: 6 hidden-wide (stream in/out, q, k, v, o) and 2
+        # intermediate-wide (gate, up) tensors per token, then the log-probability tile
+        out += tokens * b * (6 * shape.hidden + 2 * shape.intermediate) + logprob_tile_bytes(tokens, shape, b)
+    return out
 
 
 def group_key(cfg: TrialConfig) -> str:

@@ -28,6 +28,16 @@ def speed(res: ProbeResult) -> float:
     return tps
 
 
+def pairs_per_s(res: ProbeResult) -> float | None:
+    """trainer=dpo: trained preference pairs/s, the figure a DPO search is judged by: its tokens/s (both rows'
+    non-pad tokens; a repeat's median where measured again) over the tokens of the data's mean pair. At one
+    length every config trains the same pairs, so tokens/s ranks DPO configs as pairs/s does. None for SFT."""
+    per_pair = res.extra.get("tokens_per_pair")
+    if not per_pair or not res.tokens_per_s:
+        return None
+    return res.tokens_per_s / float(per_pair)
+
+
 def rank_key(res: ProbeResult) -> tuple[int, bool, float]:
     """Sort key of a fit: length first, then a steady (or repeated) measurement before a noisy
     one measured once, then tokens/s (compile time amortised: `speed`)."""

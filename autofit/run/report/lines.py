@@ -25,6 +25,9 @@ def probe_summary(res: ProbeResult) -> str:
     if res.tokens_per_s is not None:
         lines.append(f"tokens/s     {res.tokens_per_s:,.0f}  (min {res.tokens_per_s_min:,.0f}, "
                      f"max {res.tokens_per_s_max:,.0f} over {len(res.step_times)} timed steps)")
+    if res.pairs_per_s is not None:
+        lines.append(f"pairs/s      {res.pairs_per_s:,.2f}  (DPO: trained preference pairs, "
+                     f"{res.extra.get('tokens_per_pair')} tokens a pair over both rows)")
     if res.compile_seconds:
         lines.append(f"compile      {res.compile_seconds:.1f} s once, apart from the steps' time")
     gate = res.gate

@@ -20,7 +20,7 @@ from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.lines import config_brief, kernel_label, size_text
 from autofit.run.rundir import RunSpec
 from autofit.search.knowledge import promise
-from autofit.search.objective import best_per_length
+from autofit.search.objective import best_per_length, pairs_per_s
 from autofit.search.study import ProbeRow
 
 
@@ -154,11 +154,18 @@ def _header(spec: RunSpec, results: list[ProbeResult], limit: int | None, stop_r
             *([f"- {untried_line(untried)}"] if untried else []), ""]
 
 
+def _pairs(res: ProbeResult) -> str:
+    """trainer=dpo: its trained preference pairs/s, the DPO objective's figure, before the tokens/s of both
+    rows ("" for SFT)."""
+    pairs = pairs_per_s(res)
+    return f"**{pairs:,.2f} pairs/s** ({res.extra.get('tokens_per_pair')} tokens a pair), " if pairs else ""
+
+
 def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit: int | None,
             run_dir: Path, so_far: bool = False) -> list[str]:
     cfg = best.config
     lines = ["## Best so far" if so_far else "## Winner", "",
-             (f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg.max_length}, peak "
+             (_pairs(best) + f"**{best.tokens_per_s:,.0f} tokens/s** at length {cfg.max_length}, peak "
               f"**{size_text(best.peak_memory_bytes)}**" + (f" of {size_text(limit)}" if limit else "")
               + _measured_again(best)), "",
              "| setting | value |", "|---|---|"]
@@ -178,7 +185,7 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
               "|---|---|---|---|"]
     per_length = best_per_length(results)
     for L, r in per_length.items():
-        lines.append(f"| {L} | {r.tokens_per_s:,.0f} | {size_text(r.peak_memory_bytes)} | "
+        lines.append(f"| {L} | {_pairs(r)}{r.tokens_per_s:,.0f} | {size_text(r.peak_memory_bytes)} | "
                      f"{config_brief(r.config)} |")
     allowed = [int(L) for L in spec.space.dimensions.get("max_length") or []]
     unmeasured = sorted((L for L in allowed if L < cfg.max_length and L not in per_length), reverse=True)
