@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import DATA_DIR, ROOT, run_cli
 from faults import Fault, full_disk, read_only_folder
-from test_export import DATA
-from test_regress import BASE, write_run
+from recipes import DATA
 
 from autofit.config.models import PRESETS
 from autofit.core.paths import shown
 from autofit.data import DatasetRef, load_samples
 from autofit.export import export_run
+from runs import BASE, write_run
 
-D1 = ROOT / "tests" / "data" / "d1-slice.jsonl"
+D1 = DATA_DIR / "d1-slice.jsonl"
 
 BNB_NOTICE = "Failed to load CPU gemm_4bit_forward"
 
@@ -198,7 +198,6 @@ OWN_TEST = {"regress-run-read-only", "resume-run-read-only"}
 SETUP = [f for f in FAULTS if f.id not in OWN_TEST]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fault", SETUP, ids=[f.id for f in SETUP])
 def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> None:
     run = tmp_path / tiny_run.name
@@ -592,7 +591,6 @@ WRITTEN_SETUP: dict[str, Callable[[Path], Command]] = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fault", WRITTEN, ids=[f.id for f in WRITTEN])
 def test_written_run_fault(fault: Fault, tmp_path: Path) -> None:
     command = WRITTEN_SETUP[fault.id](tmp_path)

@@ -13,14 +13,14 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import DATA_DIR
 
 from autofit.config.models import resolve_model
 from autofit.data import Batching, length_table, load_samples, plan, tokenizer_for
 from autofit.data.batching import BATCH_TOLERANCE, BatchPlan, StepShape, step_shape
 from autofit.data.shapes import TokenShapes
 
-DATA = ROOT / "tests" / "data"
+DATA = DATA_DIR
 GLOBAL = 16
 
 

@@ -10,13 +10,12 @@ import gzip
 import json
 import random
 import statistics
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DATA_DIR
 
 from autofit.config.models import PRESETS, resolve_model
 from autofit.core.errors import UsageError
@@ -25,20 +24,19 @@ from autofit.data import (
     Message,
     SourceKind,
     TextMode,
-    best_fit_decreasing,
     length_stats,
     length_table,
     load_samples,
     plan,
 )
 from autofit.data.batching import step_shape
+from autofit.data.library import packed_bins
 from autofit.data.stats import format_stats, histogram_png
 from autofit.data.tokenizer import PLAIN_CHAT, standin_tokenizer, tokenizer_for
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data"
+DATA = DATA_DIR
 D1 = DATA / "d1-slice.jsonl"
-CHAT = DATA / "d1-chat-slice.jsonl"
 D2 = DATA / "d2-slice.jsonl"
 TINY = resolve_model("tiny-llama")
 
@@ -109,6 +107,15 @@ def test_a_text_field_named_as_messages_says_to_read_it_as_text(tmp_path: Path) 
     assert mixed.bad.by_reason == {"'c' a string, not messages": (1,)} and len(mixed) == 1
 
 
+def test_data_reads_a_tokenizer_folder_without_weights(tmp_path: Path) -> None:
+    """The weights check is for training: `autofit data` needs only the tokenizer (and the config)."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
+    assert resolve_model(str(folder), weights=False).kind == "local"
+    with pytest.raises(UsageError, match="has a config.json but no weights"):
+        resolve_model(str(folder))
+
 def test_missing_path_says_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"--dataset: no such file or folder: .*nope\.jsonl"):
         load_samples(tmp_path / "nope.jsonl")
@@ -147,7 +154,8 @@ def test_what_real_files_hold_is_read_as_rows_and_samples(tmp_path: Path) -> Non
     with Windows line endings or a blank line holding spaces."""
     bom = load_samples(_write(tmp_path, "b.jsonl", b"\xef\xbb\xbf" + b'{"text": "one"}\n{"text": "two"}\n'))
     assert [s.text for s in bom.samples] == ["one", "two"] and not bom.bad.count
-    bom_array = load_samples(_write(tmp_path, "b.json", b"\xef\xbb\xbf" + json.dumps([{"text": "a"}], indent=1).encode()))
+    bom_array = load_samples(_write(tmp_path, "b.json",
+                                    b"\xef\xbb\xbf" + json.dumps([{"text": "a"}], indent=1).encode()))
     assert [s.text for s in bom_array.samples] == ["a"]
     sep = load_samples(_write(tmp_path, "u.jsonl", '{"text": "first\u2028second"}\n{"text": "ok"}\nnot json\n'))
     assert [s.text for s in sep.samples] == ["first\u2028second", "ok"] and sep.bad.by_reason == {"not JSON": (3,)}
@@ -390,18 +398,6 @@ def test_group_by_length_puts_the_longest_first_and_sorts_mega_batches() -> None
     assert table.lengths[first] == max(table.lengths)
 
 
-def test_best_fit_decreasing_matches_trl() -> None:
-    datasets = pytest.importorskip("datasets")
-    from trl.data_utils import pack_dataset
-
-    _, table = _table(D2)
-    cut = [min(n, 1024) for n in table.lengths]
-    ds = datasets.Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(cut)]})
-    packed = pack_dataset(ds, seq_length=1024, strategy="bfd")
-    trl_bins = [tuple(dict.fromkeys(row)) for row in packed["input_ids"]]
-    assert best_fit_decreasing(cut, 1024) == trl_bins
-
-
 def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> None:
     """The probe times the plan's first micro-batches: in bfd's order they would be the longest samples
     one a row (a faster attention layout than the epoch's rows of several samples)."""
@@ -409,7 +405,7 @@ def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> No
     lengths = [max(2, int(rng.lognormvariate(5.15, 1.05))) for _ in range(4000)]  # D2's shape: mean ~300
     cut = [min(n, 2048) for n in lengths]
     p = plan(Batching.PACKED, lengths, 2048, 2, seed=0)
-    bins = best_fit_decreasing(cut, 2048)
+    bins = packed_bins(cut, 2048)  # TRL's rows, in its order
     assert sorted(r for b in p.batches for r in b.rows) == sorted(bins)  # the same rows, all of them
     mean = statistics.mean(len(r) for r in bins)  # samples per row over the epoch: ~7
     old_first = statistics.mean(len(r) for r in bins[:32])  # bfd's first rows: the longest samples, alone
@@ -417,15 +413,6 @@ def test_packed_micro_batches_come_in_a_seeded_shuffle_not_longest_first() -> No
     assert old_first < 0.5 * mean < first
     assert plan(Batching.PACKED, lengths, 2048, 2, seed=0).batches == p.batches  # seeded
     assert plan(Batching.PACKED, lengths, 2048, 2, seed=1).batches != p.batches
-
-
-def test_importing_the_planning_side_does_not_import_torch() -> None:
-    code = ("import sys; import autofit.data as d; from autofit.config.models import resolve_model;"
-            f"s = d.load_samples({str(D1)!r}); t = d.length_table(s, d.tokenizer_for(resolve_model('tiny-llama'), s));"
-            "d.length_stats(t); [d.plan(b, t.lengths, 512, 4) for b in d.Batching];"
-            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 # ----------------------------------------------------------------------------- collators on tiny-llama
@@ -484,12 +471,11 @@ def test_padding_free_and_packed_layouts(d1_ids) -> None:
     starts = (out["position_ids"][0] == 0).nonzero().flatten().tolist()
     assert len(starts) == len(free.samples) and all(out["labels"][0, s] == -100 for s in starts)
     packed = plan(Batching.PACKED, table.lengths, 256, 4).batches[0]
-    out = collate(Batching.PACKED, packed, ids, pad, 256)
-    assert out["input_ids"].shape == (len(packed.rows), 256) and "attention_mask" not in out
-    assert int((out["labels"] != -100).sum()) == packed.trained_tokens
-    flat = collate(Batching.PACKED, packed, ids, pad, 256, flatten_packed=True)
-    assert flat["input_ids"].shape == (1, packed.real_tokens)
-    assert int((flat["labels"] != -100).sum()) == packed.trained_tokens
+    out = collate(Batching.PACKED, packed, ids, pad, 256)  # TRL's rows flattened into one, as SFTTrainer does
+    assert out["input_ids"].shape == (1, packed.real_tokens) == (1, packed.tensor_tokens)
+    assert "attention_mask" not in out and len(packed.rows) == 4
+    starts = (out["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert len(starts) == len(packed.samples) and int((out["labels"] != -100).sum()) == packed.trained_tokens
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -655,7 +641,8 @@ def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_
     rates = rb.tokens_per_s(seconds, first, acc, config_acc)
     assert rates == pytest.approx([truth] * len(rates), rel=1e-9)
     assert rb.time_model(seconds, first, acc, config_acc) == pytest.approx((a, b), rel=1e-6)
-    own = [sum(m.trained_tokens for m in rb.step_batches(k, acc)) * config_acc / acc / t for k, t in zip(steps, seconds)]
+    own = [sum(m.trained_tokens for m in rb.step_batches(k, acc)) * config_acc / acc / t
+           for k, t in zip(steps, seconds)]
     assert spread(own) > 1.5  # what the steps' own samples did to the old per-step figure
     # with 3% timing noise the figure stays within it and the spread rule sees the timing alone
     noisy = [t * rnd.Random(k).uniform(0.985, 1.015) for k, t in enumerate(seconds)]
@@ -663,5 +650,5 @@ def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_
     assert statistics.median(rates) == pytest.approx(truth, rel=0.03) and spread(rates) < 1.1
     fig = rb.figures(seconds, first, acc, config_acc)
     assert fig["plan_trained_per_micro_batch"] == pytest.approx(rb.plan_trained, abs=0.01)
-    assert fig["window_tokens_per_s"] == pytest.approx(sum(m.trained_tokens for k in steps for m in rb.step_batches(k, acc))
-                                                       * config_acc / acc / sum(seconds))
+    timed = sum(m.trained_tokens for k in steps for m in rb.step_batches(k, acc))
+    assert fig["window_tokens_per_s"] == pytest.approx(timed * config_acc / acc / sum(seconds))

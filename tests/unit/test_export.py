@@ -6,15 +6,11 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli
-from test_regress import BASE, write_run
+from recipes import DATA
 
 from autofit.cli import main
 from autofit.config.models import resolve_model
@@ -23,91 +19,7 @@ from autofit.core.errors import UsageError
 from autofit.data import DatasetRef, load_samples
 from autofit.export import FORMATS, SCRIPTS, export_run
 from autofit.export.common import check_fields
-from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY
-
-DATA = ROOT / "tests" / "data" / "tiny.jsonl"
-
-
-def export(run: Path, fmt: str, out: Path) -> subprocess.CompletedProcess[str]:
-    return run_cli("export", str(run), "--format", fmt, "-o", str(out))
-
-
-def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt, name", [("hf-trainer", "train.py"), ("trl", "train_trl.py")])
-def test_python_recipes_train_three_steps(tiny_run: Path, tmp_path: Path, fmt: str, name: str) -> None:
-    script = tmp_path / name
-    proc = export(tiny_run, fmt, script)
-    assert proc.returncode == 0, proc.stderr
-    assert "autofit" not in imports_of(script)
-    text = script.read_text()
-    best = json.loads((tiny_run / "best.json").read_text())
-    assert best["run_id"] in text and f"{best['tokens_per_s']:,.0f} tokens/s" in text  # provenance
-    assert f"MAX_LENGTH = {best['config']['max_length']}" in text
-    assert f"'gradient_accumulation_steps': {best['config']['gradient_accumulation_steps']}" in text
-    # run it where autofit cannot be imported at all
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-c", ("import sys; sys.modules['autofit'] = None; "
-                          f"sys.argv = {[str(script), '--dataset', str(DATA), '--output-dir', str(out), '--max-steps', '3']!r}; "
-                          f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")],
-                         check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
-    assert summary and json.loads(summary[-1].split(" ", 1)[1])["steps"] == 3
-    assert "stand-in tokenizer" in run.stderr
-    assert (out / "adapter_config.json").is_file()
-
-
-@pytest.mark.slow
-def test_yaml_recipes_parse_and_carry_the_winner(tiny_run: Path, tmp_path: Path) -> None:
-    best = json.loads((tiny_run / "best.json").read_text())["config"]
-    assert export(tiny_run, "axolotl", tmp_path / "a.yaml").returncode == 0
-    ax = yaml.safe_load((tmp_path / "a.yaml").read_text())
-    assert ax["sequence_len"] == best["max_length"]
-    assert ax["micro_batch_size"] == best["micro_batch_size"]
-    assert ax["gradient_accumulation_steps"] == best["gradient_accumulation_steps"]
-    assert ax["lora_r"] == best["lora_r"] and ax["optimizer"] == best["optimizer"]
-    assert ax["gradient_checkpointing"] == (best["gradient_checkpointing"] != "off")
-    assert set(ax) <= AXOLOTL["keys"]
-    assert f"axolotl {AXOLOTL['version']}" in (tmp_path / "a.yaml").read_text()
-    assert export(tiny_run, "llama-factory", tmp_path / "l.yaml").returncode == 0
-    lf = yaml.safe_load((tmp_path / "l.yaml").read_text())
-    assert lf["cutoff_len"] == best["max_length"]
-    assert lf["per_device_train_batch_size"] == best["micro_batch_size"]
-    assert lf["gradient_accumulation_steps"] == best["gradient_accumulation_steps"]
-    assert lf["disable_gradient_checkpointing"] == (best["gradient_checkpointing"] == "off")
-    assert set(lf) <= LLAMA_FACTORY["keys"]
-
-
-@pytest.mark.slow
-def test_what_a_target_cannot_express_is_a_comment_and_a_warning(tiny_run: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run)
-    best = json.loads((run / "best.json").read_text())
-    best["config"].update(gradient_checkpointing="every_2", expandable_segments=True, torch_compile=True)
-    (run / "best.json").write_text(json.dumps(best))
-    for fmt in ("axolotl", "llama-factory"):
-        proc = export(run, fmt, tmp_path / f"{fmt}.yaml")
-        assert proc.returncode == 0
-        assert "cannot express gradient_checkpointing=every_2" in proc.stderr
-        assert "expandable_segments" in proc.stderr and "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1" in proc.stderr
-        text = (tmp_path / f"{fmt}.yaml").read_text()
-        assert "NOT EXPRESSED: gradient_checkpointing=every_2" in text
-    script = tmp_path / "t.py"
-    assert export(run, "hf-trainer", script).returncode == 0
-    text = script.read_text()
-    assert "'every_n_layers': 2" in text and "expandable_segments:True" in text  # Trainer expresses both
-    assert "'ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION': '1'" in text  # compiled per block, as measured
+from runs import BASE, write_run
 
 
 def test_a_renamed_field_fails_at_export() -> None:
@@ -141,21 +53,6 @@ def test_the_installed_field_names_are_cached_by_version(tmp_path: Path, monkeyp
     doc["versions"]["peft"] = "0.0.1"  # another version's names are never used: read afresh
     cached.write_text(json.dumps(doc))
     assert fields.installed_fields()["LoraConfig"] == first["LoraConfig"]
-
-
-def test_bad_export_input_exits_2(tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run")
-    cases = [
-        (["export", str(tmp_path)], (f"RUN: {tmp_path} is not an autofit run (it has no spec.yaml); give a folder "
-                                    "made by `autofit search`.")),
-        (["export", str(run), "--format", "deepspeed"],
-         "--format: 'deepspeed' is not known; expected one of hf-trainer, trl, axolotl, llama-factory."),
-        (["export", str(run), "--format", "axolotl", "-o", str(tmp_path / "no" / "dir" / "t.yaml")],
-         f"-o: the folder {tmp_path / 'no' / 'dir'} does not exist. Give a file path in a folder that exists."),
-    ]
-    for args, message in cases:
-        proc = run_cli(*args)
-        assert (proc.returncode, proc.stderr) == (2, f"autofit: error: {message}\n"), args
 
 
 def test_every_format_renders_the_winner_in_process(tmp_path: Path) -> None:
@@ -201,20 +98,6 @@ def test_every_format_renders_a_4bit_winner_against_the_installed_libraries(tmp_
     for fmt in FORMATS:
         text = export_run(run, fmt).text
         assert "nf4" in text, fmt
-
-
-def test_an_export_of_a_running_search_says_it_takes_the_best_so_far(tmp_path: Path) -> None:
-    from autofit.run import locks
-    from autofit.run.rundir import SEARCH_LOCK
-
-    run = write_run(tmp_path / "run")
-    with locks.held(run / SEARCH_LOCK, lambda who: None):  # as the search holds its folder
-        proc = run_cli("export", str(run), "-o", str(tmp_path / "train.py"))
-    assert proc.returncode == 0 and (tmp_path / "train.py").is_file(), proc.stderr
-    assert f"a search is running in {run} (pid {os.getpid()}, since " in proc.stderr
-    assert "exports the best found so far" in proc.stderr
-    again = run_cli("export", str(run), "-o", str(tmp_path / "after.py"))  # the search ended: no word of it
-    assert again.returncode == 0 and "search is running" not in again.stderr
 
 
 def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Path) -> None:
@@ -270,45 +153,6 @@ def test_an_existing_output_needs_force(tmp_path: Path) -> None:
     assert out.read_text() == "# edited by hand\n"
     assert main(["export", str(run), "--format", "axolotl", "-o", str(out), "--force"]) == 0
     assert yaml.safe_load(out.read_text())["sequence_len"] == 128
-
-
-def test_importing_the_exporters_imports_no_ml_library() -> None:
-    modules = ["autofit.export", *(f"autofit.export.{m.stem}" for m in (ROOT / "autofit" / "export").glob("*.py")),
-               "autofit.cli.export", "autofit.run.regress", "autofit.cli.regress"]
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'trl', 'bitsandbytes') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
-    assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr
-
-
-@pytest.mark.slow
-def test_export_to_stdout(tiny_run: Path, tmp_path: Path) -> None:
-    proc = run_cli("export", str(tiny_run))
-    assert proc.returncode == 0 and proc.stdout.startswith("#!/usr/bin/env python3")
-    dash = run_cli("export", str(tiny_run), "-o", "-", cwd=tmp_path)  # the usual spelling of stdout
-    assert (dash.returncode, dash.stdout) == (0, proc.stdout) and not (tmp_path / "-").exists()
-
-
-@pytest.mark.slow
-def test_a_4bit_preset_recipe_quantizes_random_weights_built_in_host_memory(tiny_run: Path, tmp_path: Path) -> None:
-    """A preset has no weights to quantize: the recipe builds them at random in host memory (on the card
-    they would need the 16-bit model's memory: 13 GB for a 7B meant for a 12 GB card), saves them once and
-    loads them 4-bit. Here on the CPU, with bitsandbytes' CPU kernels: 3 real steps on nf4 layers."""
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("logs", "*.png"))
-    best = json.loads((run / "best.json").read_text())
-    best["config"]["quantization"] = "nf4"
-    (run / "best.json").write_text(json.dumps(best))
-    script = tmp_path / "train.py"
-    proc = export(run, "hf-trainer", script)
-    assert proc.returncode == 0, proc.stderr
-    assert "'bnb_4bit_quant_type': 'nf4'" in script.read_text()
-    done = subprocess.run([sys.executable, str(script), "--dataset", str(DATA), "--output-dir", str(tmp_path / "out"),
-                           "--max-steps", "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("recipe-summary ")]
-    assert summary and json.loads(summary[-1].split(" ", 1)[1])["steps"] == 3
 
 
 ODD = {"method": ("lora", "full"), "precision": ("bf16", "fp16", "fp32"), "quantization": ("none", "8bit", "nf4"),
