@@ -1,0 +1,109 @@
+"""Preference tuning's decisions, in-process: the trainer key's rules, the memory model's DPO terms, the
+preference reader's pairs (checked against TRL's own prompt extraction) and the objective's pairs/s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autofit.config.models import resolve_model
+from autofit.config.space import load_space
+from autofit.config.spec import TrialConfig
+from autofit.core.errors import UsageError
+from autofit.data.preference import (
+    cut,
+    looks_like_preferences,
+    pair_lengths,
+    read_preferences,
+)
+from autofit.estimate.memory import MemoryModel, Shape, prior
+from autofit.protocol.result import Outcome, ProbeResult
+from autofit.search.objective import pairs_per_s
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+SHAPE = Shape.from_config(resolve_model("llama2-7b").config)
+DPO = TrialConfig(trainer="dpo", micro_batch_size=2)
+
+
+def test_a_pair_is_two_rows_in_one_forward() -> None:
+    sft = TrialConfig(micro_batch_size=2)
+    assert DPO.tokens_per_micro_batch == 2 * sft.tokens_per_micro_batch
+    assert prior(DPO, SHAPE).activations == 2 * prior(sft, SHAPE).activations
+    # TRL's fused LM head: log-probabilities in tiles, never the (rows x length x vocab) logits
+    assert prior(DPO, SHAPE).logits < prior(sft, SHAPE).logits
+
+
+def test_the_reference_costs_its_forward_or_its_copy_and_nothing_when_precomputed() -> None:
+    shared = prior(DPO, SHAPE).reference
+    assert 0 < shared < prior(DPO, SHAPE).activations  # one layer at a time under no_grad, not every layer
+    assert prior(DPO.replace(precompute_ref_log_probs=True), SHAPE).reference == 0
+    copy = prior(DPO.replace(dpo_reference="copy"), SHAPE).reference
+    assert copy - shared == prior(DPO, SHAPE).weights  # a second bf16 base
+    assert prior(TrialConfig(), SHAPE).reference == 0
+    assert "DPO reference" in " ".join(prior(DPO, SHAPE).as_dict())
+
+
+def test_precomputing_can_save_the_reference_forward_against_an_oom() -> None:
+    model = MemoryModel(SHAPE)
+    saving = model.max_saving(DPO, DPO.replace(precompute_ref_log_probs=True))
+    assert saving is not None and saving >= prior(DPO, SHAPE).reference
+    assert model.max_saving(DPO.replace(precompute_ref_log_probs=True), DPO) == 0
+
+
+def test_a_dpo_fit_teaches_its_own_group_in_tokens_of_both_rows() -> None:
+    model = MemoryModel(SHAPE)
+    model.observe(DPO.replace(micro_batch_size=1), 20 * 2**30)
+    model.observe(DPO, 24 * 2**30)
+    assert model.predict(DPO.replace(micro_batch_size=3)) == 28 * 2**30
+    assert model.predict(TrialConfig(micro_batch_size=3)) != 28 * 2**30  # an SFT config is another group
+
+
+@pytest.mark.parametrize("values, said", [
+    ({"precompute_ref_log_probs": True}, "needs trainer=dpo"),
+    ({"dpo_reference": "copy"}, "needs trainer=dpo"),
+    ({"trainer": "dpo", "batching": "padding_free"}, "padding_free falls back to padding"),
+    ({"trainer": "dpo", "method": "full"}, "no adapter to disable"),
+    ({"trainer": "dpo", "gpus": 2}, "one GPU"),
+])
+def test_what_dpo_cannot_run_is_a_usage_error(values: dict[str, object], said: str) -> None:
+    with pytest.raises(UsageError, match=said):
+        TrialConfig.from_mapping(values)
+    TrialConfig(trainer="dpo", method="full", precompute_ref_log_probs=True)  # the policy before training
+
+
+def test_the_dpo_spaces_search_dpo_only() -> None:
+    for space in (load_space("dpo"), load_space(DATA / "dpo-space.yaml")):
+        cands = space.candidates()
+        assert cands and all(c.trainer == "dpo" for c in cands)
+        assert {c.precompute_ref_log_probs for c in cands} == {False, True}
+
+
+def test_the_implicit_prompt_is_the_one_trl_extracts() -> None:
+    from trl.data_utils import extract_prompt
+
+    prefs = read_preferences(DATA / "prefs-chat.jsonl")
+    assert prefs.implicit and prefs.conversational and len(prefs) == 12
+    rows = [line for line in (DATA / "prefs-chat.jsonl").read_text().splitlines()]
+    import json
+
+    for pair, line in zip(prefs.pairs, rows, strict=True):
+        trl = extract_prompt(json.loads(line))
+        assert pair.to_row() == {k: trl[k] for k in ("prompt", "chosen", "rejected")}
+
+
+def test_lengths_and_what_a_max_length_drops() -> None:
+    from autofit.data.preference import PairLengths
+
+    lengths = [PairLengths(10, 5, 3), PairLengths(40, 20, 30), PairLengths(3, 1, 1)]
+    c = cut(lengths, 32)
+    assert (c.dropped, c.truncated) == (1, 0)  # the 40-token prompt fills 32: TRL drops the pair
+    assert cut(lengths, 64).truncated == 1 and cut(lengths, 64).dropped == 0
+    assert pair_lengths([([1, 2], [3], [4, 5, 6])]) == [PairLengths(2, 1, 3)]
+    assert looks_like_preferences(DATA / "prefs.jsonl") and not looks_like_preferences(DATA / "dpo-space.yaml")
+
+
+def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:
+    res = ProbeResult(Outcome.FIT, DPO, tokens_per_s=1000.0, extra={"tokens_per_pair": 250.0})
+    assert pairs_per_s(res) == 4.0
+    assert pairs_per_s(ProbeResult(Outcome.FIT, TrialConfig(), tokens_per_s=1000.0)) is None
