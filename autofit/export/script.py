@@ -53,7 +53,7 @@ def call(name: str, args: Arguments, torch_values: Iterable[str] = ()) -> str:
 
 
 TOGETHER = (("bf16", "fp16", "tf32"), ("report_to", "save_strategy", "logging_steps", "seed", "remove_unused_columns"),
-            ("packing", "packing_strategy", "padding_free"))
+            ("max_length", "dataset_text_field"), ("packing", "packing_strategy", "padding_free", "pad_to_multiple_of"))
 """Keys written on one line: the precision's two flags; the bookkeeping that changes neither speed nor memory."""
 
 
@@ -124,11 +124,13 @@ def comments(w: Winner, fmt: str) -> dict[str, str]:
 def header(r: ExportRun, w: Winner, fmt: str, name: str) -> list[str]:
     launch = distributed.launch_command(w.config, name, "")
     trainer = "TRL's SFTTrainer" if fmt == "trl" else "transformers' Trainer"
-    doc = [f"Fine-tune with the configuration autofit measured as the fastest that fits ({trainer}).", "",
-           f"    {launch} [--model PATH] [--dataset FILE] [--output-dir out] [--max-steps N]"]
+    doc = [f"Fine-tune with the configuration autofit measured as the fastest that fits ({trainer})."]
+    if distributed.launched(w.config):  # one GPU: `python train.py --help` says it all
+        doc += ["", f"    {launch} [--model PATH] [--dataset FILE] [--output-dir out] [--max-steps N]"]
     doc += multi_gpu_doc(w)
     text = "\n".join(doc).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    return ["#!/usr/bin/env python3", comment_block(r.provenance()), f'"""{text}\n"""', ""]
+    close = "\n" if len(doc) > 1 else ""
+    return ["#!/usr/bin/env python3", comment_block(r.provenance()), f'"""{text}{close}"""', ""]
 
 
 def multi_gpu_doc(w: Winner) -> list[str]:
@@ -142,8 +144,6 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     stdlib = ["argparse", "gc", "json", "os", "time"]
     if w.config.liger:
         stdlib.append("importlib.util")
-    if fmt == "hf-trainer" and w.batching == "packed":
-        stdlib.append("itertools")
     lines = [f"import {m}" for m in sorted(stdlib)] + [""]
     for key, value in w.environment.items():
         lines.insert(len(lines) - 1, f"os.environ.setdefault({key!r}, {value!r})  # before torch starts: as measured")
@@ -157,19 +157,19 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     tf = ["AutoModelForCausalLM", "AutoTokenizer", "TrainerCallback"]
     tf += ["BitsAndBytesConfig"] if w.quantization else []
     if fmt == "hf-trainer":
-        tf += ["Trainer", "TrainingArguments", hf_collator_class(w)]
+        tf += ["Trainer", "TrainingArguments"] + ([hf_collator_class(w)] if w.batching != "packed" else [])
     lines.append(f"from transformers import {', '.join(sorted(set(tf)))}")
     if w.config.engine == "zero3":
         lines.append("from transformers.integrations import HfDeepSpeedConfig")
     if fmt == "trl":
         lines.append("from trl import SFTConfig, SFTTrainer")
-    elif w.batching == "packed":
-        lines.append("from trl import pack_dataset  # TRL's best-fit-decreasing packing (pip install trl)")
+    elif w.batching == "packed":  # TRL's best-fit-decreasing packing and its collator of packed rows
+        lines.append("from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, pack_dataset")
     return lines
 
 
 def hf_collator_class(w: Winner) -> str:
-    if w.batching in ("padding_free", "packed"):
+    if w.batching == "padding_free":
         return "DataCollatorWithFlattening"
     return "default_data_collator" if w.batching == "blocks" else "DataCollatorForLanguageModeling"
 
@@ -200,6 +200,7 @@ def text_field(w: Winner) -> str:
 
 
 THROUGHPUT = '''
+
 
 class Throughput(TrainerCallback):
     """Trained (label-bearing) tokens/s after two warm-up steps, the losses and the peak memory, as autofit counts."""
@@ -262,17 +263,6 @@ def load_data(path):
     return load_dataset(kind, data_files=path, split="train", **options)
 '''
 
-HF_TOKENIZE = '''
-
-def tokenized(data, tokenizer):
-    """Token ids of each row: its text, or its chat through the tokenizer's template; cut to MAX_LENGTH."""
-    def ids(row):
-        chat = row.get("messages")
-        text = tokenizer.apply_chat_template(chat, tokenize=False) if chat else row[TEXT_FIELD]
-        return {"input_ids": tokenizer(text, truncation=True, max_length=MAX_LENGTH)["input_ids"]}
-    return data.map(ids, remove_columns=data.column_names)
-'''
-
 HF_BLOCKS = '''
 
 def blocks(data, tokenizer):
@@ -285,18 +275,6 @@ def blocks(data, tokenizer):
     return data.map(cut, batched=True, remove_columns=data.column_names)
 '''
 
-HF_PACKED = '''
-
-def packed_rows(rows):
-    """TRL's packed rows back into their samples, flattened into one row (positions restarting per sample)."""
-    samples = []
-    for row in rows:
-        bounds = list(itertools.accumulate(row["seq_lengths"], initial=0))
-        samples += [{"input_ids": row["input_ids"][a:b]} for a, b in zip(bounds, bounds[1:])]
-    return DataCollatorWithFlattening()(samples)
-'''
-
-
 def helpers(w: Winner, fmt: str) -> str:
     parts = [throughput(w)]
     if distributed.launched(w.config):
@@ -305,10 +283,8 @@ def helpers(w: Winner, fmt: str) -> str:
         parts.append(RANK_HELPERS)
     mode = SAMPLE_BY.get(w.dataset.text_mode, "line") if w.dataset is not None else "document"
     parts.append(LOAD_DATA.replace("@SAMPLE_BY@", repr(mode)))
-    if fmt == "hf-trainer":
-        parts.append(HF_BLOCKS if w.batching == "blocks" else HF_TOKENIZE)
-        if w.batching == "packed":
-            parts.append(HF_PACKED)
+    if fmt == "hf-trainer" and w.batching == "blocks":
+        parts.append(HF_BLOCKS)
     if w.config.engine == "fsdp2":
         parts.append("\n\n" + inspect.getsource(distributed.fsdp_on_cpu))
     return "".join(parts)
@@ -336,20 +312,12 @@ def main():
         parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
     if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
         parser.error(f"--dataset: {a.dataset} has no rows with a {TEXT_FIELD!r} field@CHATS_SAID@")
-    if os.path.exists(a.output_dir) and not os.path.isdir(a.output_dir):  # said now, not after the training
-        parser.error(f"--output-dir: {a.output_dir} exists and is not a folder")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(a.model)
-    except (OSError, ValueError) as e:
-        parser.error(f"--model: cannot load a tokenizer from {a.model} ({str(e).strip().splitlines()[0]})")
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
 '''
 
 LIGER = '''    if importlib.util.find_spec("liger_kernel") is None or not torch.cuda.is_available():
         parser.error("this recipe uses Liger's kernels (use_liger_kernel=True): pip install 'liger-kernel>=0.8.5' "
                      "and run it on a CUDA GPU (this machine has no liger-kernel or no GPU), or export liger=off")
-'''
-
-DEVICE = '''    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
 '''
 
 EMULATE = '''    if a.emulate_memory_gib and torch.cuda.is_available():  # a smaller card's memory, this GPU's speed
@@ -368,7 +336,10 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         out += chat_lines(form, fmt, w.dataset)
     if fmt == "hf-trainer":
         out.append("    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token")
-        out.append(f"    data = {'blocks' if w.batching == 'blocks' else 'tokenized'}(data, tokenizer)")
+        if w.batching == "blocks":
+            out.append("    data = blocks(data, tokenizer)")
+        else:
+            out += hf_tokenize(chat)
         if w.batching == "packed":
             out.append('    data = pack_dataset(data, MAX_LENGTH, strategy="bfd")  # best-fit decreasing, as measured')
     zero3 = w.config.engine == "zero3"
@@ -376,8 +347,10 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         out.append('    zero3 = HfDeepSpeedConfig(TRAINING_ARGS["deepspeed"])  # ZeRO-3: the model is built sharded')
     load = "    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPE, attn_implementation=ATTENTION"
     if w.quantization:  # bitsandbytes quantizes on this rank's device
-        out += [load + ",", '                                                 quantization_config=QUANTIZATION, '
-                'device_map={"": device})']
+        out += ["    model = AutoModelForCausalLM.from_pretrained(",
+                "        a.model, dtype=DTYPE, attn_implementation=ATTENTION, quantization_config=QUANTIZATION,",
+                "        device_map={\"\": f\"cuda:{os.environ.get('LOCAL_RANK', 0)}\" if torch.cuda.is_available() "
+                "else \"cpu\"})"]
     else:  # Trainer moves it to the device; ZeRO-3 builds it sharded
         out.append(load + ")")
     out.append("    model.config.use_cache = False")
@@ -394,8 +367,8 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         out += ["    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer"
                 f"{peft},", "                         callbacks=[Throughput()])"]
         if w.batching == "padding_free":
-            out += ["    trainer.train_dataset = trainer.train_dataset.map(  # cut to MAX_LENGTH, as measured",
-                    '        lambda row: {k: row[k][:MAX_LENGTH] for k in ("input_ids", "labels")})']
+            cut = '{k: row[k][:MAX_LENGTH] for k in ("input_ids", "labels")}'
+            out.append(f"    trainer.train_dataset = trainer.train_dataset.map(lambda row: {cut})")
     else:
         out += [f"    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator={hf_collator(w)},",
                 "                      processing_class=tokenizer, callbacks=[Throughput()])"]
@@ -405,13 +378,23 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     return out
 
 
+def hf_tokenize(chat: bool) -> list[str]:
+    """Each row's token ids, cut to MAX_LENGTH: its text, or its chat through the tokenizer's template."""
+    text = ('lambda row: tokenizer.apply_chat_template(row["messages"], tokenize=False)' if chat
+            else "lambda row: row[TEXT_FIELD]")
+    return [f"    text = {text}",
+            '    data = data.map(lambda row: {"input_ids": tokenizer(text(row), truncation=True, max_length=MAX_LENGTH)'
+            '["input_ids"]},',
+            "                    remove_columns=data.column_names)"]
+
+
 def hf_collator(w: Winner) -> str:
     if w.batching == "blocks":
         return "default_data_collator"
     if w.batching == "padding_free":
         return "DataCollatorWithFlattening()"
-    if w.batching == "packed":
-        return "packed_rows"
+    if w.batching == "packed":  # TRL's collator reads the packed rows' seq_lengths: positions restart per sample
+        return "DataCollatorForLanguageModeling(tokenizer.pad_token_id, padding_free=True)"
     pad = ", pad_to_multiple_of=MAX_LENGTH" if w.batching == "pad_max" else ""
     return f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad})"
 
@@ -440,7 +423,7 @@ def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[st
     chats = form is not None and form.chat
     arguments = ARGUMENTS.replace("@CHATS@", 'MESSAGES_FIELD, "conversations"' if chats else '"messages"')
     arguments = arguments.replace("@CHATS_SAID@", " or {MESSAGES_FIELD!r} chats" if chats else "")
-    body = arguments + (LIGER if w.config.liger else "") + EMULATE + (DEVICE if w.quantization else "")
+    body = arguments + (LIGER if w.config.liger else "") + EMULATE
     said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
     lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]
     return "\n".join(lines) + helpers(w, fmt) + body + "\n".join(main_body(w, fmt, form)) + "\n"
