@@ -6,7 +6,7 @@ Importing this package never imports torch (the search process must not); `colla
 
 from __future__ import annotations
 
-from autofit.data.batching import Batching, BatchPlan, MicroBatch, best_fit_decreasing, plan
+from autofit.data.batching import Batching, BatchPlan, MicroBatch, plan
 from autofit.data.lengths import LengthTable, length_table
 from autofit.data.loading import BadRows, Message, Sample, SampleSet, SourceKind, TextMode, load_samples
 from autofit.data.reference import DatasetRef, RefState, stored_dataset
@@ -31,7 +31,6 @@ __all__ = [
     "SourceKind",
     "TextMode",
     "TextTokenizer",
-    "best_fit_decreasing",
     "format_stats",
     "histogram_png",
     "length_stats",

@@ -1,23 +1,22 @@
-"""Batching strategies as plans over the length table: which samples go in which micro-batch,
-how each is laid out, and what it costs in padding. Pure Python; the collators are in collate.py.
+"""Batching strategies as plans over the length table: which samples go in which micro-batch, how each
+is laid out, and what it costs in padding. Pure Python; where the layout is a library's decision it
+comes from that library (`layouts.py` gets it, `library.py` calls it), and the collators are the
+library's too (collate.py).
 
-Every plan is seeded (the same batches for every config of a search) and is something the
-exporters can reproduce:
+Every plan is seeded (the same batches for every config of a search) and is what the recipes run:
 - PAD_MAX: rows padded to max_length (what a fixed-length probe measures; the worst case);
-- PAD_LONGEST: a shuffled order, rows padded to the longest sample of the micro-batch;
-- GROUP_BY_LENGTH: transformers' length-grouped order (`train_sampling_strategy=
-  "group_by_length"`, `trainer_pt_utils.get_length_grouped_indices`: mega-batches of up to 50
-  micro-batches sorted by length, the longest micro-batch first), padded to the longest; the
-  permutation comes from Python's `random` with the seed, not torch's, so the batches are
-  Trainer's algorithm but not its exact draw;
+- PAD_LONGEST: a shuffled order (the random sampler), rows padded to the longest sample of the micro-batch;
+- GROUP_BY_LENGTH: transformers' length-grouped order (`train_sampling_strategy="group_by_length"`:
+  `get_length_grouped_indices` over batches of `group` samples, which Trainer sets to the micro-batch
+  times the accumulation: mega-batches sorted by length, the longest batch first), padded to the
+  longest; the draw is seeded here, where Trainer takes torch's global generator;
 - PADDING_FREE: micro_batch_size samples in a shuffled order flattened into one row, position_ids
-  restarting per sample (transformers' DataCollatorWithFlattening, TRL's `padding_free=True`: the
-  batch's samples, not a token budget);
-- PACKED: best-fit-decreasing bins of max_length (TRL `packing_strategy="bfd"`, same algorithm:
-  longest first, each into the fullest bin it fits, ties first-opened first), the bins in a seeded
-  shuffle (a random sampler over the packed rows), micro_batch_size rows per micro-batch,
+  restarting per sample (TRL's `padding_free=True` collator: the batch's samples, not a token budget);
+- PACKED: TRL's best-fit-decreasing rows of max_length (`packing_strategy="bfd"`, `pack_dataset`), the
+  rows in a seeded shuffle (the random sampler over the packed rows), micro_batch_size rows a
+  micro-batch flattened into one row by TRL's collator, as SFTTrainer does (bfd turns padding_free on),
   boundaries kept by position_ids.
-Samples are truncated to max_length first (what every strategy and exporter does).
+Samples are truncated to max_length first (what every strategy and recipe does).
 A trained token is a token with a label after the model's shift: `length - 1` per sample.
 
 One effective batch for every strategy (`StepShape`): `global_batch` is samples per optimizer step,
@@ -32,16 +31,14 @@ marked so (`StepShape.keeps_global_batch`).
 
 from __future__ import annotations
 
-import bisect
 import enum
 import math
 import random
-from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MEGA_BATCH_MULT = 50
-"""transformers' get_length_grouped_indices default (capped so that there are 4 mega-batches)."""
+from autofit.data.layouts import Layouts, layouts_for
+
 BATCH_TOLERANCE = 0.10
 """How far a step's mean samples may lie from the global batch before the config is said to change
 what is learned (a tenth: the effective batch of a 16-sample step stays within 14.4-17.6)."""
@@ -73,6 +70,8 @@ class MicroBatch:
     """Length of every row in the tensor (padded rows) or of the single flattened row."""
     real_tokens: int
     trained_tokens: int
+    flattened: bool = False
+    """The rows are flattened into one tensor row of row_length (packed rows as TRL's collator lays them)."""
 
     @property
     def samples(self) -> tuple[int, ...]:
@@ -80,7 +79,7 @@ class MicroBatch:
 
     @property
     def tensor_tokens(self) -> int:
-        return len(self.rows) * self.row_length
+        return self.row_length if self.flattened else len(self.rows) * self.row_length
 
     @property
     def pad_fraction(self) -> float:
@@ -156,40 +155,44 @@ def step_shape(strategy: Batching, global_batch: int, micro_batch_size: int, gpu
 
 
 def plan(strategy: Batching, lengths: Sequence[int], max_length: int, micro_batch_size: int,
-         seed: int = 0) -> BatchPlan:
-    """One epoch of micro-batches for `strategy`, and the heaviest one it can produce."""
+         seed: int = 0, group: int | None = None, layouts: Layouts | None = None) -> BatchPlan:
+    """One epoch of micro-batches for `strategy`, and the heaviest one it can produce. `group`: the samples
+    transformers groups by length at once (Trainer: micro-batch x accumulation; default the micro-batch);
+    `layouts`: where the libraries' layouts come from (default: shared by every plan of these lengths)."""
     cut = [min(n, max_length) for n in lengths]
+    lay = layouts or layouts_for(lengths, seed)
     order = list(range(len(cut)))
     random.Random(seed).shuffle(order)
     if strategy is Batching.PACKED:
-        # the bins in a seeded shuffle, as the recipe's random sampler draws its packed rows: in bfd's own
-        # order the probe's timed micro-batches are the first bins, the longest samples one a row, which
-        # attention runs faster than rows of several samples (D2's recipe ran 0.90 of such a probe)
-        bins = best_fit_decreasing(cut, max_length)
+        # the rows in a seeded shuffle, as the recipe's random sampler draws them: in TRL's own order the
+        # probe's timed micro-batches would be the first rows, the longest samples one a row, which attention
+        # runs faster than rows of several samples (D2's recipe ran 0.90 of such a probe)
+        bins = list(lay.bins(max_length))
         random.Random(seed).shuffle(bins)
-        groups = [tuple(bins[i:i + micro_batch_size]) for i in range(0, len(bins), micro_batch_size)]
-        batches = [_rows(g, cut, max_length) for g in groups]
+        batches = [_rows(bins[i:i + micro_batch_size], cut) for i in range(0, len(bins), micro_batch_size)]
     elif strategy is Batching.PADDING_FREE:
         batches = [_flat(order[i:i + micro_batch_size], cut) for i in range(0, len(order), micro_batch_size)]
     else:
         if strategy is Batching.GROUP_BY_LENGTH:
-            order = length_grouped(order, cut, micro_batch_size)
+            order = lay.grouped(max_length, group or micro_batch_size)
         fixed = max_length if strategy is Batching.PAD_MAX else None
         batches = [_padded(order[i:i + micro_batch_size], cut, fixed)
                    for i in range(0, len(order), micro_batch_size)]
     return BatchPlan(strategy, max_length, micro_batch_size, seed, tuple(batches),
-                     heaviest(strategy, cut, max_length, micro_batch_size))
+                     heaviest(strategy, cut, max_length, micro_batch_size, lay))
 
 
-def heaviest(strategy: Batching, cut: Sequence[int], max_length: int, micro_batch_size: int) -> MicroBatch:
+def heaviest(strategy: Batching, cut: Sequence[int], max_length: int, micro_batch_size: int,
+             layouts: Layouts) -> MicroBatch:
     """The longest samples together: padded strategies pad them (to max_length for PAD_MAX),
-    PADDING_FREE flattens them, PACKED fills micro_batch_size full rows."""
+    PADDING_FREE flattens them; PACKED takes TRL's fullest rows (the rows of the fewest, longest samples
+    among equals)."""
     longest = sorted(range(len(cut)), key=lambda i: -cut[i])
     if strategy is Batching.PADDING_FREE:
         return _flat(longest[:micro_batch_size], cut)
     if strategy is Batching.PACKED:
-        bins = best_fit_decreasing(cut, max_length)[:micro_batch_size]
-        return _rows(tuple(bins), cut, max_length)
+        rows = sorted(layouts.bins(max_length), key=lambda b: (-sum(cut[i] for i in b), len(b)))
+        return _rows(rows[:micro_batch_size], cut)
     fixed = max_length if strategy is Batching.PAD_MAX else None
     return _padded(longest[:micro_batch_size], cut, fixed)
 
@@ -205,45 +208,8 @@ def _flat(idx: Sequence[int], cut: Sequence[int]) -> MicroBatch:
     return MicroBatch((tuple(idx),), real, real, real - len(idx))
 
 
-def _rows(bins: Sequence[tuple[int, ...]], cut: Sequence[int], max_length: int) -> MicroBatch:
+def _rows(bins: Sequence[tuple[int, ...]], cut: Sequence[int]) -> MicroBatch:
+    """Packed rows flattened into one (TRL's collator): each sample's first token has no label."""
     real = sum(cut[i] for b in bins for i in b)
     n = sum(len(b) for b in bins)
-    return MicroBatch(tuple(bins), max_length, real, real - n)
-
-
-def length_grouped(order: Sequence[int], cut: Sequence[int], batch_size: int) -> list[int]:
-    """transformers' get_length_grouped_indices on a given permutation."""
-    mult = min(len(order) // (batch_size * 4), MEGA_BATCH_MULT) or 1
-    size = mult * batch_size
-    megas = [sorted(order[i:i + size], key=lambda j: cut[j], reverse=True)
-             for i in range(0, len(order), size)]
-    top = max(range(len(megas)), key=lambda m: cut[megas[m][0]])
-    megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
-    return [i for m in megas for i in m]
-
-
-def best_fit_decreasing(cut: Sequence[int], capacity: int) -> list[tuple[int, ...]]:
-    """TRL's `_pack_bfd` binning: samples longest first (stable), each into the bin with the least
-    room that still fits it (first-opened among equals), else a new bin."""
-    order = sorted((i for i in range(len(cut)) if cut[i] > 0), key=lambda i: -cut[i])
-    spaces: list[int] = []  # sorted distinct free spaces < capacity that some bin has
-    by_space: dict[int, deque[list[int]]] = defaultdict(deque)
-    bins: list[list[int]] = []
-    for i in order:
-        n = cut[i]
-        k = bisect.bisect_left(spaces, n)
-        if k < len(spaces):
-            space = spaces[k]
-            b = by_space[space].popleft()
-            if not by_space[space]:
-                spaces.pop(k)
-        else:
-            space, b = capacity, []
-            bins.append(b)
-        b.append(i)
-        left = space - n
-        if left > 0:
-            if not by_space[left]:
-                bisect.insort(spaces, left)
-            by_space[left].append(b)
-    return [tuple(b) for b in bins]
+    return MicroBatch(tuple(bins), real, real, real - n, flattened=True)

@@ -1,24 +1,23 @@
-"""Tensors for a planned micro-batch. torch is imported inside the functions: this module is
+"""Tensors for a planned micro-batch, made by TRL's collator (`DataCollatorForLanguageModeling`, what
+SFTTrainer collates with; `library.collate`). torch is imported inside the functions: this module is
 imported by the probe child only, and importing `autofit.data` must not import torch.
 
 Layouts (labels are -100 where nothing is learned; the model shifts labels itself):
-- padded strategies: `input_ids`, `attention_mask`, `labels` of shape [rows, row_length], padding
-  on the right;
-- PADDING_FREE: transformers' `DataCollatorWithFlattening` (one row, `position_ids` restarting per
-  sample, the first label of each sample -100, no attention mask);
-- PACKED: [rows, max_length], `position_ids` restarting per sample, the first label of each
-  sample -100, no attention mask (transformers finds the boundaries from position_ids only when
-  the attention mask is None); the padding at a row's end is a segment of its own (positions
-  from 0, labels -100), so it attends to nothing real. With `flatten_packed`, TRL's layout (the
-  bins flattened into one row, as PADDING_FREE).
+- padded strategies: `input_ids`, `attention_mask`, `labels` of shape [rows, row_length], padding on the
+  right (PAD_MAX: to max_length, the collator's `pad_to_multiple_of`);
+- PADDING_FREE: `padding_free=True`: one row, `position_ids` restarting per sample, the first label of
+  each sample -100, no attention mask, and the varlen kernels' boundaries (`cu_seq_lens_*`);
+- PACKED: the micro-batch's packed rows (each its samples' tokens in TRL's order, with their
+  `seq_lengths`) through the same collator: flattened into one row as SFTTrainer does with bfd packing.
 `segments` (not a model input) gives each token's sample index, -1 for padding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from autofit.data import library
 from autofit.data.batching import Batching, MicroBatch
 
 if TYPE_CHECKING:
@@ -26,80 +25,65 @@ if TYPE_CHECKING:
 
 Batch = dict[str, "torch.Tensor"]
 """A collated micro-batch: its tensors by name (the model's inputs, and `segments`)."""
+LibraryBatch = dict[str, Any]
+"""What the collator gives, as it gives it: tensors, and ints for the varlen kernels' longest sequence."""
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+"""What a direct model call takes (the loss check); a Trainer step takes the collator's whole output."""
 
 
 def collate(strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int,
-            max_length: int, flatten_packed: bool = False) -> Batch:
-    """Model inputs plus `segments`; samples are truncated to max_length. `flatten_packed` lays
-    PACKED bins out as TRL 1.16 does (`packing_strategy="bfd"` turns padding_free on: the bins of
-    a micro-batch flattened into one row, no tail padding)."""
+            max_length: int, flatten_packed: bool = False) -> LibraryBatch:
+    """The collator's output plus `segments`; samples are truncated to max_length. PACKED rows are always
+    flattened as TRL lays them out; `flatten_packed` is kept for its callers and changes nothing."""
+    import torch
+
+    samples = [list(token_ids[i][:max_length]) for i in batch.samples]
+    seg = [i for i, ids in zip(batch.samples, samples, strict=True) for _ in ids]
     if strategy.pads:
-        return _padded(batch, token_ids, pad_id, max_length)
-    if strategy is Batching.PADDING_FREE:
-        return _flattened(batch, token_ids, max_length)
-    if flatten_packed:
-        return _flattened(MicroBatch((batch.samples,), batch.real_tokens, batch.real_tokens,
-                                     batch.trained_tokens), token_ids, max_length)
-    return packed_rows(batch, token_ids, pad_id, max_length)
+        features = [{"input_ids": ids} for ids in samples]
+        out = library.collate(features, pad_id, padding_free=False,
+                              pad_to_multiple_of=max_length if strategy is Batching.PAD_MAX else None)
+        width = out["input_ids"].shape[1]
+        out["segments"] = torch.tensor([[i] * len(ids) + [-1] * (width - len(ids))
+                                        for i, ids in zip(batch.samples, samples, strict=True)])
+        return out
+    out = library.collate(packed_features(batch, token_ids, max_length) if strategy is Batching.PACKED
+                          else [{"input_ids": ids} for ids in samples], pad_id, padding_free=True)
+    out["segments"] = torch.tensor([seg])
+    return out
 
 
-def model_inputs(batch: Batch) -> Batch:
+def packed_features(batch: MicroBatch, token_ids: Sequence[Sequence[int]],
+                    max_length: int) -> list[dict[str, list[int]]]:
+    """The micro-batch's rows as TRL's `pack_dataset` gives them: a row's samples' tokens one after the
+    other, with `seq_lengths` (tests/unit/test_library_path.py checks them against pack_dataset)."""
+    return [{"input_ids": [t for i in row for t in token_ids[i][:max_length]],
+             "seq_lengths": [len(token_ids[i][:max_length]) for i in row]} for row in batch.rows]
+
+
+def model_inputs(batch: LibraryBatch) -> Batch:
+    """What a direct model call takes: the model's tensors, without `segments` or the varlen hints (the
+    model finds the boundaries from position_ids)."""
     return {k: v for k, v in batch.items() if k in MODEL_KEYS}
 
 
-def _padded(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int) -> Batch:
-    import torch
-
-    n, width = len(batch.rows), batch.row_length
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    seg = torch.full((n, width), -1, dtype=torch.long)
-    for r, (i,) in enumerate(batch.rows):
-        row = list(token_ids[i][:max_length])
-        ids[r, :len(row)] = torch.tensor(row)
-        mask[r, :len(row)] = 1
-        seg[r, :len(row)] = i
-    labels = ids.masked_fill(mask == 0, IGNORE)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "segments": seg}
-
-
-def _flattened(batch: MicroBatch, token_ids: Sequence[Sequence[int]], max_length: int) -> Batch:
-    import torch
-    from transformers import DataCollatorWithFlattening  # the library's own collator, as exported
-
-    (order,) = batch.rows
-    feats = [{"input_ids": list(token_ids[i][:max_length])} for i in order]
-    out = dict(DataCollatorWithFlattening(return_tensors="pt")(feats))
-    out["segments"] = torch.tensor([[i for i in order for _ in range(len(token_ids[i][:max_length]))]])
-    return out
+def trainer_inputs(batch: LibraryBatch) -> LibraryBatch:
+    """What a Trainer step takes: everything the collator gave (its varlen boundaries too), not `segments`."""
+    return {k: v for k, v in batch.items() if k != "segments"}
 
 
 def packed_rows(batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int, max_length: int,
-                boundaries: bool = True) -> Batch:
-    """PACKED layout; `boundaries=False` is the deliberately leaking variant (tests only): one
-    running position and an all-ones attention mask, so samples attend to each other."""
+                boundaries: bool = True) -> LibraryBatch:
+    """PACKED layout; `boundaries=False` is the deliberately leaking variant (tests only): one running
+    position and an all-ones attention mask over the flattened row, so samples attend to each other."""
     import torch
 
-    n, width = len(batch.rows), batch.row_length
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    pos = torch.zeros((n, width), dtype=torch.long)
-    labels = torch.full((n, width), IGNORE, dtype=torch.long)
-    seg = torch.full((n, width), -1, dtype=torch.long)
-    for r, row in enumerate(batch.rows):
-        at = 0
-        for i in row:
-            toks = list(token_ids[i][:max_length])
-            ids[r, at:at + len(toks)] = torch.tensor(toks)
-            pos[r, at:at + len(toks)] = torch.arange(len(toks))
-            labels[r, at + 1:at + len(toks)] = torch.tensor(toks[1:], dtype=torch.long)
-            seg[r, at:at + len(toks)] = i
-            at += len(toks)
-        pos[r, at:] = torch.arange(width - at)
-    out = {"input_ids": ids, "labels": labels, "position_ids": pos, "segments": seg}
-    if not boundaries:
-        out["position_ids"] = torch.arange(width).expand(n, width).clone()
-        out["attention_mask"] = torch.ones((n, width), dtype=torch.long)
-    return out
+    out = collate(Batching.PACKED, batch, token_ids, pad_id, max_length)
+    if boundaries:
+        return out
+    width = out["input_ids"].shape[1]
+    return {"input_ids": out["input_ids"], "labels": out["labels"], "segments": out["segments"],
+            "position_ids": torch.arange(width).unsqueeze(0), "attention_mask": torch.ones((1, width),
+                                                                                          dtype=torch.long)}

@@ -4,11 +4,14 @@ time per micro-batch follows the tensor it is given, the objective counts traine
 dataset both are micro_batch_size x max_length; with one they can differ by 20x (micro-batch 1 of
 60-token samples), which is what makes padding-free batching or a larger micro-batch worth a probe.
 
-Pure Python over the length table (`batching.plan`, cached per strategy, length and micro-batch).
+Pure Python over the length table (`batching.plan`, cached per strategy, length, micro-batch and the
+samples length grouping sorts at once); TRL's packed rows and transformers' grouped order come from one
+child process per dataset (`layouts.py`), kept beside the length table.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections.abc import Sequence
@@ -18,6 +21,7 @@ from pathlib import Path
 from autofit.config.models import ModelSource
 from autofit.core.documents import JSONObject
 from autofit.data.batching import Batching, StepShape, plan, step_shape
+from autofit.data.layouts import Layouts, layouts_for
 from autofit.data.reference import DatasetRef
 
 SAMPLE = 20_000
@@ -29,33 +33,50 @@ before, and a plan of 100k samples takes up to 0.7 s, paid inside the search's b
 class TokenShapes:
     lengths: Sequence[int]
     seed: int = 0
-    _cache: dict[tuple[str, int, int], tuple[float, float, float]] = field(default_factory=dict, repr=False)
+    cache_dir: str | Path | None = None
+    """Where the libraries' layouts of this table are kept (the run folder's data cache); None: in memory."""
+    _cache: dict[tuple[str, int, int, int], tuple[float, float, float]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _layouts: Layouts | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.lengths) > SAMPLE:
             self.lengths = random.Random(self.seed).sample(list(self.lengths), SAMPLE)
+        self._layouts = layouts_for(self.lengths, self.seed, self.cache_dir)
 
-    def per_micro_batch(self, batching: str, max_length: int, micro_batch_size: int) -> tuple[float, float]:
-        """(trained tokens, tensor tokens) of the plan's mean micro-batch."""
-        return self._means(batching, max_length, micro_batch_size)[:2]
+    def per_micro_batch(self, batching: str, max_length: int, micro_batch_size: int,
+                        global_batch: int | None = None, gpus: int = 1) -> tuple[float, float]:
+        """(trained tokens, tensor tokens) of the plan's mean micro-batch (`global_batch`, where given,
+        decides the samples transformers groups by length at once; else the micro-batch's)."""
+        return self._means(batching, max_length, micro_batch_size, _group(micro_batch_size, global_batch, gpus))[:2]
 
     def step(self, batching: str, max_length: int, micro_batch_size: int, global_batch: int,
              gpus: int = 1) -> StepShape:
         """What one optimizer step trains on this data (`batching.step_shape`: one effective batch)."""
-        trained, _, samples = self._means(batching, max_length, micro_batch_size)
+        trained, _, samples = self._means(batching, max_length, micro_batch_size,
+                                          _group(micro_batch_size, global_batch, gpus))
         return step_shape(Batching(batching), global_batch, micro_batch_size, gpus, samples, trained)
 
-    def _means(self, batching: str, max_length: int, micro_batch_size: int) -> tuple[float, float, float]:
+    def _means(self, batching: str, max_length: int, micro_batch_size: int,
+               group: int) -> tuple[float, float, float]:
         """(trained tokens, tensor tokens, samples) of the plan's mean micro-batch."""
-        key = (batching, max_length, micro_batch_size)
+        key = (batching, max_length, micro_batch_size, group if batching == Batching.GROUP_BY_LENGTH.value else 0)
         with self._lock:  # the search's workers share one table: each plan is built once
             if key not in self._cache:
-                p = plan(Batching(batching), self.lengths, max_length, micro_batch_size, self.seed)
+                p = plan(Batching(batching), self.lengths, max_length, micro_batch_size, self.seed, group,
+                         self._layouts)
                 n = max(len(p.batches), 1)
                 self._cache[key] = (p.trained_tokens / n, sum(b.tensor_tokens for b in p.batches) / n,
                                     p.samples_per_micro_batch)
             return self._cache[key]
+
+
+def _group(micro_batch_size: int, global_batch: int | None, gpus: int) -> int:
+    """The samples transformers' length grouping sorts at once on a rank: Trainer's train batch times the
+    accumulation, ceil(global_batch / (micro_batch x gpus)); the micro-batch where no global batch is given."""
+    if global_batch is None:
+        return micro_batch_size
+    return micro_batch_size * math.ceil(global_batch / (micro_batch_size * gpus))
 
 
 def shapes_of(dataset: JSONObject | None, model: ModelSource, cache_dir: str | Path | None,
@@ -71,4 +92,4 @@ def shapes_of(dataset: JSONObject | None, model: ModelSource, cache_dir: str | P
     if data is None or not state.usable:
         return None
     table = length_table(data, tokenizer_for(model, data, cache_dir), cache_dir)
-    return TokenShapes(table.lengths, seed)
+    return TokenShapes(table.lengths, seed, cache_dir)

@@ -4,10 +4,12 @@ first (worst-case memory), the per-sample loss check, and the objective's counts
 The probe trains through Trainer on pre-collated micro-batches (`per_device_train_batch_size=1`,
 sequential sampling, a collator that unwraps the one micro-batch), so the same samples reach the
 model in the same order for every config of a search (`ProbeRequest.data_seed`): the plan's
-micro-batches drawn in a seeded shuffle, a sample of the whole epoch rather than its first ones. The heaviest
+micro-batches drawn in a seeded shuffle, a sample of the whole epoch rather than its first ones. The
+layouts are the libraries' (TRL's packed rows and collator, transformers' length grouping over a step's
+samples, as Trainer groups them: `autofit/data/library.py`), called in this process. The heaviest
 micro-batch the strategy can produce (`BatchPlan.heaviest`: the longest samples padded to
-`max_length`, or flattened) is the first micro-batch of the first warm-up step: its peak
-counts toward the probe's peak, and it is not timed.
+`max_length`, or flattened; TRL's fullest packed rows) is the first micro-batch of the first warm-up
+step: its peak counts toward the probe's peak, and it is not timed.
 
 The objective is trained tokens per second over the data: the plan's mean label-bearing, non-pad
 tokens per micro-batch (`MicroBatch.trained_tokens`) over the time of a mean micro-batch, which a
@@ -25,6 +27,7 @@ mask), the deliberately leaking strategy that the loss check must turn into `mis
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -32,8 +35,9 @@ from dataclasses import dataclass
 
 from autofit.data import Batching, DatasetRef, MicroBatch, plan, tokenizer_for
 from autofit.data.batching import StepShape, step_shape
-from autofit.data.collate import Batch, collate, model_inputs, packed_rows
+from autofit.data.collate import LibraryBatch, collate, packed_rows, trainer_inputs
 from autofit.data.correctness import BoundaryCheck, boundary_key
+from autofit.data.layouts import Layouts
 from autofit.data.stats import cut
 from autofit.probe.child.boundaries import boundary_batch, check_batch
 from autofit.probe.child.build import Model
@@ -67,16 +71,18 @@ class RealBatches:
     """What one optimizer step trains on this data: its accumulation, samples and trained tokens."""
     leaky: bool = False
 
-    def collated(self, mb: MicroBatch) -> Batch:
+    def collated(self, mb: MicroBatch) -> LibraryBatch:
         if self.leaky:
             return packed_rows(mb, self.token_ids, self.pad_id, self.max_length, boundaries=False)
         return collate(self.strategy, mb, self.token_ids, self.pad_id, self.max_length)
 
-    def dataset(self) -> list[Batch]:
-        return [model_inputs(self.collated(mb)) for mb in self.order]
+    def dataset(self) -> list[LibraryBatch]:
+        """Each micro-batch as TRL's collator gave it, the varlen kernels' boundaries included: what a
+        recipe's training step is given."""
+        return [trainer_inputs(self.collated(mb)) for mb in self.order]
 
     @staticmethod
-    def collator(features: list[Batch]) -> Batch:
+    def collator(features: list[LibraryBatch]) -> LibraryBatch:
         (one,) = features
         return one
 
@@ -181,7 +187,12 @@ def real_batches(req: ProbeRequest) -> RealBatches | None:
     if vocab and max(max(t) for t in ids if t) >= vocab:
         raise Unsupported(f"the tokenizer gives ids beyond the model's vocabulary ({vocab})")
     strategy = Batching(cfg.batching)
-    p = plan(strategy, [len(t) for t in ids], cfg.max_length, cfg.micro_batch_size, req.data_seed)
+    lengths = [len(t) for t in ids]
+    # transformers groups by length over a step's samples on each rank (Trainer's LengthGroupedSampler:
+    # the micro-batch x the accumulation), and that accumulation is ceil(global_batch / (micro_batch x gpus))
+    per_step = cfg.micro_batch_size * math.ceil(cfg.global_batch / (cfg.micro_batch_size * cfg.gpus))
+    p = plan(strategy, lengths, cfg.max_length, cfg.micro_batch_size, req.data_seed, group=per_step,
+             layouts=Layouts(lengths, req.data_seed))
     n = max(len(p.batches), 1)
     step = step_shape(strategy, cfg.global_batch, cfg.micro_batch_size, cfg.gpus, p.samples_per_micro_batch,
                       p.trained_tokens / n)
