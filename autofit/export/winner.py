@@ -69,15 +69,28 @@ class Winner:
     def training_for(self, fmt: str) -> Arguments:
         """`training` without the declared TrainingArguments fields that `fmt` does not take."""
         dropped = set(training_argument_values(self.config)) - set(training_argument_values(self.config, fmt))
+        if self.trainer != "sft":  # a preference-tuning winner's declared fields are its trainer's, not SFT's
+            dropped |= set(training_argument_values(self.config)) - set(recipe.training_arguments(
+                self.config.replace(**{k: KEYS[k].default for k in self.preference_keys}), on_cpu=False,
+                max_steps=1))
         return {k: v for k, v in self.training.items() if k not in dropped}
+
+    @property
+    def preference_keys(self) -> list[str]:
+        """The dimensions of a preference-tuning winner that an SFT recipe cannot take (their values other
+        than the default)."""
+        if self.trainer == "sft":
+            return []
+        sft = {k for k, d in KEYS.items() if d.default is not None}
+        return [k for k in sorted(sft) if getattr(self.config, k) != KEYS[k].default
+                and (k in ("trainer", "dpo_reference") or KEYS[k].help.startswith(f"trainer={self.trainer}"))]
 
     def not_kept(self, fmt: str) -> list[str]:
         """`key=value: why` of what `fmt` cannot keep of the winner, whatever the format's own code adds."""
         out = not_kept(self.config, fmt)
-        if self.trainer != "sft":
-            out += [f"{k}={getattr(self.config, k)}: autofit exports supervised fine-tuning recipes only; this "
-                    "recipe trains SFT on the same settings, not preference pairs" for k in ("trainer", "dpo_reference")
-                    if getattr(self.config, k) != KEYS[k].default]
+        out = [x for x in out if x.split("=", 1)[0] not in self.preference_keys]
+        out += [f"{k}={getattr(self.config, k)}: autofit exports supervised fine-tuning recipes only; this "
+                "recipe trains SFT on the same settings, not preference pairs" for k in self.preference_keys]
         return out
 
 

@@ -104,7 +104,7 @@ def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Pat
     run = write_run(tmp_path / "run", config=BASE.config.replace(lora_targets="all-linear").to_dict())
     texts = {fmt: export_run(run, fmt).text for fmt in FORMATS}
     for fmt in ("hf-trainer", "trl"):
-        assert "'target_modules': 'all-linear'" in texts[fmt] or '"target_modules": "all-linear"' in texts[fmt], fmt
+        assert "LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules='all-linear'," in texts[fmt], fmt
     axolotl = yaml.safe_load(texts["axolotl"])
     assert axolotl["lora_target_linear"] is True and "lora_target_modules" not in axolotl
     assert yaml.safe_load(texts["llama-factory"])["lora_target"] == "all"
@@ -202,9 +202,13 @@ def test_every_format_renders_odd_winners_as_text_its_tool_reads(tmp_path: Path)
             r = export_run(run, fmt)
             raw = r.text.encode("utf-8")  # no lone surrogate: the file can be written, Python can read it
             assert all(not line.startswith(b"#") or b"\xff" not in line for line in raw.splitlines()), fmt
-            if fmt in SCRIPTS:
-                doc = ast.get_docstring(ast.parse(raw)) or ""  # it compiles, and says what it was given
-                assert "'a\"\"\"b\\'" in doc if spec.get("dataset") is elsewhere else "Fine-tune" in doc, fmt
+            if fmt in SCRIPTS:  # it compiles, and its constants hold what it was given
+                tree = ast.parse(raw)
+                assert "Fine-tune" in (ast.get_docstring(tree) or ""), fmt
+                values = {n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign)
+                          and isinstance(n.targets[0], ast.Name)}
+                field = ast.literal_eval(values["TEXT_FIELD"])
+                assert field == ('a"""b\\' if spec.get("dataset") is elsewhere else "text"), fmt
             else:
                 yaml.safe_load(r.text)
             for name, text in r.companions.items():
@@ -216,11 +220,9 @@ def test_every_format_renders_odd_winners_as_text_its_tool_reads(tmp_path: Path)
 def test_the_recipes_follow_the_probes_step_rule_on_data(tmp_path: Path) -> None:
     """One effective batch (data.batching.step_shape): a packed step takes the accumulation the probe's plan
     gave (rows hold what fits: here 1 micro-step where ceil(16 / 2) would train 8x the samples), in every
-    format; padding_free flattens micro_batch_size samples a row, the probe's own seeded groups."""
-    import random
-
-    from autofit.data import Batching, plan
-    from autofit.export.data_script import DATA_HELPERS
+    format, said once as samples per step on average; padding_free flattens micro_batch_size samples a row
+    (TRL's padding_free: per_device_train_batch_size samples, flattened)."""
+    from recipes import training_args
 
     packed = write_run(tmp_path / "packed", config=BASE.config.replace(batching="packed", micro_batch_size=2,
                                                                       global_batch=16).to_dict(),
@@ -230,15 +232,19 @@ def test_the_recipes_follow_the_probes_step_rule_on_data(tmp_path: Path) -> None
     (packed / "spec.yaml").write_text(yaml.safe_dump(spec))
     for fmt in SCRIPTS:
         text = export_run(packed, fmt).text
-        assert "'gradient_accumulation_steps': 1," in text and "(15.5 (on average" in text, fmt
+        assert "'gradient_accumulation_steps': 1,  # packed rows: 15.5 samples per optimizer step on average" in text
+        assert training_args(text)["per_device_train_batch_size"] == 2, fmt
     assert yaml.safe_load(export_run(packed, "axolotl").text)["gradient_accumulation_steps"] == 1
     assert yaml.safe_load(export_run(packed, "llama-factory").text)["gradient_accumulation_steps"] == 1
     random_tokens = write_run(tmp_path / "blocks", extra={"gradient_accumulation_steps": 1})  # no dataset: the config's
     assert f"'gradient_accumulation_steps': {BASE.config.gradient_accumulation_steps}," in export_run(
         random_tokens, "hf-trainer").text
-    space: dict = {"MICRO_BATCH_SIZE": 3, "SEED": 0}
-    exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
-    lengths = [random.Random(i).randint(2, 90) for i in range(50)]
-    rows = space["flattened_rows"]([[7] * n for n in lengths])
-    probe = plan(Batching.PADDING_FREE, lengths, 64, 3, seed=0)
-    assert [tuple(r) for r in rows] == [b.samples for b in probe.batches]
+    flat = write_run(tmp_path / "flat", config=BASE.config.replace(batching="padding_free", micro_batch_size=3,
+                                                                    global_batch=16).to_dict())
+    spec["dataset"] = DatasetRef.of(load_samples(DATA)).to_dict()
+    (flat / "spec.yaml").write_text(yaml.safe_dump({**yaml.safe_load((flat / "spec.yaml").read_text()),
+                                                    "dataset": spec["dataset"]}))
+    trl = training_args(export_run(flat, "trl").text)
+    assert (trl["per_device_train_batch_size"], trl["padding_free"], trl["gradient_accumulation_steps"]) == (3, True, 6)
+    hf = export_run(flat, "hf-trainer").text
+    assert "data_collator=DataCollatorWithFlattening()" in hf and training_args(hf)["per_device_train_batch_size"] == 3

@@ -10,17 +10,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from recipes import distributed_run, training_args
+from recipes import DATA, distributed_run, training_args
 
 from autofit.config import distributed
 from autofit.config.spec import TrialConfig
 from autofit.core.errors import UsageError
+from autofit.data import DatasetRef, load_samples
 from autofit.export import export_run, stdout_notes, write_rendered
 from autofit.export.common import check_fields
-from autofit.export.data_script import HF_DATA_MAIN, TRL_DATA_MAIN
-from autofit.export.hf_trainer import MAIN as HF_MAIN
-from autofit.export.multi_gpu import ACCELERATE_FSDP, DEEPSPEED_JSON, script_main
-from autofit.export.trl import MAIN as TRL_MAIN
+from autofit.export.multi_gpu import ACCELERATE_FSDP, DEEPSPEED_JSON
 from autofit.export.yaml_targets import ACCELERATE, AXOLOTL, LLAMA_FACTORY
 from runs import write_run
 
@@ -90,8 +88,8 @@ def test_companions_are_written_beside_the_recipe_and_the_launch_is_said(tmp_pat
 
 
 @pytest.mark.parametrize("fmt, launch", [
-    ("hf-trainer", "torchrun --standalone --nproc-per-node 2 train.py --dataset data.jsonl --output-dir out"),
-    ("trl", "torchrun --standalone --nproc-per-node 2 train_trl.py --dataset data.jsonl --output-dir out"),
+    ("hf-trainer", "torchrun --standalone --nproc-per-node 2 train.py [--model PATH]"),
+    ("trl", "torchrun --standalone --nproc-per-node 2 train_trl.py [--model PATH]"),
     ("axolotl", "axolotl train this.yaml --launcher torchrun -- --nproc_per_node=2 --nnodes=1"),
     ("llama-factory", "FORCE_TORCHRUN=1 NPROC_PER_NODE=2 llamafactory-cli train this.yaml"),
 ])
@@ -109,18 +107,30 @@ def test_one_gpu_recipes_are_as_before(tmp_path: Path) -> None:
         r = export_run(run, fmt)
         assert r.launch == "" and r.companions == {} and "GPUs" not in r.text, fmt
     text = export_run(run, "hf-trainer").text
-    assert "\n    python train.py --dataset data.jsonl --output-dir out [--model PATH_OR_HUB_ID] [--max-steps N]\n\n--dataset" in text
+    assert "torchrun" not in text and "world_size" not in text  # one process: no group in its summary
     assert "fsdp_on_cpu" not in text and "'fsdp'" not in text
 
 
-def test_every_python_main_calls_the_cpu_shim_before_its_trainer() -> None:
-    cfg = TrialConfig(gpus=2, engine="fsdp2")
-    for main in (HF_MAIN, TRL_MAIN, HF_DATA_MAIN, TRL_DATA_MAIN):
-        text = script_main(main, cfg)
-        assert text.index("def fsdp_on_cpu") < text.index("    fsdp_on_cpu()") < text.index("    trainer = ")
-        assert text.index("TrainingArguments(" if "SFTConfig" not in main else "SFTConfig(") < text.index(
-            "    fsdp_on_cpu()")
-        assert script_main(main, cfg.replace(engine="none")) == main
+@pytest.mark.parametrize("fmt", ["hf-trainer", "trl"])
+@pytest.mark.parametrize("strategy", [None, "packed"])
+def test_every_python_recipe_calls_the_cpu_shim_before_its_trainer(tmp_path: Path, fmt: str,
+                                                                    strategy: str | None) -> None:
+    """FSDP2 on gloo ranks (a CPU) needs fsdp_on_cpu() after the arguments and before the trainer; a run
+    searched on a dataset (packed) and one without, in both formats."""
+    run = distributed_run(tmp_path, engine="fsdp2")
+    if strategy:
+        spec = yaml.safe_load((run / "spec.yaml").read_text())
+        spec["dataset"] = DatasetRef.of(load_samples(DATA)).to_dict()
+        (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+        best = json.loads((run / "best.json").read_text())
+        best["config"]["batching"] = strategy
+        (run / "best.json").write_text(json.dumps(best))
+    text = export_run(run, fmt).text
+    arguments = "TrainingArguments(" if fmt == "hf-trainer" else "SFTConfig("
+    assert text.index("def fsdp_on_cpu") < text.index(arguments) < text.index("    fsdp_on_cpu()") < text.index(
+        "    trainer = ")
+    assert "all_reduce" in text and '"world_size": args.world_size' in text  # the group's tokens, rank 0 says
+    assert "fsdp_on_cpu" not in export_run(distributed_run(tmp_path / "ddp"), fmt).text
 
 
 def test_the_engine_key_lists_match_the_installed_libraries() -> None:
