@@ -104,7 +104,7 @@ def test_every_format_renders_all_linear_adapters_in_its_own_words(tmp_path: Pat
     run = write_run(tmp_path / "run", config=BASE.config.replace(lora_targets="all-linear").to_dict())
     texts = {fmt: export_run(run, fmt).text for fmt in FORMATS}
     for fmt in ("hf-trainer", "trl"):
-        assert "LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules='all-linear'," in texts[fmt], fmt
+        assert "LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules='all-linear'," in texts[fmt], fmt
     axolotl = yaml.safe_load(texts["axolotl"])
     assert axolotl["lora_target_linear"] is True and "lora_target_modules" not in axolotl
     assert yaml.safe_load(texts["llama-factory"])["lora_target"] == "all"

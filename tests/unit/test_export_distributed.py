@@ -28,7 +28,8 @@ def test_zero3_with_offload_in_every_format(tmp_path: Path) -> None:
     script = export_run(run, "hf-trainer")
     zero = training_args(script.text)["deepspeed"]["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
-    assert "torchrun --standalone --nproc-per-node 2 train.py" in script.text and "DeepSpeed ZeRO stage 3" in script.text
+    assert "torchrun --standalone --nproc-per-node 2 train.py" in script.text
+    assert "DeepSpeed ZeRO stage 3" in script.text
     assert "fsdp_on_cpu" not in script.text and script.companions == {}  # the JSON is embedded
     assert script.launch_for("t.py") == ("OMP_NUM_THREADS=$(( $(nproc) / 2 )) torchrun --standalone --nproc-per-node 2 "
                                          "t.py --dataset data.jsonl --output-dir out")  # the CPU step's cores
@@ -58,7 +59,8 @@ def test_fsdp2_in_the_yaml_formats(tmp_path: Path) -> None:
     acc = yaml.safe_load(lf.companions[ACCELERATE_FSDP])
     assert acc["fsdp_config"]["fsdp_version"] == 2 and acc["fsdp_config"]["fsdp_reshard_after_forward"] is False
     assert acc["fsdp_config"]["fsdp_activation_checkpointing"] is True and acc["num_processes"] == 2
-    assert lf.launch_for("l.yaml") == f"accelerate launch --config_file {ACCELERATE_FSDP} -m llamafactory.launcher l.yaml"
+    launch = f"accelerate launch --config_file {ACCELERATE_FSDP} -m llamafactory.launcher l.yaml"
+    assert lf.launch_for("l.yaml") == launch
     assert "Run: accelerate launch" in lf.text
 
 
@@ -73,7 +75,8 @@ def test_companions_are_written_beside_the_recipe_and_the_launch_is_said(tmp_pat
                         "--nproc_per_node=2 --nnodes=1")
     assert json.loads((out.parent / DEEPSPEED_JSON).read_text())["zero_optimization"]["stage"] == 2
     lf = export_run(tmp_path / "run", "llama-factory")  # the same JSON: kept, no --force needed
-    assert write_rendered(lf, out.parent / "l.yaml", force=False, executable=False, run_dir=run)[1] == f"wrote {out.parent / DEEPSPEED_JSON}"
+    written = write_rendered(lf, out.parent / "l.yaml", force=False, executable=False, run_dir=run)
+    assert written[1] == f"wrote {out.parent / DEEPSPEED_JSON}"
     (out.parent / DEEPSPEED_JSON).write_text("{}  edited\n")
     with pytest.raises(UsageError, match=f"-o: {out.parent / DEEPSPEED_JSON} already exists with other content"):
         write_rendered(r, tmp_path / "recipes" / "b.yaml", force=False, executable=False, run_dir=run)
