@@ -17,6 +17,7 @@ from recipes import DATA, distributed_run, imports_of, training_args
 
 from autofit.config.spec import TrialConfig
 from autofit.export import export_run
+from e2e.test_recipe import save_tiny_model
 
 GUARD = """import sys
 sys.modules["autofit"] = None  # the recipe must run where autofit cannot be imported
@@ -48,13 +49,14 @@ def test_an_fsdp2_script_trains_three_steps_sharded_under_torchrun_on_the_cpu(ti
     assert proc.returncode == 0, proc.stderr
     text = script.read_text()
     assert "autofit" not in imports_of(script)
-    assert "torchrun --standalone --nproc-per-node 2 train.py --dataset data.jsonl --output-dir out" in text
+    assert "torchrun --standalone --nproc-per-node 2 train.py [--model PATH]" in text
     assert "\n    fsdp_on_cpu()" in text and training_args(text)["fsdp_config"]["version"] == 2
     assert f"'gradient_accumulation_steps': {cfg.gradient_accumulation_steps}" in text
     (tmp_path / "guard.py").write_text(GUARD)
     out = tmp_path / "out"
     ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "guard.py", str(script), "--dataset", str(DATA), "--output-dir", str(out),
+                          "guard.py", str(script), "--model", str(save_tiny_model(tmp_path / "model")), "--dataset",
+                          str(DATA), "--output-dir", str(out),
                           "--max-steps", "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert ran.returncode == 0, ran.stderr[-4000:]
     summaries = [x for x in (ran.stdout + ran.stderr).splitlines() if x.startswith("recipe-summary ")]
