@@ -15,10 +15,8 @@ different shows as a lasting offset, not as one step's lead in a steep fall.
 Speed is not measured here: every recipe runs with checkpointing on (it does not change the loss) and,
 with --together, the three run at once on one GPU.
 
-Where the exported recipe lags the probe's rule, the bench patches the exported script and records it:
-padding_free's rows flatten micro_batch_size samples (the export still cuts token budgets of
-micro_batch_size x max_length), and a packed step's accumulation comes from the plan (the export still
-uses ceil(global_batch / micro_batch_size) rows).
+The exported recipes follow the probe's rule themselves (padding_free: micro_batch_size samples flattened a
+row; packed: the plan's accumulation, from best.json): nothing is patched.
 
     python bench/data_parity.py --run RUN_D2 --dataset d2.jsonl --together --name data-parity-d2   # GPU
     python bench/data_parity.py --small                # tiny-llama on the CPU: a short D2-slice search first
@@ -47,17 +45,6 @@ STRATEGIES = ("pad_longest", "padding_free", "packed")
 PARITY = {**STOCK, "gradient_checkpointing": "on"}
 """Every parity recipe: stock kernels, checkpointing on (the loss is the same, the memory smaller)."""
 TOLERANCE = 0.01
-PADDING_FREE_ROWS = '''
-
-def token_budgets(ids, budget):
-    """data_parity.py: MICRO_BATCH_SIZE samples a flattened row, in the probe's seeded order (the probe's
-    padding_free since 'One effective batch for every strategy'; the export still cuts token budgets)."""
-    import random
-
-    order = list(range(len(ids)))
-    random.Random(SEED).shuffle(order)
-    return [order[i:i + MICRO_BATCH_SIZE] for i in range(0, len(order), MICRO_BATCH_SIZE)]
-'''
 SMALL_SPACE = SMALL_FIXED + """\n  micro_batch_size: [2]\n  batching: [pad_longest, padding_free, packed]\n"""
 
 
@@ -86,18 +73,14 @@ def steps_of(run: Path, data: Path, chosen: dict[str, dict[str, Any]]) -> dict[s
             for b, c in chosen.items()}
 
 
-def patch_for(batching: str, accumulation: int):
-    """The exported script brought to the probe's step rule (module docstring), before its main runs."""
-    extra = f'\nTRAINING_ARGS["gradient_accumulation_steps"] = {accumulation}  # data_parity.py: the probe\'s rule\n'
-    if batching == "padding_free":
-        extra += PADDING_FREE_ROWS
-    marker = '\nif __name__ == "__main__":'
-
-    def patch(text: str) -> str:
-        if marker not in text:
-            raise SystemExit("data_parity: the exported script has no main guard to patch before")
-        return text.replace(marker, extra + marker, 1)
-    return patch
+def with_step(copy: Path, step: dict[str, Any]) -> Path:
+    """The copy's winner with the step this config trains on the data (best.json's extra, as a search of it
+    records it), so that its export takes the plan's accumulation (a packed variant of another winner)."""
+    best = json.loads((copy / "best.json").read_text())
+    best["extra"] = {**best.get("extra", {}), "gradient_accumulation_steps": step["gradient_accumulation_steps"],
+                     "samples_per_step": step["samples_per_step"]}
+    (copy / "best.json").write_text(json.dumps(best))
+    return copy
 
 
 def small_run(work: Path) -> tuple[Path, Path]:
@@ -141,14 +124,9 @@ def main() -> None:
     shape = steps_of(run, data, chosen)
     figures: dict[str, Any] = {
         "run": run.name, "steps": steps, "tolerance": TOLERANCE, "configs": chosen, "step": shape,
-        "patched": {"padding_free": "rows of micro_batch_size samples (the export cuts token budgets)",
-                    "packed": "accumulation from the plan's mean samples per row (the export uses "
-                              "ceil(global_batch / micro_batch_size))"},
         "note": "losses: (step, mean loss over the logging interval) of each recipe from the same trained base; "
                 "max_rel_diff_vs_pad_longest: the largest relative difference at the same logged steps"}
-    accumulation = shape["pad_longest"]["gradient_accumulation_steps"]
-    base, figures["warm_start"] = warm_base(run, work, warm_steps, None, chosen["pad_longest"], data,
-                                            patch_for("pad_longest", accumulation))
+    base, figures["warm_start"] = warm_base(run, work, warm_steps, None, chosen["pad_longest"], data)
     save(name, figures)
     if base is None:
         raise SystemExit(f"data_parity: the trained base failed: {figures['warm_start'].get('error')}")
@@ -156,9 +134,8 @@ def main() -> None:
     def one(batching: str) -> dict[str, Any]:
         folder = work / batching
         folder.mkdir()
-        copy = variant_copy(run, work, batching, chosen[batching])
-        return run_recipe(copy, folder, steps, None, None, base, data,
-                          patch_for(batching, shape[batching]["gradient_accumulation_steps"]))
+        copy = with_step(variant_copy(run, work, batching, chosen[batching]), shape[batching])
+        return run_recipe(copy, folder, steps, None, None, base, data)
 
     with ThreadPoolExecutor(len(STRATEGIES) if a.together else 1) as pool:
         recipes = dict(zip(STRATEGIES, pool.map(one, STRATEGIES), strict=True))

@@ -4,7 +4,12 @@ Exports RUN's winner, runs the script for --steps optimizer steps under the same
 limit (the script's --emulate-memory-gib), and compares its tokens/s and peak memory with
 the probe's. Targets: no OOM, tokens/s within 5%, peak within 3%.
 
-    python bench/export_bench.py --run RUN_FOLDER --steps 50
+A recipe loads a model folder with its tokenizer (`--model`). A run measured on a shape preset (random
+weights, no tokenizer) gets one made here (`model_folder`): the preset's random weights, and the tokenizer
+the probe used: on a dataset, the run's stand-in BPE (`RUN/data/standin-bpe-*.json`); without one, a byte-level
+BPE trained on the bench's text (every sequence is a full block of max_length, whatever the tokenizer).
+
+    python bench/export_bench.py --run RUN_FOLDER --steps 50 [--dataset DATA]   # DATA: a run searched on it
 """
 
 from __future__ import annotations
@@ -19,7 +24,34 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from common import GIB, save
+
+
+def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
+    """A folder the recipe's --model reads for a preset run (None: the run's model is a real one)."""
+    model = yaml.safe_load((run / "spec.yaml").read_text())["model"]
+    if model.get("kind") not in ("preset", "config"):
+        return None
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    folder = work / "model"
+    standin = sorted((run / "data").glob("standin-bpe-*.json")) if (run / "data").is_dir() else []
+    if standin:  # the probe's own stand-in, trained on the run's dataset
+        bpe = Tokenizer.from_str(standin[0].read_text(encoding="utf-8"))
+    else:
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        lines = [json.loads(x)["text"] for x in texts.read_text().splitlines() if x.strip()]
+        bpe.train_from_iterator(lines, trainers.BpeTrainer(
+            vocab_size=int(model["config"].get("vocab_size", 32000)), special_tokens=["<pad>", "<eos>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>").save_pretrained(folder)
+    config = AutoConfig.for_model(**model["config"])
+    AutoModelForCausalLM.from_config(config, dtype="bfloat16").save_pretrained(folder)  # random weights, as probed
+    return folder
 
 
 def main() -> None:
@@ -27,6 +59,7 @@ def main() -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--name", default="export-fidelity-s1")
+    p.add_argument("--dataset", help="the dataset RUN was searched on (default: the bench's random words)")
     a = p.parse_args()
     run = Path(a.run)
     best = json.loads((run / "best.json").read_text())
@@ -41,8 +74,12 @@ def main() -> None:
         for _ in range(400):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(180))}) + "\n")
     limit = best["target"].get("memory_limit_bytes")
-    cmd = [sys.executable, str(script), "--dataset", str(work / "data.jsonl"), "--output-dir", str(work / "out"),
+    data = Path(a.dataset) if a.dataset else work / "data.jsonl"
+    cmd = [sys.executable, str(script), "--dataset", str(data), "--output-dir", str(work / "out"),
            "--max-steps", str(a.steps)]
+    model = model_folder(run, work, data)
+    if model is not None:
+        cmd += ["--model", str(model)]
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
     t0 = time.monotonic()
