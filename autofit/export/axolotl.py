@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
+from autofit.config.recipe import REGIONAL_COMPILATION
 from autofit.config.spec import ALL_LINEAR, TrialConfig
 from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from autofit.export.data_yaml import axolotl_batching
 from autofit.export.multi_gpu import axolotl as engine_keys
 from autofit.export.multi_gpu import yaml_intro
+from autofit.export.winner import describe
 from autofit.export.yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
 
 
 def render(r: ExportRun) -> Rendered:
-    cfg = r.config
+    w = describe(r)  # what the search decided, as every format reads it
+    cfg = w.config
     lost: list[str] = []
     out: dict[str, object] = {
         "base_model": r.weights_ref,
@@ -28,16 +30,16 @@ def render(r: ExportRun) -> Rendered:
     if cfg.quantization == "nf4":
         out["bnb_config_kwargs"] = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     out.update({
-        "sequence_len": cfg.max_length,
+        "sequence_len": w.max_length,
         "sample_packing": True,  # full max_length blocks, as measured
         "pad_to_sequence_len": True,
-        "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": r.accumulation,
+        "micro_batch_size": w.micro_batch_size,
+        "gradient_accumulation_steps": w.accumulation,
         "max_steps": 1000,
-        "optimizer": cfg.optimizer,
-        "learning_rate": learning_rate(cfg),
-        "bf16": cfg.precision == "bf16",
-        "fp16": cfg.precision == "fp16",
+        "optimizer": w.training["optim"],
+        "learning_rate": w.training["learning_rate"],
+        "bf16": w.training["bf16"],
+        "fp16": w.training["fp16"],
         "tf32": False,
     })
     every, offload = cfg.checkpoint_every, cfg.checkpoint_offload

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from autofit.config.models import ModelSource
-from autofit.config.spec import TrialConfig, not_kept, training_argument_values
+from autofit.config.spec import TrialConfig, training_argument_values
 from autofit.core.envinfo import Env
 from autofit.core.errors import CannotWrite, UsageError
 from autofit.core.files import cannot_write, write_atomic
@@ -358,8 +358,11 @@ def yaml_recipe(r: ExportRun, body: dict[str, object], allowed: set[str], intro:
     declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists
     as
     not expressed (`config.spec.training_argument_values`, `not_kept`)."""
-    declared = training_argument_values(r.config, fmt)
-    body, lost = {**body, **declared}, [*lost, *not_kept(r.config, fmt)]
+    from autofit.export.winner import describe  # winner.py builds on this module
+
+    w = describe(r)
+    declared = {k: v for k, v in training_argument_values(r.config, fmt).items() if k in w.training_for(fmt)}
+    body, lost = {**body, **declared}, [*lost, *w.not_kept(fmt)]
     unknown = set(body) - allowed - set(declared)
     assert not unknown, unknown  # the versioned key list and the exporter move together
     tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 
-from autofit.config.recipe import REGIONAL_COMPILATION, learning_rate
+from autofit.config.recipe import REGIONAL_COMPILATION
 from autofit.config.spec import ALL_LINEAR
 from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
 from autofit.export.data_yaml import llama_factory_batching
 from autofit.export.multi_gpu import ACCELERATE_FSDP, yaml_intro
 from autofit.export.multi_gpu import llama_factory as engine_keys
+from autofit.export.winner import describe
 from autofit.export.yaml_targets import LLAMA_FACTORY
 
 
 def render(r: ExportRun) -> Rendered:
-    cfg = r.config
+    w = describe(r)  # what the search decided, as every format reads it
+    cfg = w.config
     lost: list[str] = []
     out: dict[str, object] = {
         "model_name_or_path": r.weights_ref,
@@ -34,15 +36,15 @@ def render(r: ExportRun) -> Rendered:
     out.update({
         "dataset": "my_dataset",
         "template": "empty",
-        "cutoff_len": cfg.max_length,
+        "cutoff_len": w.max_length,
         "packing": True,  # full cutoff_len blocks, as measured
-        "per_device_train_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": r.accumulation,
-        "learning_rate": learning_rate(cfg),
+        "per_device_train_batch_size": w.micro_batch_size,
+        "gradient_accumulation_steps": w.accumulation,
+        "learning_rate": w.training["learning_rate"],
         "max_steps": 1000,
-        "bf16": cfg.precision == "bf16",
-        "fp16": cfg.precision == "fp16",
-        "optim": cfg.optimizer,
+        "bf16": w.training["bf16"],
+        "fp16": w.training["fp16"],
+        "optim": w.training["optim"],
         # LLaMA-Factory checkpoints every layer unless told not to
         "disable_gradient_checkpointing": cfg.checkpoint_every == 0,
         "output_dir": "./autofit-out",
