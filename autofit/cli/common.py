@@ -12,6 +12,7 @@ from rich.console import Console
 from autofit.config.target import HEADROOM
 from autofit.core.errors import UsageError, gather
 from autofit.data import DatasetRef, TextMode, load_samples
+from autofit.data.preference import looks_like_preferences, read_preferences
 from autofit.protocol.request import MAX_PROBE_ACCUMULATION, TIMED_STEPS, WARMUP_STEPS
 from autofit.run.rundir import PROBE_TIMEOUT_S, ProbeSettings
 
@@ -120,9 +121,12 @@ def data_fields(args: argparse.Namespace) -> tuple[str, str]:
 
 def dataset_ref(args: argparse.Namespace) -> DatasetRef | None:
     """--dataset read (bad input: a UsageError naming the flag and file) as the reference a run keeps;
-    bad rows are reported on stderr with their first line numbers."""
+    bad rows are reported on stderr with their first line numbers. Rows with chosen/rejected are preference
+    pairs (every bad row an error)."""
     if not getattr(args, "dataset", None):
         return None
+    if looks_like_preferences(args.dataset):  # TRL's preference formats: pairs for a DPO probe
+        return DatasetRef.of_preferences(read_preferences(args.dataset))
     text_field, messages_field = data_fields(args)
     data = load_samples(args.dataset, text_field, messages_field, TextMode(args.text_mode))
     if data.bad.count:

@@ -23,6 +23,7 @@ from autofit.config.spec import KEYS, TrialConfig, parse_sets
 from autofit.config.target import resolve_targets
 from autofit.core.errors import UsageError, gather
 from autofit.core.paths import output_folder
+from autofit.data import DatasetRef
 from autofit.probe.runner import Runner
 from autofit.probe.standby import writable_logs
 from autofit.run.report.lines import probe_summary
@@ -40,6 +41,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
                                       lambda: resolve_targets(args.gpu, args.device, args.memory_limit,
                                                               args.headroom, args.gpus),
                                       lambda: dataset_ref(args))
+    check_data_kind(cfg, ref)
     if ref is None and cfg.batching != "pad_max":
         raise UsageError(f"--set batching={cfg.batching} needs --dataset PATH: random tokens have no lengths "
                          "to batch by; give a dataset or leave batching at pad_max.")
@@ -70,6 +72,17 @@ def cmd_probe(args: argparse.Namespace) -> int:
     else:
         console().print(probe_summary(res))
     return 0
+
+
+def check_data_kind(cfg: TrialConfig, ref: DatasetRef | None) -> None:
+    """A DPO probe trains preference pairs and an SFT probe samples: the other kind is a usage error."""
+    if ref is None or ref.preference == (cfg.trainer == "dpo"):
+        return
+    if ref.preference:
+        raise UsageError(f"--dataset: {ref.path} holds preference pairs (rows with chosen/rejected), which "
+                         f"trainer={cfg.trainer} cannot train; add --set trainer=dpo.")
+    raise UsageError(f"--dataset: {ref.path} holds samples, not preference pairs; trainer=dpo trains rows with "
+                     "'chosen' and 'rejected' (and a 'prompt'), as TRL's DPOTrainer reads them.")
 
 
 PROBE_EPILOG = """\

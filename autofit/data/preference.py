@@ -21,6 +21,8 @@ import hashlib
 import json
 import math
 import os
+import random
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,6 +332,38 @@ def pair_lengths(ids: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]
     return [PairLengths(len(p), len(c), len(r)) for p, c, r in ids]
 
 
+def epoch_order(count: int, seed: int) -> list[int]:
+    """The pairs' order in one epoch, a seeded shuffle: the same draw for the probe and the search."""
+    order = list(range(count))
+    random.Random(f"dpo-pairs:{seed}").shuffle(order)
+    return order
+
+
+def micro_batch_means(lengths: Sequence[PairLengths], max_length: int, micro_batch_size: int, pad_max: bool,
+                      seed: int = 0) -> tuple[float, float]:
+    """(non-pad tokens of both rows, tensor tokens) of the mean micro-batch of n pairs over one epoch of the
+    pairs TRL keeps at max_length, in `epoch_order`: each pair is 2 rows (prompt + chosen, prompt + rejected,
+    truncated at max_length), padded to max_length (pad_max) or to the micro-batch's longest row. What a DPO
+    probe's figures are brought to and what the search expects of a config on this data; (0, 0) where TRL
+    would drop every pair."""
+    kept = [x for x in lengths if not x.dropped(max_length)]
+    order = epoch_order(len(kept), seed)
+    batches = [[kept[k] for k in order[i:i + micro_batch_size]] for i in range(0, len(order), micro_batch_size)]
+    if not batches:
+        return 0.0, 0.0
+    real = statistics.fmean(sum(sum(x.rows(max_length)) for x in b) for b in batches)
+    tensor = statistics.fmean(2 * len(b) * (max_length if pad_max else max(max(x.rows(max_length)) for x in b))
+                              for b in batches)
+    return real, tensor
+
+
+def file_pair_lengths(prefs: PreferenceSet, model: ModelSource,
+                      cache_dir: str | Path | None = None) -> list[PairLengths]:
+    """Each pair's lengths under the model's tokenizer (a preset's stand-in trained on the pairs, cached in
+    `cache_dir`)."""
+    return pair_lengths(token_pairs(prefs, pair_tokenizer(model, prefs, cache_dir)))
+
+
 @dataclass(frozen=True)
 class PairCut:
     """What max_length does to the pairs: pairs TRL drops (prompt fills it), pairs with a completion
@@ -462,8 +496,10 @@ class PreferenceSummary:
 
 
 def summarize_preferences(path: str | os.PathLike[str], model: ModelSource, out_dir: str | Path | None = None,
-                          max_lengths: Sequence[int] = (), flag: str = "--dataset") -> PreferenceSummary:
-    """Read, check and measure preference pairs (data.json in `out_dir` when given)."""
+                          max_lengths: Sequence[int] = (), flag: str = "--dataset",
+                          file: str = "data.json") -> PreferenceSummary:
+    """Read, check and measure preference pairs (`file` in `out_dir` when given: `autofit data`'s data.json; a
+    search's run folder keeps them as preferences.json, its data.json being a samples file's summary)."""
     prefs = read_preferences(path, flag)
     tok = pair_tokenizer(model, prefs, out_dir)
     positions = model.config.get("max_position_embeddings")
@@ -473,5 +509,5 @@ def summarize_preferences(path: str | os.PathLike[str], model: ModelSource, out_
     if out_dir:
         from autofit.core.files import write_json
 
-        write_json(Path(out_dir) / "data.json", summary.to_dict())
+        write_json(Path(out_dir) / file, summary.to_dict())
     return summary

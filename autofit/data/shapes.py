@@ -22,6 +22,7 @@ from autofit.config.models import ModelSource
 from autofit.core.documents import JSONObject
 from autofit.data.batching import Batching, StepShape, plan, step_shape
 from autofit.data.layouts import Layouts, layouts_for
+from autofit.data.preference import PairLengths, file_pair_lengths, micro_batch_means, read_preferences
 from autofit.data.reference import DatasetRef
 
 SAMPLE = 20_000
@@ -71,6 +72,32 @@ class TokenShapes:
             return self._cache[key]
 
 
+@dataclass
+class PairShapes(TokenShapes):
+    """The same questions for DPO on preference pairs: a micro-batch of n pairs is 2n rows (prompt + chosen,
+    prompt + rejected), padded to max_length (pad_max) or to the micro-batch's longest row (pad_longest, TRL's
+    DPO collator), the pairs TRL drops at that length (the prompt fills it) left out. Its trained tokens are
+    both rows' non-pad tokens, the tokens/s a DPO probe reports, and its samples are pairs
+    (`preference.micro_batch_means`, the probe's own figure). `lengths` holds each pair's longer row."""
+
+    pairs: Sequence[PairLengths] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.pairs) > SAMPLE:
+            self.pairs = random.Random(self.seed).sample(list(self.pairs), SAMPLE)
+        self.lengths = [p.longest for p in self.pairs]
+
+    def _means(self, batching: str, max_length: int, micro_batch_size: int,
+               group: int) -> tuple[float, float, float]:
+        key = (batching, max_length, micro_batch_size, 0)
+        with self._lock:
+            if key not in self._cache:
+                real, tensor = micro_batch_means(self.pairs, max_length, micro_batch_size,
+                                                 batching == Batching.PAD_MAX.value, self.seed)
+                self._cache[key] = (real, tensor, float(micro_batch_size))
+            return self._cache[key]
+
+
 def _group(micro_batch_size: int, global_batch: int | None, gpus: int) -> int:
     """The samples transformers' length grouping sorts at once on a rank: Trainer's train batch times the
     accumulation, ceil(global_batch / (micro_batch x gpus)); the micro-batch where no global batch is given."""
@@ -88,8 +115,25 @@ def shapes_of(dataset: JSONObject | None, model: ModelSource, cache_dir: str | P
     from autofit.data.lengths import length_table
     from autofit.data.tokenizer import tokenizer_for
 
-    state, data = DatasetRef.from_dict(dataset).load()
+    ref = DatasetRef.from_dict(dataset)
+    if ref.preference:
+        return pair_shapes(ref, model, cache_dir, seed)
+    state, data = ref.load()
     if data is None or not state.usable:
         return None
     table = length_table(data, tokenizer_for(model, data, cache_dir), cache_dir)
     return TokenShapes(table.lengths, seed, cache_dir)
+
+
+def pair_shapes(ref: DatasetRef, model: ModelSource, cache_dir: str | Path | None, seed: int = 0) -> PairShapes | None:
+    """A preference file's shapes (its pairs' lengths under the model's tokenizer); None where it cannot be read
+    now or changed (the search then expects full rows)."""
+    from autofit.core.errors import UsageError
+
+    try:
+        prefs = read_preferences(ref.path)
+    except UsageError:
+        return None
+    if prefs.content_hash != ref.content_hash:
+        return None
+    return PairShapes([], seed, cache_dir, pairs=file_pair_lengths(prefs, model, cache_dir))

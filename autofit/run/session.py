@@ -34,6 +34,7 @@ from autofit.core.paths import output_file, output_folder, shown, source
 from autofit.core.units import parse_duration
 from autofit.data import DatasetRef, TextMode
 from autofit.data import summarize as summarize_data
+from autofit.data.preference import looks_like_preferences, summarize_preferences
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.outputs import write_outputs
@@ -239,6 +240,8 @@ def data_space(space: Space, model: ModelSource, req: SearchRequest) -> tuple[Sp
         return space.replaced(batching=["pad_max"]), None, (
             ("the space lists batching strategies, but without --dataset the probes train on random tokens "
             "at max_length: batching is fixed at pad_max."),)
+    if preference_space(space, req.dataset, f"--space {req.space or DEFAULT_SPACE}"):
+        return preference_data_space(space, model, req)
     data = summarize_data(req.dataset, model, None, req.text_field, req.messages_field,
                           TextMode(req.text_mode), space.lengths if req.max_length else ())
     if max(data.table.lengths) < 2:  # a causal LM predicts each token from those before it
@@ -257,6 +260,44 @@ def data_space(space: Space, model: ModelSource, req: SearchRequest) -> tuple[Sp
              f"{data.stats.percentiles[99.0]:.0f}; max_length {cuts}"),
              *([data.data.bad.summary()] if data.data.bad.count else []), *data.stats.notes)
     return space.replaced(**dims), data.ref, notes
+
+
+def preference_space(space: Space, dataset: str, flag: str) -> bool:
+    """Whether --dataset is read as preference pairs: the space trains DPO (a space that also trains SFT, or a
+    pair file for an SFT space, is a usage error: one file is one kind of data)."""
+    trainers = set(space.values("trainer"))
+    if "dpo" in trainers and trainers != {"dpo"}:
+        raise UsageError(f"{flag}: trainer takes {', '.join(sorted(map(str, trainers)))}; with "
+                         "--dataset one search trains one kind of data: fix trainer to dpo (preference pairs) "
+                         "or sft (samples).")
+    if "dpo" not in trainers and looks_like_preferences(dataset):
+        raise UsageError(f"--dataset: {dataset} holds preference pairs (rows with chosen/rejected), which "
+                         f"{flag} trains as supervised samples (trainer=sft); search them with --space dpo "
+                         "(or a space that fixes trainer: dpo).")
+    return "dpo" in trainers
+
+
+def preference_data_space(space: Space, model: ModelSource, req: SearchRequest) -> tuple[Space, DatasetRef,
+                                                                                         tuple[str, ...]]:
+    """With --dataset of preference pairs: max_length candidates from the pairs' lengths (unless --max-length)
+    and batching at pad_longest unless the space lists it (TRL's DPO collator pads each micro-batch to its
+    longest row; padding_free falls back to padding, packing does not exist for DPO)."""
+    assert req.dataset is not None
+    data = summarize_preferences(req.dataset, model, None, space.lengths if req.max_length else ())
+    stats = data.stats
+    dims: dict[str, Sequence[Value]] = {}
+    if req.max_length is None:  # the pairs' lengths, within what the model takes
+        limit = model.positions
+        within = [n for n in stats.candidates if limit is None or n <= limit]
+        dims["max_length"] = within or ([limit] if limit is not None else [])
+    if "batching" not in space.dimensions and "batching" not in space.fixed:
+        dims["batching"] = ["pad_longest"]
+    cuts = "; ".join(f"{c.max_length}: {c.dropped} pairs dropped, {c.truncated} truncated, "
+                     f"{c.completion_tokens_lost:.2%} of completion tokens lost" for c in stats.cuts)
+    notes = (f"--dataset {req.dataset}: {stats.count} preference pairs ({data.prefs.format}), mean pair (the "
+             f"longer row) {stats.mean['pair']:.0f} tokens, p99 {stats.percentiles['pair'][99.0]:.0f}; max_length "
+             f"{cuts}", *([data.note] if data.approximate else []))
+    return space.replaced(**dims), DatasetRef.of_preferences(data.prefs), notes
 
 
 def check_dataset(ref: DatasetRef, flag: str) -> None:
@@ -390,7 +431,10 @@ def start(session: Session) -> tuple[Session, optuna.Study]:
         create(session.run_dir, session.spec, collect())
         spec = session.spec
         # the tokenizer stand-in and length table cached once, lengths.png for the report
-        if spec.dataset is not None:
+        if spec.dataset is not None and spec.dataset.preference:
+            summarize_preferences(spec.dataset.path, spec.model, RunDir(session.run_dir).data, spec.space.lengths,
+                                  file="preferences.json")
+        elif spec.dataset is not None:
             ref = spec.dataset
             summarize_data(ref.path, spec.model, RunDir(session.run_dir).data, ref.text_field,
                            ref.messages_field, TextMode(ref.text_mode), spec.space.lengths)

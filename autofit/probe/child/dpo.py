@@ -25,16 +25,23 @@ the search, `autofit data` and the probe count the same tokens.
 from __future__ import annotations
 
 import os
-import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import recipe
-from autofit.data.preference import PairLengths, pair_tokenizer, read_preferences, token_pairs
+from autofit.data.preference import (
+    PairLengths,
+    epoch_order,
+    micro_batch_means,
+    pair_lengths,
+    pair_tokenizer,
+    read_preferences,
+    token_pairs,
+)
 from autofit.estimate.effects import HALF_TOKENS
 from autofit.probe.child.build import Model, build_model, decoder_layers
 from autofit.probe.child.errors import Unsupported
@@ -182,20 +189,12 @@ def data_pairs(req: ProbeRequest, n: int) -> Pairs:
     pad_max = cfg.batching == "pad_max"
     mb = cfg.micro_batch_size
     longest = sorted(range(len(kept)), key=lambda k: -PairLengths(*map(len, kept[k])).longest)
-    order = list(range(len(kept)))
-    random.Random(f"dpo-pairs:{req.data_seed}").shuffle(order)
-    epoch = Pairs(kept, tok.pad_id, cfg.max_length, pad_max, 0.0, 0.0)
-    batches = [order[i:i + mb] for i in range(0, len(order), mb)]
-    tensor = statistics.fmean(_tensor(epoch, b) for b in batches)
-    real = statistics.fmean(sum(sum(epoch.lengths(k).rows(cfg.max_length)) for k in b) for b in batches)
+    order = epoch_order(len(kept), req.data_seed)
+    # the data's mean micro-batch, as the search's expectation counts it (data/shapes.py)
+    real, tensor = micro_batch_means(pair_lengths(every), cfg.max_length, mb, pad_max, req.data_seed)
     drawn = [order[k % len(order)] for k in range(max(n - mb, 0))]
     ids = [kept[k] for k in (longest[:mb] + drawn)]
     return Pairs(ids, tok.pad_id, cfg.max_length, pad_max, tensor, real, len(every) - len(kept))
-
-
-def _tensor(pairs: Pairs, batch: Sequence[int]) -> int:
-    rows = [pairs.lengths(k).rows(pairs.max_length) for k in batch]
-    return 2 * len(batch) * (pairs.max_length if pairs.pad_max else max(max(r) for r in rows))
 
 
 def _dataset(pairs: Pairs) -> Dataset:
