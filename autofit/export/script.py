@@ -312,7 +312,6 @@ def main():
         parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
     if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
         parser.error(f"--dataset: {a.dataset} has no rows with a {TEXT_FIELD!r} field@CHATS_SAID@")
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
 '''
 
 LIGER = '''    if importlib.util.find_spec("liger_kernel") is None or not torch.cuda.is_available():
@@ -331,7 +330,7 @@ EMULATE = '''    if a.emulate_memory_gib and torch.cuda.is_available():  # a sma
 def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     """main() after the argument checks: the data, the model, the trainer."""
     chat = form is not None and form.chat
-    out: list[str] = []
+    out = ["    tokenizer = AutoTokenizer.from_pretrained(a.model)"]
     if chat and form is not None:
         out += chat_lines(form, fmt, w.dataset)
     if fmt == "hf-trainer":
