@@ -37,6 +37,10 @@ FAULTS = [
           2, "differs from the first row's"),
     Fault("dpo-not-utf8", "a row in Latin-1, not UTF-8", "autofit data prefs.jsonl --model M", 2,
           "line 2 is not UTF-8"),
+    Fault("dpo-search-bad-row", "a preference row without 'chosen', searched",
+          "autofit search --dataset prefs.jsonl --space dpo", 2, "line 2: 'chosen' is missing"),
+    Fault("dpo-search-sft-space", "preference pairs given to a space that trains SFT",
+          "autofit search --dataset prefs.jsonl --space lora", 2, "holds preference pairs"),
 ]
 
 BAD_ROW: dict[str, object] = {
@@ -50,7 +54,11 @@ BAD_ROW: dict[str, object] = {
     "dpo-unknown-role": {"prompt": [{"role": "bot", "content": "q"}], "chosen": [{"role": "assistant",
                          "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
     "dpo-not-an-object": ["q", "a", "b"],
+    "dpo-search-bad-row": {"prompt": "q", "rejected": "b"},
+    "dpo-search-sft-space": GOOD,
 }
+SPACE = {"dpo-search-bad-row": str(Path(__file__).resolve().parents[1] / "data" / "dpo-space.yaml"),
+         "dpo-search-sft-space": "cpu-demo"}
 
 
 def _file(tmp_path: Path, fault: Fault) -> Path:
@@ -71,7 +79,12 @@ def _file(tmp_path: Path, fault: Fault) -> Path:
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
 def test_a_bad_preference_row_is_a_clear_error(tmp_path: Path, fault: Fault) -> None:
     path = _file(tmp_path, fault)
-    proc = run_cli("data", str(path), "--model", "tiny-llama", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    if fault.id in SPACE:  # the search reads --dataset before anything is created
+        proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(path), "--space",
+                       SPACE[fault.id], "--out", str(tmp_path / "runs"), cwd=tmp_path)
+        assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    else:
+        proc = run_cli("data", str(path), "--model", "tiny-llama", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert proc.returncode == fault.exit_code, proc.stderr
     assert fault.message in proc.stderr, proc.stderr
     assert str(path) in proc.stderr and "Traceback" not in proc.stderr
