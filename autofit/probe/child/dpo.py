@@ -45,7 +45,14 @@ from autofit.data.preference import (
 from autofit.estimate.effects import HALF_TOKENS
 from autofit.probe.child.build import Model, build_model, decoder_layers
 from autofit.probe.child.errors import Unsupported
-from autofit.probe.child.gate import check_architecture, check_support
+from autofit.probe.child.gate import (
+    check_architecture,
+    check_support,
+    kernel_figures,
+    mismatch_result,
+    run_dpo_gate,
+)
+from autofit.probe.child.kernels import GateResult
 from autofit.probe.child.measure import (
     Trained,
     _stop_runaway,
@@ -107,11 +114,22 @@ def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str]
     sync = prepare_device(req, state)
     policy, reference, peft_config = load_models(req, state)
     state.stage = "setup"
-    trained, extra, losses = train_dpo(req, state, policy, reference, peft_config, pairs, sync, announce)
+    try:
+        trained, extra, losses, gate = train_dpo(req, state, policy, reference, peft_config, pairs, sync, announce)
+    except GateFailed as failed:
+        return mismatch_result(req, failed.gate)
     verify_checkpointing(req, state.callback, trained.n_layers)
     assert state.callback is not None
     state.callback.losses = losses  # the DPO loss Trainer logged each step (the forward's own is not it)
-    return dpo_figures(req, state, trained, pairs, extra)
+    return kernel_figures(dpo_figures(req, state, trained, pairs, extra), req, state, gate)
+
+
+class GateFailed(Exception):
+    """The kernel config's DPO step differs from stock DPO's: the probe ends as `mismatch`."""
+
+    def __init__(self, gate: GateResult) -> None:
+        super().__init__(gate.reason)
+        self.gate = gate
 
 
 def load_models(req: ProbeRequest, state: ProbeState) -> tuple[Model, Model | None, Any]:
@@ -256,8 +274,10 @@ def dpo_arguments(req: ProbeRequest, out: str, steps: int, pairs: Pairs) -> dict
 
 def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Model | None, peft_config: Any,
               pairs: Pairs, sync: Callable[[], object],
-              announce: Callable[[str], None]) -> tuple[Trained, dict[str, Any], list[float]]:
-    """Warm-up and timed optimizer steps through DPOTrainer; (what trained, DPO's figures, the logged losses)."""
+              announce: Callable[[str], None]) -> tuple[Trained, dict[str, Any], list[float], GateResult | None]:
+    """Warm-up and timed optimizer steps through DPOTrainer; (what trained, DPO's figures, the logged losses, the
+    correctness gate's verdict). A kernel config is first checked against stock DPO on the first pair, on the
+    trainer's own model (`gate.run_dpo_gate`); GateFailed where it differs."""
     from transformers import TrainerCallback
     from trl.trainer.dpo_config import DPOConfig
 
@@ -277,6 +297,11 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
         timed = Timed()
         trainer = trainer_class(timed)(model=policy, ref_model=reference, args=args, train_dataset=_dataset(pairs),
                       processing_class=pad_tokenizer(pairs.pad_id), peft_config=peft_config, callbacks=[cb])
+        state.stage = "check"
+        gate = run_dpo_gate(req, state, trainer, pairs.ids[0], pairs.pad_id)
+        if gate is not None and not gate.ok:
+            raise GateFailed(gate)
+        state.stage = "setup"
         model = trainer.model
         hook = model.register_forward_hook(cb.forward_hook)
         cb.trainer = trainer
@@ -284,6 +309,7 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
         hook.remove()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         logged = [h for h in trainer.state.log_history if "loss" in h]
+        losses = [float(h["loss"]) for h in logged]
     cb.stop_timing()
     sync()
     state.mem.stop()
@@ -297,7 +323,7 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
                    total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
                    train_seconds=time.perf_counter() - state.t_start, optimizer=describe_optimizer(optimizer),
                    engine={}, bnb_modules=sum(type(m).__module__.startswith("bitsandbytes")
-                                              for m in model.modules())), extra, [float(h["loss"]) for h in logged]
+                                              for m in model.modules())), extra, losses, gate
 
 
 def dpo_figures(req: ProbeRequest, state: ProbeState, trained: Trained, pairs: Pairs,
