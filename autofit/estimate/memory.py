@@ -338,11 +338,7 @@ def reference_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
     a time (the hidden stream in and out, q/k/v/o, gate and up) and its log-probability tile."""
     if cfg.trainer != "dpo":
         return 0
-    out = 0
-    if cfg.dpo_reference == "copy":
-        weight_b = 4 if cfg.precision == "fp32" else 2
-        lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
-        out += _base_bytes(cfg, lin, emb, weight_b)
+    out = reference_copy_bytes(cfg, shape)
     if not cfg.precompute_ref_log_probs:
         # one decoder layer's intermediates under no_grad: 6 hidden-wide (stream in/out, q, k, v, o) and 2
         # intermediate-wide (gate, up) tensors per token, then the log-probability tile
@@ -528,7 +524,18 @@ def loaded_bytes(cfg: TrialConfig, shape: Shape) -> int:
     quantized, sharded) weights and, for LoRA, the adapter's fp32 parameters."""
     st = rank_state(cfg, shape)
     own = adapter_params(cfg, shape) * 4 // (cfg.gpus if cfg.engine in ("fsdp2", "zero3") else 1)
-    return st.weights + (own if cfg.method == "lora" and cfg.cpu_offload != "all" else 0)
+    return (st.weights + (own if cfg.method == "lora" and cfg.cpu_offload != "all" else 0)
+            + reference_copy_bytes(cfg, shape))
+
+
+def reference_copy_bytes(cfg: TrialConfig, shape: Shape) -> int:
+    """DPO with `dpo_reference=copy`: the separate reference model's weights, loaded as the base is
+    (quantized or not); 0 for every other config."""
+    if cfg.trainer != "dpo" or cfg.dpo_reference != "copy":
+        return 0
+    weight_b = 4 if cfg.precision == "fp32" else 2
+    lin, emb = shape.linear_params(), shape.embedding_params() + (2 * shape.layers + 1) * shape.hidden
+    return _base_bytes(cfg, lin, emb, weight_b)
 
 
 def _kernels(cfg: TrialConfig | None) -> tuple[bool, bool]:

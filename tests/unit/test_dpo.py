@@ -17,7 +17,7 @@ from autofit.data.preference import (
     pair_lengths,
     read_preferences,
 )
-from autofit.estimate.memory import MemoryModel, Shape, prior
+from autofit.estimate.memory import MemoryModel, Shape, loaded_bytes, prior, weights_floor
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.search.objective import pairs_per_s
 
@@ -42,6 +42,15 @@ def test_the_reference_costs_its_forward_or_its_copy_and_nothing_when_precompute
     assert copy - shared == prior(DPO, SHAPE).weights  # a second bf16 base
     assert prior(TrialConfig(), SHAPE).reference == 0
     assert "DPO reference" in " ".join(prior(DPO, SHAPE).as_dict())
+
+
+def test_a_reference_copy_is_loaded_before_the_first_step() -> None:
+    """A load-time out-of-memory of a `dpo_reference=copy` config is bounded by both models' weights: what the
+    policy reads as loaded (and the floor below which nothing fits) counts the copy."""
+    shared, copy = loaded_bytes(DPO, SHAPE), loaded_bytes(DPO.replace(dpo_reference="copy"), SHAPE)
+    assert copy - shared == prior(DPO, SHAPE).weights  # a second bf16 base, loaded as the policy's is
+    assert weights_floor(DPO.replace(dpo_reference="copy"), SHAPE) > weights_floor(DPO, SHAPE)
+    assert loaded_bytes(TrialConfig(), SHAPE) == shared  # a shared reference loads nothing more than SFT
 
 
 def test_precomputing_can_save_the_reference_forward_against_an_oom() -> None:
