@@ -74,7 +74,8 @@ def micro_batch_tokens(cfg: TrialConfig, shapes: TokenShapes | None = None) -> t
     plan."""
     if shapes is None:
         return float(cfg.tokens_per_micro_batch), float(cfg.tokens_per_micro_batch)
-    return shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size)
+    return shapes.per_micro_batch(cfg.batching, cfg.max_length, cfg.micro_batch_size, global_batch=cfg.global_batch,
+                                  gpus=cfg.gpus)  # transformers groups a step's samples by length, as the probe
 
 
 def estimate(cfg: TrialConfig, reference: TrialConfig, measured: float, shapes: TokenShapes | None = None,

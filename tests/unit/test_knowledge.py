@@ -25,6 +25,7 @@ from autofit.probe.runner import Runner, result_file
 from autofit.protocol.request import Checks, ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.run.report.markdown import report_markdown
+from autofit.run.rundir import RunSpec
 from autofit.search.driver import EventKind, Search, SearchSettings
 from autofit.search.knowledge import CONFIRM_BAND, Knowledge, ProbeTime, Verdict
 from autofit.search.objective import best_of, combined_tokens_per_s, ranked_fits
@@ -118,7 +119,7 @@ def test_the_confirm_step_measures_a_noisy_fit_that_could_be_the_best() -> None:
     pick = k.to_confirm(done=0, limit=0)  # even with no repeats allowed beyond the must-dos
     assert pick is not None
     first = pick[1]
-    assert pick[2] and first.config["micro_batch_size"] in (1, 2)
+    assert pick[2] and first.config.micro_batch_size in (1, 2)
     # the repeated best done, the noisy faster one is still a must
     k = know(result(cfg(128, 1), tps=1000.0), result(cfg(128, 2), tps=1400.0, noisy=True),
              repeats={0: [result(cfg(128, 1), tps=1010.0).to_dict()]})
@@ -403,6 +404,8 @@ def test_the_report_gives_small_sizes_in_mib() -> None:
     spec = {"run_id": "r", "model": {"ref": "tiny-llama", "kind": "preset", "config": PRESETS["tiny-llama"]},
             "space": SPACE.to_dict(), "budget_s": 60,
             "targets": [{"device": "cpu", "memory_limit_bytes": 90 * MiB, "headroom": 0.05}]}
+    spec = RunSpec.from_dict({**spec, "created": "20260101T000000Z", "storage": "sqlite:///r.db",
+                              "study_name": "autofit-r", "seed": 0})
     text = report_markdown(spec, [{"trial": 0, "predicted_peak": 58 * MiB, **fit.to_dict()}], [fit], fit,
                            90 * MiB, int(85.5 * MiB), "budget spent")
     assert "61.0 MiB" in text and "90.0 MiB" in text and "58.0 MiB" in text
