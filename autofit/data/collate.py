@@ -34,9 +34,9 @@ MODEL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
 def collate(strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]], pad_id: int,
-            max_length: int, flatten_packed: bool = False) -> LibraryBatch:
-    """The collator's output plus `segments`; samples are truncated to max_length. PACKED rows are always
-    flattened as TRL lays them out; `flatten_packed` is kept for its callers and changes nothing."""
+            max_length: int) -> LibraryBatch:
+    """The collator's output plus `segments`; samples are truncated to max_length. PACKED rows are
+    flattened as TRL lays them out (one row per micro-batch, positions restarting per sample)."""
     import torch
 
     samples = [list(token_ids[i][:max_length]) for i in batch.samples]

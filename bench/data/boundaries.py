@@ -1,6 +1,6 @@
 """Which attention implementations honour sample boundaries, per batching strategy, measured on
 this machine (tiny-llama, random weights): `autofit.probe.child.support.boundary_support` for each
-precision, PACKED both as rows (axolotl / LLaMA-Factory style) and flattened (TRL 1.16 `bfd`).
+precision, PACKED as the probe lays it out: TRL 1.16 `bfd` rows flattened into one row.
 
     python bench/data/boundaries.py --device cuda --out bench/results/data-boundaries-h200.json
 """
@@ -33,16 +33,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for prec in args.precisions.split(","):
-        for flat in (False, True):
-            t0 = time.time()
-            for r in boundary_support(args.attn.split(","), precision=prec, device=args.device, flatten_packed=flat):
-                if flat and r.strategy.value != "packed":
-                    continue
-                rows.append({"precision": prec, "strategy": r.strategy.value + ("_flattened" if flat else ""),
-                             "attn_implementation": r.attn_implementation, "supported": r.supported,
-                             "max_loss_diff": r.max_loss_diff, "reason": r.reason})
-                print(json.dumps(rows[-1]), flush=True)
-            print(f"# {prec} flatten={flat}: {time.time() - t0:.0f} s", flush=True)
+        t0 = time.time()
+        for r in boundary_support(args.attn.split(","), precision=prec, device=args.device):
+            rows.append({"precision": prec, "strategy": r.strategy.value,
+                         "attn_implementation": r.attn_implementation, "supported": r.supported,
+                         "max_loss_diff": r.max_loss_diff, "reason": r.reason})
+            print(json.dumps(rows[-1]), flush=True)
+        print(f"# {prec}: {time.time() - t0:.0f} s", flush=True)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
     meta = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "gpu": gpu, "torch": torch.__version__,
             "transformers": transformers.__version__, "command": " ".join(sys.argv)}

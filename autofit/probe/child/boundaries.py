@@ -44,15 +44,14 @@ def boundary_batch(batches: Sequence[MicroBatch]) -> MicroBatch:
 
 def check_batch(model: Model, strategy: Batching, batch: MicroBatch, token_ids: Sequence[Sequence[int]],
                 pad_id: int, max_length: int, precision: str = "fp32",
-                candidate: Batch | None = None, flatten_packed: bool = False) -> BoundaryCheck:
+                candidate: Batch | None = None) -> BoundaryCheck:
     """Compare `strategy`'s layout of `batch` (or an explicit `candidate` batch) to the padded
     reference of the same samples."""
     tol = TOLERANCE.get(precision, TOLERANCE["bf16"])
     was_training = model.training
     model.eval()
     try:
-        got = per_sample_losses(model, candidate or collate(strategy, batch, token_ids, pad_id, max_length,
-                                                            flatten_packed))
+        got = per_sample_losses(model, candidate or collate(strategy, batch, token_ids, pad_id, max_length))
         ref_batch = MicroBatch(tuple((i,) for i in batch.samples), min(max_length, max(
             len(token_ids[i]) for i in batch.samples)), 0, 0)
         ref = per_sample_losses(model, collate(Batching.PAD_LONGEST, ref_batch, token_ids, pad_id,

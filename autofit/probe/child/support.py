@@ -40,7 +40,7 @@ def check_lengths(seed: int = 0) -> list[int]:
 
 def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tuple(Batching),
                      config: ModelConfig | None = None, precision: str = "fp32",
-                     device: str = "cpu", flatten_packed: bool = False) -> list[Support]:
+                     device: str = "cpu") -> list[Support]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,16 +61,15 @@ def boundary_support(attns: Iterable[str], strategies: Iterable[Batching] = tupl
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype,
                                                      attn_implementation=attn)
-        out += [_one(model, s, attn, lengths, ids, precision, flatten_packed) for s in strategies]
+        out += [_one(model, s, attn, lengths, ids, precision) for s in strategies]
     return out
 
 
 def _one(model: Model, strategy: Batching, attn: str, lengths: list[int], ids: list[list[int]],
-         precision: str, flatten_packed: bool) -> Support:
+         precision: str) -> Support:
     batch = boundary_batch(plan(strategy, lengths, CHECK_MAX_LENGTH, CHECK_MICRO_BATCH, seed=0).batches)
     try:
-        res: BoundaryCheck = check_batch(model, strategy, batch, ids, 0, CHECK_MAX_LENGTH, precision,
-                                         flatten_packed=flatten_packed)
+        res: BoundaryCheck = check_batch(model, strategy, batch, ids, 0, CHECK_MAX_LENGTH, precision)
     except Exception as e:  # noqa: BLE001 - any failure to run the pair is why it is unsupported
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         return Support(strategy, attn, False, f"{attn} with {strategy.value} failed to run: "
