@@ -8,6 +8,12 @@ approximate, and every output says so (`TextTokenizer.approximate`).
 
 Chat samples use the tokenizer's chat template where it has one; otherwise (and always with the
 stand-in) the plain rendering `PLAIN_CHAT`: each message as "<|role|>\\n" + content + "\\n".
+
+The ids are the ones TRL's SFTTrainer trains (trl 1.16, `_prepare_dataset`), so the probe measures what an
+exported recipe runs: a text row gets the tokenizer's end-of-sequence token appended as text (unless it ends
+with it already) and is tokenized with the tokenizer's special tokens (a BOS where its post-processor adds
+one); a chat is its template's text tokenized without them (as `apply_chat_template(tokenize=True)` does:
+the template writes its own BOS), and no end-of-sequence token is appended.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 PLAIN_CHAT = "<|{role}|>\n{content}\n"
-_STANDIN_SPECIALS = ["<pad>", "<eos>"]
+STANDIN_EOS = "<eos>"
+_STANDIN_SPECIALS = ["<pad>", STANDIN_EOS]
+TRL_IDS = "+trl-eos"
+"""Marks a tokenizer's identity (the key of cached length tables) as counting TRL's ids: a table counted before
+text rows got their end-of-sequence token is not read."""
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,15 @@ class TextTokenizer:
     approximate: bool
     pad_id: int
     encode_batch: Callable[[list[str]], list[list[int]]]
+    """Ids of text rows, with the tokenizer's special tokens."""
     chat_template: Callable[[Sample], str] | None = None
     note: str = ""
     chat_note: str = ""
     """What is said of chats where there is no chat template to render them (`PLAIN_CHAT` instead)."""
+    eos: str = ""
+    """The end-of-sequence token's text, appended to text rows as TRL appends it ('' where there is none)."""
+    encode_chats: Callable[[list[str]], list[list[int]]] | None = None
+    """Ids of rendered chats, without special tokens (None: `encode_batch`, a tokenizer that adds none)."""
 
     def render(self, sample: Sample) -> str:
         if not sample.is_chat:
@@ -51,7 +66,8 @@ class TextTokenizer:
         return render_plain_chat(sample)
 
     def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
-        """Token ids of each sample; RejectedChats where the chat template rejects any (every one counted)."""
+        """Token ids of each sample as TRL's SFTTrainer tokenizes it (the module's docstring); RejectedChats
+        where the chat template rejects any (every one counted)."""
         texts, rejected = [], []
         for s in samples:
             try:
@@ -60,7 +76,18 @@ class TextTokenizer:
                 rejected.append((s, e))
         if rejected:
             raise RejectedChats(rejected, len(samples))
-        return self.encode_batch(texts)
+        chats = [k for k, s in enumerate(samples) if s.is_chat]
+        rows = [k for k, s in enumerate(samples) if not s.is_chat]
+        ids: list[list[int]] = [[] for _ in samples]
+        text_ids = self.encode_batch([self._ended(texts[k]) for k in rows]) if rows else []
+        chat_ids = (self.encode_chats or self.encode_batch)([texts[k] for k in chats]) if chats else []
+        for k, one in [*zip(rows, text_ids), *zip(chats, chat_ids)]:
+            ids[k] = one
+        return ids
+
+    def _ended(self, text: str) -> str:
+        """A text row as TRL's `add_eos` leaves it: the end-of-sequence token appended unless it ends with it."""
+        return text if not self.eos or text.endswith(self.eos) else text + self.eos
 
 
 class RejectedChats(UsageError):
@@ -106,12 +133,16 @@ def model_tokenizer(ref: str) -> TextTokenizer:
         msgs = [{"role": m.role, "content": m.content} for m in sample.messages or ()]
         return str(tok.apply_chat_template(msgs, tokenize=False))
     template = chat if getattr(tok, "chat_template", None) else None
-    ident = f"{ref}@{getattr(tok, 'name_or_path', ref)}:{len(tok)}"
+    ident = f"{ref}@{getattr(tok, 'name_or_path', ref)}:{len(tok)}{TRL_IDS}"
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [list(x) for x in tok(texts, add_special_tokens=True)["input_ids"]]
+
+    def encode_chats(texts: list[str]) -> list[list[int]]:
+        return [list(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
     return TextTokenizer(ident, False, int(pad), encode_batch, template, "the model's own tokenizer",
-                         "" if template else plain_chat_note(f"{ref}'s tokenizer"))
+                         "" if template else plain_chat_note(f"{ref}'s tokenizer"), tok.eos_token or "",
+                         encode_chats)
 
 
 def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | None = None) -> TextTokenizer:
@@ -137,8 +168,8 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
     pad = tok.token_to_id("<pad>")
     if pad is None:  # one of _STANDIN_SPECIALS: every trained stand-in has it
         raise RuntimeError(f"the stand-in tokenizer {key} has no <pad> token")
-    return TextTokenizer(f"standin-bpe-{key}", True, pad, encode_batch, None, note,
-                         plain_chat_note("the stand-in tokenizer"))
+    return TextTokenizer(f"standin-bpe-{key}{TRL_IDS}", True, pad, encode_batch, None, note,
+                         plain_chat_note("the stand-in tokenizer"), STANDIN_EOS)
 
 
 def plain_chat_note(whose: str) -> str:

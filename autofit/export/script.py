@@ -34,8 +34,6 @@ from autofit.export.common import DataForm, ExportRun, comment_block, data_form
 from autofit.export.winner import Winner
 
 INDENT = "    "
-SAMPLE_BY = {"lines": "line", "paragraphs": "paragraph", "whole": "document"}
-"""autofit's text modes in the `datasets` text loader's words (`sample_by`)."""
 PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}" + PLAIN_CHAT.replace("{role}", "{{ m['role'] }}")
                        .replace("{content}", "{{ m['content'] }}") + "{% endfor %}")
 """autofit's rendering of a chat where the tokenizer has no template, as a chat template."""
@@ -52,9 +50,13 @@ def call(name: str, args: Arguments, torch_values: Iterable[str] = ()) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-TOGETHER = (("bf16", "fp16", "tf32"), ("report_to", "save_strategy", "logging_steps", "seed", "remove_unused_columns"),
-            ("max_length", "dataset_text_field"), ("packing", "packing_strategy", "padding_free", "pad_to_multiple_of"))
-"""Keys written on one line: the precision's two flags; the bookkeeping that changes neither speed nor memory."""
+TOGETHER = (("per_device_train_batch_size", "gradient_accumulation_steps"), ("max_steps", "learning_rate"),
+            ("bf16", "fp16", "tf32"), ("optim", "activation_checkpointing"),
+            ("report_to", "save_strategy", "logging_steps", "seed", "remove_unused_columns"),
+            ("max_length", "dataset_text_field"),
+            ("packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "train_sampling_strategy"))
+"""Keys written on one line: the batch and its accumulation; the length of the run and its rate; the precision's
+flags; the optimizer and the checkpointing; the bookkeeping that changes neither speed nor memory; the batching."""
 
 
 def dict_block(name: str, items: dict[str, object], comments: dict[str, str]) -> list[str]:
@@ -141,7 +143,7 @@ def multi_gpu_doc(w: Winner) -> list[str]:
 
 
 def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
-    stdlib = ["argparse", "gc", "json", "os", "time"]
+    stdlib = ["argparse", "gc", "json", "os", "time"] + (["re"] if text_mode(w) == "paragraphs" else [])
     if w.config.liger:
         stdlib.append("importlib.util")
     lines = [f"import {m}" for m in sorted(stdlib)] + [""]
@@ -149,7 +151,7 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         lines.insert(len(lines) - 1, f"os.environ.setdefault({key!r}, {value!r})  # before torch starts: as measured")
     if w.environment:
         lines.append("")
-    lines += ["import torch", "from datasets import load_dataset, load_from_disk"]
+    lines += ["import torch", "from datasets import Dataset, load_dataset, load_from_disk"]
     peft = (["LoraConfig"] if w.lora else []) + (["get_peft_model"] if w.lora and fmt == "hf-trainer" else []) \
         + (["prepare_model_for_kbit_training"] if w.kbit else [])
     if peft:
@@ -195,6 +197,14 @@ def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     return [*lines, *dict_block("TRAINING_ARGS", fields, comments(w, fmt))]
 
 
+def text_mode(w: Winner) -> str:
+    """How the run read a text file (`TEXT_SPLITS`): its dataset's mode, lines where it was no text file, the
+    whole text for a run searched without --dataset."""
+    if w.dataset is None:
+        return "whole"
+    return w.dataset.text_mode if w.dataset.text_mode in TEXT_SPLITS else "lines"
+
+
 def text_field(w: Winner) -> str:
     return w.dataset.text_field if w.dataset is not None else "text"
 
@@ -209,9 +219,8 @@ class Throughput(TrainerCallback):
         self.seen, self.tokens, self.times = 0, [], []
         model.register_forward_pre_hook(self.count, with_kwargs=True)
 
-    def count(self, module, args, kwargs):
-        labels = kwargs.get("labels")
-        self.seen += int((labels[..., 1:] != -100).sum()) if labels is not None else 0
+    def count(self, module, args, kwargs):  # the tokens each forward trains: labels other than -100, shifted
+        self.seen += int((kwargs["labels"][..., 1:] != -100).sum()) if kwargs.get("labels") is not None else 0
 
     def on_step_begin(self, args, state, control, **kw):
         torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -223,8 +232,7 @@ class Throughput(TrainerCallback):
 @TOKENS@        self.seen = 0
 
     def on_train_end(self, args, state, control, model=None, **kw):
-        warm = 2 if len(self.times) > 2 else 0
-        tokens, seconds = sum(self.tokens[warm:]), sum(self.times[warm:])
+        tokens, seconds = sum(self.tokens[2:] or self.tokens), sum(self.times[2:] or self.times)  # 2 warm-up steps
         losses = [(h["step"], h["loss"]) for h in state.log_history if "loss" in h]
         summary = {"steps": len(self.times), "tokens_per_s": tokens / seconds, "steady_tokens": tokens,
                    "steady_seconds": seconds, "losses": losses@GROUP@}
@@ -259,9 +267,22 @@ def load_data(path):
         return load_from_disk(path)
     ext = os.path.splitext(path)[1].lower()
     kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(ext, "text")
-    options = {"sep": "\\t"} if ext == ".tsv" else {"sample_by": @SAMPLE_BY@} if kind == "text" else {}
-    return load_dataset(kind, data_files=path, split="train", **options)
+    if kind == "text":  # @SAID@, as the search read it
+        with open(path, encoding="utf-8-sig"@NEWLINE@) as f:
+            return Dataset.from_dict({"text": [t for t in @SPLIT@ if t.strip()]})
+    return load_dataset(kind, data_files=path, split="train", **({"sep": "\\t"} if ext == ".tsv" else {}))
 '''
+
+TEXT_SPLITS = {
+    "lines": ("one sample a line, blank lines skipped", "f.read().splitlines()"),
+    "paragraphs": ("one sample a block of lines between blank lines",
+                   '(p.strip("\\n") for p in re.split(r"\\n(?:[ \\t]*\\n)+", f.read()))'),
+    "whole": ("the whole file one sample", "[f.read()]"),
+}
+"""How the recipe splits a text file as autofit's reader did (`data.reader.split_text`: line breaks made
+'\\n' but for a whole file; the `datasets` text loader keeps blank lines and splits paragraphs at '\\n\\n'
+only), by the run's text mode: what its comment says, and the expression."""
+
 
 HF_BLOCKS = '''
 
@@ -281,8 +302,9 @@ def helpers(w: Winner, fmt: str) -> str:
         from autofit.export.multi_gpu import RANK_HELPERS
 
         parts.append(RANK_HELPERS)
-    mode = SAMPLE_BY.get(w.dataset.text_mode, "line") if w.dataset is not None else "document"
-    parts.append(LOAD_DATA.replace("@SAMPLE_BY@", repr(mode)))
+    said, split = TEXT_SPLITS[text_mode(w)]
+    newline = ', newline=""' if text_mode(w) == "whole" else ""
+    parts.append(LOAD_DATA.replace("@SAID@", said).replace("@SPLIT@", split).replace("@NEWLINE@", newline))
     if fmt == "hf-trainer" and w.batching == "blocks":
         parts.append(HF_BLOCKS)
     if w.config.engine == "fsdp2":
@@ -300,6 +322,10 @@ def main():
     parser.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
     parser.add_argument("--emulate-memory-gib", type=float, help="cap the GPU's memory (a smaller card on this one)")
     a = parser.parse_args()
+    if os.path.isfile(a.output_dir):
+        parser.error(f"--output-dir: {a.output_dir} is a file; give a folder to save the trained model in")
+    if os.path.isdir(a.model) and not {"tokenizer.json", "tokenizer_config.json"} & set(os.listdir(a.model)):
+        parser.error(f"--model: {a.model} has no tokenizer files; give the model's folder with its tokenizer")
     if a.max_steps < 1:
         parser.error(f"--max-steps: {a.max_steps} is not a number of optimizer steps; give 1 or more")
     if a.emulate_memory_gib is not None and not 0 < a.emulate_memory_gib < float("inf"):
@@ -352,7 +378,6 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
                 "else \"cpu\"})"]
     else:  # Trainer moves it to the device; ZeRO-3 builds it sharded
         out.append(load + ")")
-    out.append("    model.config.use_cache = False")
     if w.kbit:
         out.append("    model = prepare_model_for_kbit_training(model, **KBIT_PREPARATION)")
     if fmt == "hf-trainer" and w.lora:
@@ -378,12 +403,15 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
 
 
 def hf_tokenize(chat: bool) -> list[str]:
-    """Each row's token ids, cut to MAX_LENGTH: its text, or its chat through the tokenizer's template."""
+    """Each row's token ids, cut to MAX_LENGTH, as TRL's SFTTrainer (and the probe) tokenizes it: a text with one
+    end-of-sequence token after it and the tokenizer's special tokens; a chat through the tokenizer's template,
+    which writes its own (`apply_chat_template(tokenize=True)` adds none)."""
     text = ('lambda row: tokenizer.apply_chat_template(row["messages"], tokenize=False)' if chat
-            else "lambda row: row[TEXT_FIELD]")
+            else "lambda row: row[TEXT_FIELD].removesuffix(tokenizer.eos_token) + tokenizer.eos_token  # as TRL")
+    special = "add_special_tokens=False, " if chat else ""
     return [f"    text = {text}",
-            '    data = data.map(lambda row: {"input_ids": tokenizer(text(row), truncation=True, max_length=MAX_LENGTH)'
-            '["input_ids"]},',
+            f'    data = data.map(lambda row: {{"input_ids": tokenizer(text(row), {special}truncation=True, '
+            'max_length=MAX_LENGTH)["input_ids"]},',
             "                    remove_columns=data.column_names)"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 
 from autofit.config.spec import BATCHINGS
-from runs import D1, data_run, moved_run
+from runs import D1, moved_run
 
 # ----------------------------------------------------------------------------- autofit data
 
@@ -149,53 +149,6 @@ def test_search_with_a_dataset_probes_every_strategy_and_reports_the_data(tmp_pa
     assert f"Winner's max_length 96: {lost:.2%} of tokens lost" in report
     assert "![lengths](data/lengths.png)" in report and (run / "data" / "lengths.png").is_file()
     assert "| pad_longest" in report and "| padding_free" in report  # a row each, the winner's marked (winner)
-
-
-# ----------------------------------------------------------------------------- export with the measured strategy
-
-
-# Three code paths of the script: padded rows (group_by_length is pad_longest plus the length-grouped
-# sampler, and pad_max is pad_longest with padding="max_length"), flattened rows, packed blocks. Every
-# strategy's script text is checked in-process above.
-@pytest.mark.parametrize("strategy", ["group_by_length", "padding_free", "packed"])
-def test_the_exported_hf_trainer_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path,
-                                                                                      strategy: str) -> None:
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    assert run_cli("export", str(data_run(tmp_path, strategy)), "-o", str(script)).returncode == 0
-    out = tmp_path / "out"
-    code = ("import sys; sys.modules['autofit'] = None; "
-            f"sys.argv = {[str(script), '--dataset', str(D1), '--output-dir', str(out), '--max-steps', '3']!r}; "
-            f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))")
-    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=tmp_path,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
-    got = json.loads(summary[-1].split(" ", 1)[1])
-    assert got["steps"] == 3 and got["tokens_per_s"] > 0
-    # steps of varying content: the steady steps' tokens over their time, not a median of step rates
-    assert got["tokens_per_s"] == pytest.approx(got["steady_tokens"] / got["steady_seconds"])
-    assert (out / "adapter_config.json").is_file()
-
-
-# TRL has two layouts for them (padded, or bfd packing with padding-free rows): one strategy of each
-# trains here; every strategy's SFTConfig keys are checked in-process above.
-@pytest.mark.parametrize("strategy", ["pad_longest", "packed"])
-def test_the_exported_trl_recipe_trains_three_steps_with_the_measured_strategy(tmp_path: Path, strategy: str) -> None:
-    import subprocess
-    import sys
-
-    script = tmp_path / "train_trl.py"
-    assert run_cli("export", str(data_run(tmp_path, strategy)), "--format", "trl", "-o", str(script)).returncode == 0
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, str(script), "--dataset", str(D1), "--output-dir", str(out), "--max-steps",
-                          "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("recipe-summary ")]
-    got = json.loads(summary[-1].split(" ", 1)[1])
-    assert got["steps"] == 3 and got["tokens_per_s"] > 0
 
 
 # ----------------------------------------------------------------------------- regress with the stored dataset

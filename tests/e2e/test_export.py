@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_cli
-from recipes import DATA, imports_of
+from recipes import DATA, imports_of, save_tiny_model
 
 from autofit.export.yaml_targets import AXOLOTL, LLAMA_FACTORY
-from e2e.test_recipe import save_tiny_model
 from runs import write_run
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import yaml
 from conftest import run_cli
-from recipes import DATA, distributed_run, imports_of, training_args
+from recipes import DATA, distributed_run, imports_of, save_tiny_model, training_args
 
 from autofit.config.spec import TrialConfig
 from autofit.export import export_run
-from e2e.test_recipe import save_tiny_model
 
 GUARD = """import sys
 sys.modules["autofit"] = None  # the recipe must run where autofit cannot be imported

@@ -14,33 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from recipes import imports_of, training_args
+from recipes import imports_of, save_tiny_model, training_args
 
-from autofit.config.models import PRESETS
 from autofit.config.spec import BATCHINGS
 from autofit.export import export_run
-from runs import D1, data_run
+from runs import data_run
 
 GUARD = ("import sys; sys.modules['autofit'] = None; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
          "exec(compile(open(script).read(), script, 'exec'))")
 """Runs a recipe where `import autofit` fails: it must need nothing of autofit."""
-def save_tiny_model(folder: Path, data: Path = D1) -> Path:
-    """tiny-llama's shape with random weights and a byte-level BPE trained on `data`: a model folder as a
-    user has one (weights, config, tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    texts = [json.loads(line)["text"] for line in data.read_text().splitlines() if line.strip()]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<pad>", "<eos>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>").save_pretrained(folder)
-    config = AutoConfig.for_model(**{**PRESETS["tiny-llama"], "vocab_size": 1000})
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +72,17 @@ def test_the_trl_recipe_trains_three_steps_with_each_strategy(model: Path, tmp_p
         assert summary["steady_tokens"] < 4 * 95
 
 
-def test_the_hf_trainer_recipe_trains_three_packed_steps(model: Path, tmp_path: Path) -> None:
-    """hf-trainer's longest path: TRL's pack_dataset bins, flattened by transformers' collator."""
-    script, text = exported(tmp_path, "packed", "hf-trainer")
-    assert "pack_dataset(data, MAX_LENGTH" in text and "padding_free=True" in text
+@pytest.mark.parametrize("strategy", ["packed", "padding_free"])
+def test_the_hf_trainer_recipe_trains_three_steps(model: Path, tmp_path: Path, strategy: str) -> None:
+    """hf-trainer's own paths: TRL's pack_dataset bins flattened by TRL's collator; micro_batch_size samples
+    flattened by transformers' DataCollatorWithFlattening (the padded strategies are trl's above, with the same
+    collator arguments checked in-process)."""
+    script, text = exported(tmp_path, strategy, "hf-trainer")
     _, summary = run_recipe(script, model)
-    assert summary["steps"] == 3 and 4 * 60 < summary["steady_tokens"] <= 4 * 95  # full rows, not one sample a row
+    assert summary["steps"] == 3
+    assert summary["tokens_per_s"] == pytest.approx(summary["steady_tokens"] / summary["steady_seconds"])
+    if strategy == "packed":
+        assert "pack_dataset(data, MAX_LENGTH" in text and "padding_free=True" in text
+        assert 4 * 60 < summary["steady_tokens"] <= 4 * 95  # full rows, not one sample a row
+    else:  # one step: 2 micro-batches of 2 samples, each cut to 96
+        assert "DataCollatorWithFlattening()" in text and 0 < summary["steady_tokens"] <= 4 * 95

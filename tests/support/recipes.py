@@ -1,19 +1,52 @@
-"""What the tests of exported recipes share: the dataset they train on, and a recipe read as text (the
-modules it imports, its TRAINING_ARGS literal)."""
+"""What the tests of exported recipes share: the dataset they train on, a model folder as a user has one, and a
+recipe read as text (the modules it imports, its TRAINING_ARGS literal)."""
 
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any
 
 from conftest import DATA_DIR
 
+from autofit.config.models import PRESETS
 from autofit.config.spec import TrialConfig
-from runs import write_run
+from runs import D1, write_run
 
 DATA = DATA_DIR / "tiny.jsonl"
 """A few lines of text: enough rows for a recipe's three steps."""
+
+
+BOS_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+                     "{% endfor %}")
+"""A chat template that writes its own BOS token, as Llama's does."""
+
+
+def save_tiny_model(folder: Path, data: Path = D1, bos: bool = False) -> Path:
+    """tiny-llama's shape with random weights and a byte-level BPE trained on `data`: a model folder as a
+    user has one (weights, config, tokenizer). `bos`: the tokenizer adds a BOS token to text (a post-processor,
+    as Llama's) and has a chat template that writes its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines() if line.strip()]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<eos>"] + (["<bos>"] if bos else [])
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    extra = {}
+    if bos:
+        bpe.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[
+            ("<bos>", bpe.token_to_id("<bos>"))])
+        extra = {"bos_token": "<bos>", "chat_template": BOS_CHAT_TEMPLATE}
+    PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>", **extra).save_pretrained(folder)
+    config = AutoConfig.for_model(**{**PRESETS["tiny-llama"], "vocab_size": 1000})
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
 
 
 def imports_of(path: Path) -> set[str]:

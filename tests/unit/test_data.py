@@ -574,8 +574,8 @@ def test_the_heaviest_micro_batch_is_the_largest_tensor(strategy: Batching, d1_i
 
     ids, pad, _ = d1_ids
     p = plan(strategy, [len(t) for t in ids], 512, 4, seed=0)
-    heavy = collate(strategy, p.heaviest, ids, pad, 512, False)
-    sizes = [collate(strategy, mb, ids, pad, 512, False)["input_ids"].numel() for mb in p.batches]
+    heavy = collate(strategy, p.heaviest, ids, pad, 512)
+    sizes = [collate(strategy, mb, ids, pad, 512)["input_ids"].numel() for mb in p.batches]
     assert heavy["input_ids"].numel() == p.heaviest.tensor_tokens >= max(sizes)
 
 
@@ -611,7 +611,7 @@ def test_the_probe_runs_the_heaviest_micro_batch_then_the_seeded_sample(tmp_path
     req = ProbeRequest(cfg, resolve_model("tiny-llama"), str(tmp_path / "r.json"),
                        dataset=DatasetRef.of(load_samples(D2)).to_dict(), data_cache=str(tmp_path), data_seed=3)
     rb = real_batches(req)
-    p = plan(Batching.GROUP_BY_LENGTH, [len(t) for t in rb.token_ids], 256, 4, 3)
+    p = plan(Batching.GROUP_BY_LENGTH, [len(t) for t in rb.token_ids], 256, 4, 3, group=8)
     n = req.micro_batches  # every step of the probe: accumulation 2 (8 / 4), no packed rows to count
     assert rb.order[0] == p.heaviest and len(rb.order) == n and rb.step.accumulation == 2
     assert list(rb.order[1:]) == drawn(p.batches, n - 1, 3)

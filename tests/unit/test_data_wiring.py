@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
+from recipes import training_args
 
 from autofit.cli import main
 from autofit.config.spec import BATCHINGS
@@ -130,46 +134,64 @@ def test_search_bad_dataset_is_a_usage_error_before_anything_exists(tmp_path: Pa
 # ----------------------------------------------------------------------------- export with the measured strategy
 
 
+def recipe_namespace(text: str) -> dict[str, Any]:
+    """An exported recipe's constants and functions, executed as the module it is (main() not run)."""
+    space: dict[str, Any] = {"__name__": "recipe"}
+    exec(compile(text, "train.py", "exec"), space)  # noqa: S102  the recipe's own text
+    return space
+
+
 def test_the_hf_trainer_recipe_of_a_data_run_batches_as_measured(tmp_path: Path) -> None:
     from autofit.export import export_run
 
     text = export_run(data_run(tmp_path, "padding_free"), "hf-trainer").text
-    assert "BATCHING = 'padding_free'" in text and "MICRO_BATCH_SIZE = 2" in text
-    assert "DataCollatorWithFlattening" in text and "packed_blocks(texts" not in text.split("def main")[-1]
-    assert "trained tokens/s on " in text and str(D1) in text
+    fields = training_args(text)
+    assert (fields["per_device_train_batch_size"], fields["gradient_accumulation_steps"]) == (2, 2)
+    assert "data_collator=DataCollatorWithFlattening()" in text and "pack_dataset" not in text
+    assert "trained tokens/s on " in text and f"DATASET = {str(D1)!r}" in text
     compile(text, "train.py", "exec")
 
 
-def test_the_recipes_tokens_per_s_is_its_steady_steps_tokens_over_their_time(tmp_path: Path) -> None:
-    """The summary's figure as the exported script computes it: steps of varying content (dynamic
-    padding) weigh by their tokens, where a median of per-step rates would give a short step's rate."""
-    import ast
-    import statistics
+def test_the_recipes_tokens_per_s_is_its_steady_steps_tokens_over_their_time(tmp_path: Path, capsys) -> None:
+    """The summary's figure as the exported recipe's Throughput callback computes it: steps of varying content
+    (dynamic padding) weigh by their tokens, where a median of per-step rates would give a short step's rate;
+    a step's tokens are the labels it trains (shifted, -100 not counted)."""
+    import torch
 
     from autofit.export import export_run
 
-    text = export_run(data_run(tmp_path, "pad_longest"), "hf-trainer").text
-    fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "steady_throughput")
-    ns: dict = {"statistics": statistics}
-    exec(compile(ast.Module([fn], []), "train.py", "exec"), ns)
+    space = recipe_namespace(export_run(data_run(tmp_path, "pad_longest"), "trl").text)
+    cb = space["Throughput"]()
+    cb.on_train_begin(None, None, None, model=torch.nn.Linear(1, 1))
+    cb.count(None, (), {"labels": torch.tensor([[5, 6, -100, 7], [1, 2, 3, -100]])})  # 2 + 2 trained
+    cb.count(None, (), {"input_ids": torch.tensor([[1, 2]])})  # no labels: nothing trained
+    cb.on_step_begin(None, None, None)
+    cb.on_step_end(None, None, None)
+    assert (cb.tokens, len(cb.times)) == ([4], 1)
     # two warm-up steps, then a short step, a long one and a short one
-    got = ns["steady_throughput"]([50, 60, 100, 1000, 100], [9.0, 1.0, 1.0, 2.0, 1.0])
+    cb.tokens, cb.times = [50, 60, 100, 1000, 100], [9.0, 1.0, 1.0, 2.0, 1.0]
+    capsys.readouterr()
+    cb.on_train_end(None, SimpleNamespace(log_history=[{"step": 1, "loss": 2.5}, {"train_runtime": 1}]), None)
+    got = json.loads(capsys.readouterr().out.split("recipe-summary ", 1)[1])
     assert got["tokens_per_s"] == pytest.approx(1200 / 4)  # not the median step's 100
-    assert (got["steady_tokens"], got["steady_seconds"]) == (1200, 4.0)
-    assert (got["tokens_per_s_median_step"], got["tokens_per_s_min"], got["tokens_per_s_max"]) == (100, 100, 500)
-    assert ns["steady_throughput"]([10, 30], [1.0, 1.0])["tokens_per_s"] == 20  # too short to skip warm-up
+    assert (got["steady_tokens"], got["steady_seconds"], got["steps"], got["losses"]) == (1200, 4.0, 5, [[1, 2.5]])
+    cb.tokens, cb.times = [10, 30], [1.0, 1.0]  # too short to skip warm-up
+    cb.on_train_end(None, SimpleNamespace(log_history=[]), None)
+    assert json.loads(capsys.readouterr().out.split("recipe-summary ", 1)[1])["tokens_per_s"] == 20
 
 
 @pytest.mark.parametrize(("strategy", "axolotl", "llama_factory", "lost"), [
     ("pad_max", {"sample_packing": False, "pad_to_sequence_len": True}, {"packing": False}, ["llama-factory"]),
     ("pad_longest", {"sample_packing": False, "pad_to_sequence_len": False}, {"packing": False}, []),
     ("group_by_length", {"group_by_length": True, "sample_packing": False}, {"group_by_length": True}, []),
-    ("padding_free", {"sample_packing": False}, {"packing": False}, ["axolotl", "llama-factory", "trl"]),
+    ("padding_free", {"sample_packing": False}, {"packing": False}, ["axolotl", "llama-factory"]),
     ("packed", {"sample_packing": True, "pad_to_sequence_len": True},
      {"packing": True, "neat_packing": True, "cutoff_len": 97}, ["axolotl", "llama-factory", "trl"]),
 ])
 def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: str, axolotl: dict,
                                                     llama_factory: dict, lost: list[str]) -> None:
+    """Each format spells the measured batching in its own keys, or lists it as not kept (TRL flattens a packed
+    micro-batch into one row: the same tokens, another layout)."""
     import yaml
 
     from autofit.export import export_run
@@ -180,14 +202,17 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
     assert yaml.safe_load(ax.text)["datasets"][0]["path"] == str(D1)
     lf = export_run(run, "llama-factory")
     assert yaml.safe_load(lf.text).items() >= llama_factory.items()
-    trl = export_run(run, "trl")
-    assert f"BATCHING = {strategy!r}" in trl.text and "TRL_BATCHING = " in trl.text
-    hf = export_run(run, "hf-trainer")
-    for text in (hf.text, trl.text):  # the docstring and --help name the run's fields, not placeholders
-        assert "rows with 'text' text or 'messages' chats" in text and f"as measured ({strategy})" in text
-        assert "DATASET_HELP = \"rows with 'text' text or 'messages' chats" in text
-        assert "(TEXT_FIELD or MESSAGES_FIELD per line)" not in text and "(BATCHING: " not in text
-    for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl)):
+    trl, hf = export_run(run, "trl"), export_run(run, "hf-trainer")
+    sft = training_args(trl.text)
+    assert sft["padding_free"] is (strategy == "padding_free") if "padding_free" in sft else strategy == "packed"
+    assert (sft["packing"], sft.get("packing_strategy")) == ((True, "bfd") if strategy == "packed" else (False, None))
+    assert sft.get("pad_to_multiple_of") == (96 if strategy == "pad_max" else None)
+    grouped = {"train_sampling_strategy": "group_by_length"} if strategy == "group_by_length" else {}
+    for text in (hf.text, trl.text):
+        assert {k: v for k, v in training_args(text).items() if k == "train_sampling_strategy"} == grouped
+        assert f"DATASET = {str(D1)!r}" in text and "TEXT_FIELD = 'text'" in text
+    assert ("pad_to_multiple_of=MAX_LENGTH" in hf.text) is (strategy == "pad_max")
+    for fmt, rendered in (("axolotl", ax), ("llama-factory", lf), ("trl", trl), ("hf-trainer", hf)):
         assert bool([x for x in rendered.unexpressed if "batching" in x or strategy in x]) == (fmt in lost), fmt
 
 
@@ -328,13 +353,33 @@ def test_start_writes_the_data_files_and_resume_refuses_a_changed_dataset(tmp_pa
         plan(SearchRequest(resume=session.run_dir, dataset=str(tmp_path / "gone.jsonl")))
 
 
-@pytest.mark.parametrize("path", [D1, CHAT, "array", "paragraphs"])
-def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str, tmp_path: Path) -> None:
-    """The recipe carries the search's reader: the same samples from JSONL, chats, a JSON array, and a
-    text file of paragraphs with Windows line endings (the recipe used to split every file by lines)."""
-    import sys
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Model folders with their tokenizers: `bos` adds a BOS token to text and has a chat template that writes its
+    own (as Llama's); `plain` adds no special token and has no chat template (autofit's plain rendering)."""
+    from recipes import save_tiny_model
 
-    mode = "auto"
+    return {name: save_tiny_model(tmp_path_factory.mktemp(name), bos=name == "bos") for name in ("bos", "plain")}
+
+
+@pytest.mark.parametrize(("path", "tokenizer"), [(D1, "bos"), (CHAT, "bos"), ("array", "plain"), ("paragraphs", "bos")])
+def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str, tokenizer: str, tmp_path: Path,
+                                                               models: dict[str, Path]) -> None:
+    """The token ids TRL's SFTTrainer trains from what the trl recipe's load_data reads are the ids the probe
+    trains (its reader and tokenizer, each sample cut to max_length): text rows from JSONL with TRL's
+    end-of-sequence token and the tokenizer's BOS, `messages` chats through the template that writes its own BOS
+    (or autofit's plain rendering where there is none), a JSON array of chats, and a text file of paragraphs with
+    Windows line endings and blank lines of spaces (`datasets`' text loader splits at '\\n\\n' only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from autofit.config.models import resolve_model
+    from autofit.config.spec import TrialConfig
+    from autofit.data import DatasetRef
+    from autofit.export import export_run
+    from autofit.probe.child.batches import real_batches
+    from autofit.protocol.request import ProbeRequest
+
     if path == "array":  # one JSON array of the chat rows, with an upper-case extension
         rows = [json.loads(x) for x in CHAT.read_text().splitlines() if x.strip()]
         path = tmp_path / "CHAT.JSON"
@@ -343,23 +388,24 @@ def test_the_recipe_tokenizes_the_dataset_exactly_as_the_probe(path: Path | str,
         texts = [" ".join(json.loads(x)["text"].split()) for x in D1.read_text().splitlines()[:40]]
         path = tmp_path / "notes.txt"
         path.write_bytes("\r\n \r\n".join(f"{a}\r\n{b}" for a, b in zip(texts[::2], texts[1::2])).encode())
-        mode = "paragraphs"
     assert isinstance(path, Path)
+    model = models[tokenizer]
+    run = data_run(tmp_path, "pad_longest", path)
+    space = recipe_namespace(export_run(run, "trl").text)
+    tok = AutoTokenizer.from_pretrained(model)  # main()'s steps before the trainer
+    tok.chat_template = tok.chat_template or space.get("PLAIN_CHAT")
+    args = SFTConfig(output_dir=str(tmp_path / "out"), **space["TRAINING_ARGS"])
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model), args=args,
+                         train_dataset=space["load_data"](str(path)), processing_class=tok)
+    recipe = trainer.train_dataset["input_ids"]
 
-    from autofit.config.models import resolve_model
-    from autofit.data import TextMode, load_samples, tokenizer_for
-    from autofit.export.data_script import DATA_HELPERS
-
-    def fail(message: str) -> None:
-        raise AssertionError(message)
-
-    space = {"json": json, "sys": sys, "fail": fail, "MODEL_CONFIG": resolve_model("tiny-llama").config,
-             "TEXT_FIELD": "text", "MESSAGES_FIELD": "messages", "TEXT_MODE": mode}
-    exec(compile(DATA_HELPERS, "train.py", "exec"), space)  # noqa: S102  the recipe's own functions, as text
-    samples = space["read_samples"](str(path))
-    encode, pad, _ = space["encoder"](None, samples)
-    data = load_samples(path)
-    if mode == "paragraphs":
-        assert data.text_mode is TextMode.PARAGRAPHS and len(data) == len(samples) == 20
-    tok = tokenizer_for(resolve_model("tiny-llama"), data)
-    assert encode(samples) == tok.encode(data.samples) and pad == tok.pad_id
+    ref = yaml.safe_load((run / "spec.yaml").read_text())["dataset"]
+    cfg = TrialConfig(batching="pad_longest", max_length=96, micro_batch_size=2, global_batch=4)
+    probe = real_batches(ProbeRequest(cfg, resolve_model(str(model)), str(tmp_path / "r.json"),
+                                      dataset=DatasetRef.from_dict(ref).to_dict(), data_cache=str(tmp_path)))
+    assert probe is not None and len(probe.token_ids) == len(recipe) > 1
+    assert [ids[:96] for ids in probe.token_ids] == recipe
+    if tokenizer == "bos":  # what TRL adds, and only where it adds it
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+        assert all(ids[0] == bos and ids.count(bos) == 1 for ids in probe.token_ids)
+        assert all((ids[-1] == eos) is (path != CHAT) for ids in probe.token_ids)  # none after a chat
