@@ -18,7 +18,7 @@ import pytest
 import yaml
 from conftest import DATA_DIR, ROOT, run_cli
 from faults import Fault, full_disk, read_only_folder
-from recipes import DATA
+from recipes import DATA, save_tiny_model
 
 from autofit.core.paths import shown
 from autofit.data import DatasetRef, load_samples
@@ -322,6 +322,15 @@ WRITTEN = [
           "python train.py --dataset /dev/zero", 2, "--dataset: cannot read /dev/zero: not a file or a folder"),
     Fault("script-emulate-negative", "an exported script given --emulate-memory-gib -3 (a CUDA error on a GPU)",
           "python train.py --emulate-memory-gib -3", 2, "--emulate-memory-gib: -3.0 is not a memory size"),
+    Fault("script-output-dir-is-a-file", "an exported script given --output-dir naming an existing file (trained "
+          "to the end, then a traceback saving the model)", "python train.py --output-dir notes.txt", 2,
+          "--output-dir: notes.txt is a file; give a folder"),
+    Fault("script-model-without-tokenizer", "an exported script given --model a folder of weights without its "
+          "tokenizer (transformers' traceback, after reading the dataset)", "python train.py --model weights", 2,
+          "--model: weights has no tokenizer files; give the model's folder with its tokenizer"),
+    Fault("script-dataset-below-one-step", "an exported script given a one-row dataset, fewer samples than one "
+          "optimizer step (the figures must be the tokens it trained)",
+          "python train.py --dataset one.jsonl --model M", 0, 'recipe-summary {"steps": 1, "tokens_per_s": '),
 ]
 FAULTS += WRITTEN
 
@@ -481,6 +490,34 @@ def _script(dataset: str, *args: str, files: dict[str, str] | None = None,
     return setup
 
 
+def _model_without_tokenizer(tmp: Path) -> Command:
+    (tmp / "weights").mkdir()
+    (tmp / "weights" / "config.json").write_text('{"model_type": "llama"}')
+    return _script(str(DATA), "--model", "weights")(tmp)
+
+
+def _one_row(tmp: Path) -> Command:
+    """A run searched on D1 (micro-batch 2 x accumulation 4), trained on one row: the summary counts that row's
+    trained tokens (every token but the first is a label: the text, and the end-of-sequence token TRL adds)."""
+    text = "one short sample, fewer than an optimizer step of them"
+    (tmp / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    model, script = save_tiny_model(tmp / "model"), recipe(data_run(tmp))
+
+    def command() -> subprocess.CompletedProcess[str]:
+        from transformers import AutoTokenizer
+
+        proc = train(script, "one.jsonl", "--model", str(model))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        tok = AutoTokenizer.from_pretrained(model)
+        trained = len(tok(text + tok.eos_token)["input_ids"]) - 1
+        got = summary(proc)
+        assert (got["steps"], got["steady_tokens"]) == (1, trained), got
+        assert got["tokens_per_s"] == pytest.approx(trained / got["steady_seconds"])
+        # the summary is the recipe's stdout: the row's message is looked for there
+        return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout, proc.stdout + proc.stderr)
+    return command
+
+
 def _fifo(tmp: Path) -> Command:
     os.mkfifo(tmp / "fifo")
     run = data_run(tmp)
@@ -505,6 +542,9 @@ WRITTEN_SETUP: dict[str, Callable[[Path], Command]] = {
     "script-dataset-empty": _script("empty.jsonl", files={"empty.jsonl": ""}),
     "script-dataset-device": _script("/dev/zero"),
     "script-emulate-negative": _script(str(DATA), "--emulate-memory-gib", "-3"),
+    "script-output-dir-is-a-file": _script(str(DATA), "--output-dir", "notes.txt", files={"notes.txt": "mine\n"}),
+    "script-model-without-tokenizer": _model_without_tokenizer,
+    "script-dataset-below-one-step": _one_row,
 }
 
 
