@@ -30,8 +30,11 @@ OTHER: dict[str, Any] = {
 CONTEXT: dict[str, dict[str, Any]] = {
     "engine": {"gpus": 2}, "reshard_after_forward": {"gpus": 2, "engine": "fsdp2"},
     "cpu_offload": {"gpus": 2, "engine": "fsdp2"},
+    "precompute_ref_log_probs": {"trainer": "dpo", "batching": "pad_longest"},
+    "dpo_reference": {"trainer": "dpo", "batching": "pad_longest"},
 }
-"""What a value of OTHER needs beside it (an engine needs several GPUs, resharding and offload an engine)."""
+"""What a value of OTHER needs beside it (an engine needs several GPUs, resharding and offload an engine, the DPO
+knobs the DPO trainer, which pads to the longest pair)."""
 
 
 def other(name: str) -> Any:
