@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import export_bench
 from common import GIB, autofit_cli, bench_env, read_trials, save
 
 from autofit.config.models import PRESETS
@@ -389,6 +390,8 @@ def run_recipe(run_dir: Path, work: Path, steps: int, limit: int | None, gpu: in
     model) on `dataset` (default: the bench's random words); its summary (tokens/s, peak, losses). `patch`
     rewrites the exported script first (data_parity.py: where the export lags the probe's step rule)."""
     script = work / "train.py"
+    if model is None:  # a preset has no weights: its random weights with the probe's tokenizer, as a folder
+        model = export_bench.model_folder(run_dir, work, dataset or bench_dataset(work))
     export = ["export", str(run_dir), "--format", "hf-trainer", "-o", str(script), "--force"]
     proc = autofit_cli(*export, *(["--dataset", str(dataset)] if dataset and (run_dir / "data").is_dir() else []),
                        timeout=600)
@@ -426,30 +429,6 @@ correct stock kernel: its curve against the stock one is the floor two correct i
 to say which one moves the curve."""
 
 
-SAVE_PRESET = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-getattr(recipe, "load_torch", lambda: None)()  # scripts that import torch only once their input is checked
-recipe.build_model(None).save_pretrained(sys.argv[2])
-recipe.load_tokenizer(None).save_pretrained(sys.argv[2])
-"""
-"""The exported script's own preset (random weights) and stand-in tokenizer, saved: a folder its --model reads."""
-
-SAVE_DATA_PRESET = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-getattr(recipe, "load_torch", lambda: None)()  # scripts that import torch only once their input is checked
-_, _, tokenizer = recipe.encoder(None, recipe.read_samples(sys.argv[3]))
-recipe.build_model(None).save_pretrained(sys.argv[2])
-tokenizer.save_pretrained(sys.argv[2])
-"""
-"""A data recipe's preset and the data's stand-in tokenizer (a BPE trained on the dataset, as the search
-measured lengths with), saved: a folder its --model reads."""
-
 MERGE = """
 import sys
 from peft import PeftModel
@@ -469,27 +448,26 @@ def warm_base(run_dir: Path, work: Path, steps: int, gpu: int | None, changes: d
     weights. From random weights the loss falls 3x in 20 steps, and a kernel recipe one step ahead of the
     stock one differs by several percent at a step without training anything else; fine-tuning starts
     from a trained model, where a kernel that computes a different loss shows as a lasting offset.
-    The random preset is saved first, so that the warm-up and the merge read the very same weights.
+    The random preset is saved first (export_bench.model_folder: with the tokenizer the probe measured with),
+    so that the warm-up and the merge read the very same weights.
     data_parity.py: the run's winner with `changes` trains on `dataset` (a run searched with --dataset),
-    the preset saved with the data's stand-in tokenizer; `patch` as run_recipe's."""
+    `patch` as run_recipe's."""
     folder = work / "warm"
     folder.mkdir()
     copy = variant_copy(run_dir, work, "warm", changes)
-    script, preset, base = folder / "train.py", folder / "preset", folder / "base"
+    base = folder / "base"
 
     def helper(code: str, *args: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                               check=False, timeout=1800, env=bench_env(gpu))
 
-    made = autofit_cli("export", str(copy), "--format", "hf-trainer", "-o", str(script), "--force",
-                       *(["--dataset", str(dataset)] if dataset else []), timeout=600)
-    if made.returncode != 0:
-        saved = made
-    else:
-        saved = helper(SAVE_PRESET, script, preset) if dataset is None else helper(SAVE_DATA_PRESET, script, preset,
-                                                                                   dataset)
-    if saved.returncode != 0:
-        return None, {"steps": steps, "error": saved.stderr[-1500:]}
+    try:  # the preset's random weights with the tokenizer its probe measured with (export_bench.model_folder)
+        preset = export_bench.model_folder(copy, folder, dataset or bench_dataset(folder))
+    except Exception as e:  # noqa: BLE001  a bench records what failed and goes on
+        return None, {"steps": steps, "error": f"{type(e).__name__}: {e}"[-1500:]}
+    if preset is None:
+        return None, {"steps": steps, "error": "warm_base: the run's model is not a shape preset (no random weights "
+                                               "to warm up)"}
     run = run_recipe(copy, folder, steps, None, gpu, preset, dataset, patch)
     summary = {"steps": steps, "losses": run.get("losses"), "rc": run.get("rc")}
     if run.get("rc") != 0:
