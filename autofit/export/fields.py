@@ -82,13 +82,15 @@ def _read_installed() -> dict[str, list[str]]:
            "LoraConfig": names_of(peft.LoraConfig),
            "prepare_model_for_kbit_training": names_of(peft.prepare_model_for_kbit_training)}
     if trl_installed():
+        from trl.trainer.dpo_config import DPOConfig
         from trl.trainer.sft_config import SFTConfig
 
         out["SFTConfig"] = names_of(SFTConfig)
+        out["DPOConfig"] = names_of(DPOConfig)
     return out
 
 
-READER = 2
+READER = 3
 """How the names are read (names_of); a cache written by another reader is not used."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autofit.core.errors import UsageError
 from autofit.export.common import ExportRun, Rendered, check_fields
 from autofit.export.fields import installed_fields, versions
 from autofit.export.multi_gpu import script_launch
@@ -14,7 +15,7 @@ def check_names(w: Winner, training: set[str], trainer: str = "TrainingArguments
     `trainer`'s fields (TrainingArguments, or TRL's SFTConfig), its fsdp_config keys, LoraConfig,
     BitsAndBytesConfig and prepare_model_for_kbit_training."""
     have, v = installed_fields(), versions()
-    library = f"trl {v['trl']}" if trainer == "SFTConfig" else f"transformers {v['transformers']}"
+    library = f"trl {v['trl']}" if trainer in ("SFTConfig", "DPOConfig") else f"transformers {v['transformers']}"
     check_fields(have[trainer], training, f"{library} {trainer}")
     check_fields(have["fsdp_config"], w.training.get("fsdp_config", {}),
                  f"transformers {v['transformers']} TrainingArguments fsdp_config (its documented keys)")
@@ -27,6 +28,9 @@ def check_names(w: Winner, training: set[str], trainer: str = "TrainingArguments
 
 def render(r: ExportRun) -> Rendered:
     w = describe(r)
+    if w.trainer == "dpo":
+        raise UsageError("--format hf-trainer: the winner trains preference pairs (trainer=dpo), which "
+                         "transformers' Trainer does not; export it with --format trl (TRL's DPOTrainer).")
     check_names(w, set(w.training_for("hf-trainer")) | set(sampling_fields(w)))
     notes = []
     if w.batching == "packed":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from autofit.core.errors import UsageError
 from autofit.export.common import ExportRun, Rendered
+from autofit.export.dpo import render_dpo, training
 from autofit.export.fields import trl_installed, versions
 from autofit.export.hf_trainer import check_names
 from autofit.export.multi_gpu import script_launch
@@ -32,11 +33,23 @@ def differences(w: Winner, version: str) -> tuple[list[str], list[str]]:
     return out, notes
 
 
+def not_kept_dpo(w: Winner) -> list[str]:
+    """What the DPO recipe cannot keep: spec's list for trl, but the DPO keys themselves (DPOConfig takes them)."""
+    from autofit.config.spec import not_kept
+
+    return [x for x in not_kept(w.config, "trl") if x.split("=", 1)[0] not in w.preference_keys]
+
+
 def render(r: ExportRun) -> Rendered:
     if not trl_installed():
         raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
                          "trl`) and export again.")
     w = describe(r)
+    if w.trainer == "dpo":  # TRL's DPOTrainer: every DPO setting is DPOConfig's, nothing to list as not kept
+        check_names(w, set(training(w)), "DPOConfig")
+        differs = [x for x in differences(w, versions()["trl"])[0] if not x.startswith("batching=")]
+        differs += not_kept_dpo(w)
+        return Rendered(render_dpo(r, w, differs), differs)
     check_names(w, set(w.training_for("trl")) | set(sampling_fields(w)) | set(sft_fields(w)), "SFTConfig")
     differs, notes = differences(w, versions()["trl"])
     differs += w.not_kept("trl")

@@ -31,6 +31,8 @@ CARRIED: dict[str, str] = {
 (`Dimension.training_argument`) is carried by `training` without being listed here."""
 
 LOGGING_STEPS = 10
+PREFERENCE_KEYS = tuple(k for k in ("trainer", "precompute_ref_log_probs", "dpo_reference") if k in KEYS)
+"""The dimensions of preference tuning (named: `config.spec.KEYS` holds them), which an SFT recipe cannot take."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Winner:
     packed_on_average: bool
     """The accumulation comes from the probe's plan: packed rows hold however many samples fit."""
     trainer: str
-    """What the winner trains: `sft`; a preference-tuning winner (`dpo`) is not exported yet."""
+    """What the winner trains: `sft`, or `dpo` (TRL's DPOTrainer: the trl format's DPO recipe, `export.dpo`)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -81,9 +83,7 @@ class Winner:
         than the default)."""
         if self.trainer == "sft":
             return []
-        sft = {k for k, d in KEYS.items() if d.default is not None}
-        return [k for k in sorted(sft) if getattr(self.config, k) != KEYS[k].default
-                and (k in ("trainer", "dpo_reference") or KEYS[k].help.startswith(f"trainer={self.trainer}"))]
+        return [k for k in sorted(PREFERENCE_KEYS) if getattr(self.config, k) != KEYS[k].default]
 
     def not_kept(self, fmt: str) -> list[str]:
         """`key=value: why` of what `fmt` cannot keep of the winner, whatever the format's own code adds."""

@@ -35,3 +35,24 @@ def test_a_lora_recipe_with_a_dataset_stays_short(tmp_path: Path, fmt: str, quan
         emulation = block + sum("emulate" in line for line in lines[:cap])  # the flag and its check
         allowed = MAX_LINES + (QLORA_LINES if quantization != "none" else 0) + (HF_TOKENIZING if fmt != "trl" else 0)
         assert len(lines) - emulation <= allowed, (strategy, len(lines), emulation)
+
+
+@pytest.mark.parametrize("reference", ["shared", "copy"])
+def test_a_dpo_recipe_is_short_and_passes_the_reference_as_measured(tmp_path: Path, reference: str) -> None:
+    """trl's DPO recipe (tests/e2e/test_export_dpo.py trains it): within MAX_LINES beside its memory cap, the
+    reference as dpo_reference says (shared: no ref_model, TRL disables the adapter; copy: a second model)."""
+    from recipes import training_args
+
+    run = data_run(tmp_path, "pad_max")
+    best = json.loads((run / "best.json").read_text())
+    best["config"].update(trainer="dpo", dpo_reference=reference)
+    (run / "best.json").write_text(json.dumps(best))
+    rendered = export_run(run, "trl")
+    lines = rendered.text.splitlines()
+    assert len(lines) - sum("emulate" in x or "torch.cuda.mem_get_info()" in x or "outside" in x or "torch.zeros(1"
+                            in x for x in lines) <= MAX_LINES
+    assert ("ref_model=reference" in rendered.text) is (reference == "copy")
+    assert ("ref_model=None" in rendered.text) is (reference == "shared") and "DPOConfig(output_dir" in rendered.text
+    fields = training_args(rendered.text)
+    assert (fields["pad_to_multiple_of"], fields["max_length"], fields["precompute_ref_log_probs"]) == (96, 96, False)
+    assert not rendered.unexpressed
