@@ -27,9 +27,6 @@ def differences(w: Winner, version: str) -> tuple[list[str], list[str]]:
     if w.quantization:
         out.append(f"quantization={w.config.quantization}: trl {version} casts the adapter's weights to bf16 on a "
                    "quantized base (the probe trained fp32 adapters): adapter and optimizer memory are smaller")
-    if w.batching == "packed":
-        out.append("batching=packed: TRL flattens each micro-batch's bfd rows into one row (the probe measured "
-                   "micro_batch_size rows of max_length): the same tokens, another layout")
     return out, notes
 
 
