@@ -10,7 +10,7 @@ from autofit.export.common import ExportRun, Rendered, data_form, with_engine, y
 from autofit.export.data_yaml import llama_factory_batching
 from autofit.export.multi_gpu import ACCELERATE_FSDP, yaml_intro
 from autofit.export.multi_gpu import llama_factory as engine_keys
-from autofit.export.winner import describe
+from autofit.export.winner import Winner, describe, pair_form
 from autofit.export.yaml_targets import LLAMA_FACTORY
 
 
@@ -20,7 +20,8 @@ def render(r: ExportRun) -> Rendered:
     lost: list[str] = []
     out: dict[str, object] = {
         "model_name_or_path": r.weights_ref,
-        "stage": "sft",
+        "stage": "sft" if w.preference is None else "dpo",
+        **({"pref_beta": w.preference.beta, "pref_loss": w.preference.loss} if w.preference is not None else {}),
         "do_train": True,
         "finetuning_type": cfg.method,
     }
@@ -51,7 +52,10 @@ def render(r: ExportRun) -> Rendered:
         "report_to": "none",
     })
     register = "Register my_dataset in data/dataset_info.json first."
-    if r.dataset is not None:  # searched with --dataset: the measured batching, on the measured rows
+    if w.preference is not None:
+        missing, register = preference_keys(r, w, out)
+        lost += missing
+    elif r.dataset is not None:  # searched with --dataset: the measured batching, on the measured rows
         batching, missing = llama_factory_batching(cfg)
         out.update(batching)
         lost += missing
@@ -112,3 +116,48 @@ def with_gpus(r: ExportRun, out: dict[str, object], lost: list[str], register: s
                   "-m llamafactory.launcher); FSDP's activation checkpointing replaces LLaMA-Factory's."]
     return with_engine(yaml_recipe(r, out, LLAMA_FACTORY["keys"], intro, lost, "llama-factory"), companions,
                        launch)
+
+
+def preference_keys(r: ExportRun, w: Winner, out: dict[str, object]) -> tuple[list[str], str]:
+    """A DPO winner's keys beside `stage: dpo` (the reference, the padding), in `out`; (what LLaMA-Factory cannot
+    keep, the line that registers the preference file in data/dataset_info.json: a `ranking` entry)."""
+    cfg, pref, version = w.config, w.preference, LLAMA_FACTORY["version"]
+    assert pref is not None
+    batching, lost = llama_factory_batching(cfg)  # pad_longest or pad_max: its collator pads to the longest
+    out.update(batching)
+    lost += [f"max_length={w.max_length}: LLaMA-Factory cuts a pair longer than cutoff_len in its prompt and its "
+             "completions both (in proportion, infer_seqlen) where TRL keeps the start: long pairs train other "
+             "tokens",
+             f"trainer=dpo: LLaMA-Factory {version}'s DPO trainer holds each row's full logits in fp32 (TRL's fused "
+             "LM head, which the probe ran, holds log-probabilities in tiles): more memory than measured"]
+    if pref.precompute_ref_log_probs:
+        lost.append(f"precompute_ref_log_probs=True: LLaMA-Factory {version}'s DPO trainer never precomputes "
+                    "them: the reference runs a forward every step, slower and with more memory than measured")
+    if cfg.method == "lora" and pref.reference == "copy":  # else the base with the adapter disabled
+        out["ref_model"] = r.weights_ref
+        if cfg.quantization != "none":  # the copy loaded as the policy's base was
+            out["ref_model_quantization_bit"] = out["quantization_bit"]
+    if cfg.method == "full" and pref.reference == "shared":
+        lost.append(f"dpo_reference=shared with method=full: LLaMA-Factory {version} loads a reference copy "
+                    "for full fine-tuning: more memory than measured")
+    form = pair_form(r.dataset)
+    path = r.dataset.path if r.dataset is not None else "prefs.jsonl"
+    prompt = "messages" if form.conversational else "prompt"  # sharegpt: the conversation before the replies
+    entry: dict[str, object] = {"file_name": path, "ranking": True,
+                                "columns": {prompt: "prompt", "chosen": "chosen", "rejected": "rejected"}}
+    if form.conversational:
+        entry.update({"formatting": "sharegpt", "tags": {"role_tag": "role", "content_tag": "content",
+                                                         "user_tag": "user", "assistant_tag": "assistant",
+                                                         "system_tag": "system"}})
+        lost += ["conversations: LLaMA-Factory's sharegpt preference rows hold chosen and rejected as one "
+                 "{role, content} message each, TRL's as lists of messages: give each row its completion's last "
+                 "message" + (", and the messages chosen and rejected share as a 'prompt' list" if form.implicit
+                              else ""),
+                 "chats were measured rendered with the tokenizer's own chat template: set `template` to your "
+                 "model's LLaMA-Factory template name (empty adds no role markers)"]
+    elif form.implicit:
+        lost.append("the rows have no 'prompt' (TRL took the shared start of chosen and rejected as it); "
+                    "LLaMA-Factory's ranking rows need one: add a 'prompt' field holding that start and cut it "
+                    "from chosen and rejected")
+    lost += [form.note] if form.note else []
+    return lost, f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from autofit.config import recipe
 from autofit.config.recipe import Arguments
 from autofit.config.spec import KEYS, TrialConfig, not_kept, training_argument_values
+from autofit.core.errors import UsageError
 from autofit.data import DatasetRef
+from autofit.data.preference import read_preferences
 from autofit.export.common import ExportRun
 
 CARRIED: dict[str, str] = {
@@ -25,7 +27,7 @@ CARRIED: dict[str, str] = {
     "expandable_segments": "environment", "lora_r": "lora", "lora_alpha": "lora", "lora_targets": "lora",
     "lora_dropout": "lora", "batching": "batching", "gpus": "training", "engine": "training",
     "reshard_after_forward": "training", "cpu_offload": "training", "trainer": "trainer",
-    "dpo_reference": "trainer",
+    "dpo_reference": "preference",
 }
 """The field of `Winner` that carries each dimension; a dimension declared with a TrainingArguments field
 (`Dimension.training_argument`) is carried by `training` without being listed here."""
@@ -33,6 +35,35 @@ CARRIED: dict[str, str] = {
 LOGGING_STEPS = 10
 PREFERENCE_KEYS = tuple(k for k in ("trainer", "precompute_ref_log_probs", "dpo_reference") if k in KEYS)
 """The dimensions of preference tuning (named: `config.spec.KEYS` holds them), which an SFT recipe cannot take."""
+DPO_BETA = 0.1
+DPO_LOSS = "sigmoid"
+"""TRL 1.16 DPOConfig's `beta` and `loss_type` defaults: the DPO probe sets neither, so it trained these; the YAML
+formats write them (their own defaults could differ)."""
+
+
+@dataclass(frozen=True)
+class Preference:
+    """What a DPO winner trains beside the SFT settings: the loss, and where the reference's log-probs come from."""
+
+    beta: float
+    loss: str
+    precompute_ref_log_probs: bool
+    reference: str
+    """`shared`: no second copy of the weights (a LoRA policy with its adapter disabled); `copy`: a separate
+    reference model of the same weights."""
+
+
+@dataclass(frozen=True)
+class PairForm:
+    """What the run's preference rows are, for the YAML trainers' dataset entries (their keys differ by form)."""
+
+    conversational: bool = False
+    implicit: bool = False
+    """Rows of chosen and rejected alone: TRL took their shared start as the prompt."""
+    long_completions: int = 0
+    """Conversation pairs whose chosen or rejected completion is more than one message."""
+    note: str = ""
+    """What was assumed where the file cannot be read here."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +94,8 @@ class Winner:
     """The accumulation comes from the probe's plan: packed rows hold however many samples fit."""
     trainer: str
     """What the winner trains: `sft`, or `dpo` (TRL's DPOTrainer: the trl format's DPO recipe, `export.dpo`)."""
+    preference: Preference | None = None
+    """A DPO winner's loss and reference (None for SFT)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -86,12 +119,10 @@ class Winner:
         return [k for k in sorted(PREFERENCE_KEYS) if getattr(self.config, k) != KEYS[k].default]
 
     def not_kept(self, fmt: str) -> list[str]:
-        """`key=value: why` of what `fmt` cannot keep of the winner, whatever the format's own code adds."""
-        out = not_kept(self.config, fmt)
-        out = [x for x in out if x.split("=", 1)[0] not in self.preference_keys]
-        out += [f"{k}={getattr(self.config, k)}: autofit exports supervised fine-tuning recipes only; this "
-                "recipe trains SFT on the same settings, not preference pairs" for k in self.preference_keys]
-        return out
+        """`key=value: why` of what `fmt` cannot keep of the winner, whatever the format's own code adds. The
+        preference keys are each DPO renderer's to write or list (`spec.not_kept` knows their TrainingArguments
+        field only, and the YAML formats spell them in their own keys)."""
+        return [x for x in not_kept(self.config, fmt) if x.split("=", 1)[0] not in self.preference_keys]
 
 
 def describe(r: ExportRun, max_steps: int = 1000) -> Winner:
@@ -109,4 +140,20 @@ def describe(r: ExportRun, max_steps: int = 1000) -> Winner:
         dtype=recipe.weights_dtype(cfg), attention=cfg.attn_implementation, lora=recipe.lora_arguments(cfg),
         quantization=recipe.quantization_arguments(cfg), kbit=recipe.kbit_preparation(cfg), training=training,
         environment=recipe.process_env(cfg), accumulation=r.accumulation, step_samples=r.step_samples,
-        packed_on_average=r.accumulation != cfg.gradient_accumulation_steps, trainer=getattr(cfg, "trainer", "sft"))
+        packed_on_average=r.accumulation != cfg.gradient_accumulation_steps, trainer=cfg.trainer,
+        preference=Preference(DPO_BETA, DPO_LOSS, cfg.precompute_ref_log_probs, cfg.dpo_reference)
+        if cfg.trainer == "dpo" else None)
+
+
+def pair_form(dataset: DatasetRef | None) -> PairForm:
+    """Read the run's preference file again (where it is) to tell text from conversations and an explicit prompt
+    from an implicit one; a run without a dataset is written as text rows with a prompt."""
+    if dataset is None:
+        return PairForm()
+    try:
+        prefs = read_preferences(dataset.path)
+    except UsageError:
+        return PairForm(note=f"the dataset {dataset.path} is not here to read: written as text rows with a "
+                        "prompt; export with --dataset PATH to have its form read")
+    longer = sum(1 for p in prefs.pairs if p.conversational and max(len(p.chosen), len(p.rejected)) > 1)
+    return PairForm(prefs.conversational, prefs.implicit, longer)

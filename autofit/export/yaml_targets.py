@@ -12,6 +12,9 @@ from typing import TypedDict
 class Axolotl(TypedDict):
     version: str
     keys: set[str]
+    dpo_version: str
+    dpo_keys: set[str]
+    """`rl: dpo`'s keys, of `dpo_version` (precompute_ref_log_probs is 0.16's, truncating a preference row 0.17's)."""
     fsdp_config: set[str]
     optimizers: set[str]
 
@@ -49,6 +52,12 @@ AXOLOTL: Axolotl = {
         # docs/multi-gpu.qmd: DeepSpeed (a JSON path) and FSDP2 (schemas/fsdp.py FSDPConfig below)
         "deepspeed", "fsdp_version", "fsdp_config",
     },
+    # schemas/config.py (rl, rl_beta, dpo_loss_type, precompute_ref_log_probs, dpo_use_liger_kernel,
+    # excess_length_strategy); utils/data/rl.py truncates a preference row under excess_length_strategy: truncate;
+    # the dataset types are prompt_strategies/dpo/ (user_defined, chat_template.default/argilla_chat)
+    "dpo_version": "0.17",
+    "dpo_keys": {"rl", "rl_beta", "dpo_loss_type", "precompute_ref_log_probs", "dpo_use_liger_kernel",
+                 "excess_length_strategy"},
     "fsdp_config": {"offload_params", "state_dict_type", "auto_wrap_policy", "reshard_after_forward",
                     "activation_checkpointing", "transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading"},
     "optimizers": {"adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
@@ -68,6 +77,9 @@ LLAMA_FACTORY: LlamaFactory = {
         "enable_liger_kernel", "torch_compile",
         # a Seq2SeqTrainingArguments field: the DeepSpeed JSON's path (examples/deepspeed/)
         "deepspeed",
+        # hparams/finetuning_args.py (stage: dpo, examples/train_lora/llama3_lora_dpo.yaml); the preference file
+        # is a `ranking` entry of data/dataset_info.json (data/README.md)
+        "pref_beta", "pref_loss", "ref_model", "ref_model_quantization_bit",
     },
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }

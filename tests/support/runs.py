@@ -15,6 +15,7 @@ from autofit.config.models import resolve_model
 from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
 from autofit.data import DatasetRef, load_samples
+from autofit.data.preference import read_preferences
 from autofit.run import regress
 from autofit.run.best import BestEntry
 from autofit.run.rundir import target_dict
@@ -25,6 +26,10 @@ D1 = DATA_DIR / "d1-slice.jsonl"
 """The committed slice of D1 (docstrings), as a user's JSONL file."""
 CHAT = DATA_DIR / "d1-chat-slice.jsonl"
 """The same samples as chats (a 'messages' list a row)."""
+PREFS = DATA_DIR / "prefs.jsonl"
+"""Preference pairs as text, each with its prompt."""
+PREFS_CHAT = DATA_DIR / "prefs-chat.jsonl"
+"""Preference pairs as conversations, chosen and rejected alone (TRL's implicit prompt: their shared start)."""
 
 
 def write_run(run_dir: Path, limit: int | None = 2 * 2**30, **winner: Any) -> Path:
@@ -61,6 +66,17 @@ def data_run(tmp_path: Path, batching: str, data: Path = D1, messages_field: str
     best["config"] = {**best["config"], "batching": batching, "max_length": 96, "micro_batch_size": 2,
                       "global_batch": 4, "precision": "fp32"}
     (run / "best.json").write_text(json.dumps(best))
+    return run
+
+
+def dpo_run(tmp_path: Path, data: Path = PREFS, **settings: Any) -> Path:
+    """A run folder as a DPO search on a preference file leaves it (written, not measured)."""
+    cfg = TrialConfig.from_dict({"trainer": "dpo", "batching": "pad_longest", "max_length": 128,
+                                 "micro_batch_size": 2, "global_batch": 4, "precision": "fp32", **settings})
+    run = write_run(tmp_path / f"dpo-{data.stem}", config=cfg.to_dict())
+    spec = yaml.safe_load((run / "spec.yaml").read_text())
+    spec["dataset"] = DatasetRef.of_preferences(read_preferences(data)).to_dict()
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
     return run
 
 
