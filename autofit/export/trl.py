@@ -16,18 +16,19 @@ from autofit.export.script import render_script, sampling_fields, sft_fields
 from autofit.export.winner import Winner, describe
 
 
-def differences(w: Winner, version: str) -> tuple[list[str], list[str]]:
-    """What TRL trains otherwise than the probe's Trainer run: (settings it cannot keep, written as comments and
-    warned about; notes said on stderr)."""
-    out, notes = [], []
-    if w.config.liger:
-        notes.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only (use_liger_kernel is "
+def differences(w: Winner, version: str) -> list[str]:
+    """What TRL trains otherwise than the probe's run: settings it cannot keep, written as comments and warned
+    about. Liger is one for SFT: the probe's Trainer ran Liger's fused cross-entropy, which SFTTrainer replaces by
+    its own fused LM head (a DPO probe ran DPOTrainer, which the recipe runs too)."""
+    out = []
+    if w.config.liger and w.trainer == "sft":
+        out.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only (use_liger_kernel is "
                    "deprecated there) and its own fused LM head instead of Liger's fused cross-entropy: speed and "
                    "peak differ from the probe's Trainer run")
     if w.quantization:
         out.append(f"quantization={w.config.quantization}: trl {version} casts the adapter's weights to bf16 on a "
                    "quantized base (the probe trained fp32 adapters): adapter and optimizer memory are smaller")
-    return out, notes
+    return out
 
 
 def not_kept_dpo(w: Winner) -> list[str]:
@@ -44,11 +45,9 @@ def render(r: ExportRun) -> Rendered:
     w = describe(r)
     if w.trainer == "dpo":  # TRL's DPOTrainer: every DPO setting is DPOConfig's, nothing to list as not kept
         check_names(w, set(training(w)), "DPOConfig")
-        differs = [x for x in differences(w, versions()["trl"])[0] if not x.startswith("batching=")]
+        differs = [x for x in differences(w, versions()["trl"]) if not x.startswith("batching=")]
         differs += not_kept_dpo(w)
         return Rendered(render_dpo(r, w, differs), differs)
     check_names(w, set(w.training_for("trl")) | set(sampling_fields(w)) | set(sft_fields(w)), "SFTConfig")
-    differs, notes = differences(w, versions()["trl"])
-    differs += w.not_kept("trl")
-    return Rendered(render_script(r, w, "trl", "train_trl.py", differs), differs, notes=notes,
-                    launch=script_launch(w.config))
+    differs = differences(w, versions()["trl"]) + w.not_kept("trl")
+    return Rendered(render_script(r, w, "trl", "train_trl.py", differs), differs, launch=script_launch(w.config))
