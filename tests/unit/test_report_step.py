@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runs import data_run
-
 from autofit.config.spec import TrialConfig
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.run.report.outputs import write_outputs
 from autofit.run.rundir import load_spec
+from runs import data_run
 
 MIB = 2**20
 
