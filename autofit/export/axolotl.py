@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from autofit.config.recipe import REGIONAL_COMPILATION
 from autofit.config.spec import ALL_LINEAR, TrialConfig
-from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
+from autofit.export.common import ExportRun, Rendered, data_form, with_engine
 from autofit.export.data_yaml import axolotl_batching
 from autofit.export.multi_gpu import axolotl as engine_keys
 from autofit.export.multi_gpu import yaml_intro
 from autofit.export.winner import Winner, describe, pair_form
-from autofit.export.yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN
+from autofit.export.yaml_targets import AXOLOTL, AXOLOTL_LIGER_PLUGIN, yaml_recipe
 
 
 def render(r: ExportRun) -> Rendered:

@@ -9,10 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
 from autofit.config.models import ModelSource
-from autofit.config.spec import TrialConfig, training_argument_values
+from autofit.config.spec import TrialConfig
 from autofit.core.envinfo import Env
 from autofit.core.errors import CannotWrite, UsageError
 from autofit.core.files import cannot_write, write_atomic
@@ -351,20 +349,3 @@ def one_line(text: str) -> str:
     return readable("".join(ch if ch == "\t" or ord(ch) >= 32 else ch.encode("unicode_escape").decode()
                             for ch in text))
 
-
-def yaml_recipe(r: ExportRun, body: dict[str, object], allowed: set[str], intro: list[str],
-                lost: list[str], fmt: str) -> Rendered:
-    """A YAML config: provenance and intro as comments, the keys, what could not be expressed. The dimensions
-    declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists
-    as
-    not expressed (`config.spec.training_argument_values`, `not_kept`)."""
-    from autofit.export.winner import describe  # winner.py builds on this module
-
-    w = describe(r)
-    declared = {k: v for k, v in training_argument_values(r.config, fmt).items() if k in w.training_for(fmt)}
-    body, lost = {**body, **declared}, [*lost, *w.not_kept(fmt)]
-    unknown = set(body) - allowed - set(declared)
-    assert not unknown, unknown  # the versioned key list and the exporter move together
-    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""
-    text = comment_block(r.provenance() + intro) + "\n" + yaml.safe_dump(body, sort_keys=False) + tail
-    return Rendered(text, lost)

@@ -6,12 +6,12 @@ import json
 
 from autofit.config.recipe import REGIONAL_COMPILATION
 from autofit.config.spec import ALL_LINEAR
-from autofit.export.common import ExportRun, Rendered, data_form, with_engine, yaml_recipe
+from autofit.export.common import ExportRun, Rendered, data_form, with_engine
 from autofit.export.data_yaml import llama_factory_batching
 from autofit.export.multi_gpu import ACCELERATE_FSDP, yaml_intro
 from autofit.export.multi_gpu import llama_factory as engine_keys
 from autofit.export.winner import Winner, describe, pair_form
-from autofit.export.yaml_targets import LLAMA_FACTORY
+from autofit.export.yaml_targets import LLAMA_FACTORY, yaml_recipe
 
 
 def render(r: ExportRun) -> Rendered:

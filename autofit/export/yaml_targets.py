@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+import yaml
+
+from autofit.config.spec import training_argument_values
+from autofit.export.common import ExportRun, Rendered, comment_block
+from autofit.export.winner import describe
+
 
 class Axolotl(TypedDict):
     version: str
@@ -93,3 +99,18 @@ ACCELERATE: Accelerate = {
                     "fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_state_dict_type"},
 }
 """The accelerate config file LLaMA-Factory's FSDP2 recipe is launched with."""
+
+
+def yaml_recipe(r: ExportRun, body: dict[str, object], allowed: set[str], intro: list[str],
+                lost: list[str], fmt: str) -> Rendered:
+    """A YAML config: provenance and intro as comments, the keys, what could not be expressed. The dimensions
+    declared with a TrialConfig field that `fmt` takes by name are written as that field; the others it lists
+    as not expressed (`config.spec.training_argument_values`, `not_kept`)."""
+    w = describe(r)
+    declared = {k: v for k, v in training_argument_values(r.config, fmt).items() if k in w.training_for(fmt)}
+    body, lost = {**body, **declared}, [*lost, *w.not_kept(fmt)]
+    unknown = set(body) - allowed - set(declared)
+    assert not unknown, unknown  # the versioned key list and the exporter move together
+    tail = comment_block([f"NOT EXPRESSED: {x}" for x in lost]) + "\n" if lost else ""
+    text = comment_block(r.provenance() + intro) + "\n" + yaml.safe_dump(body, sort_keys=False) + tail
+    return Rendered(text, lost)

@@ -27,7 +27,7 @@ from autofit.probe.runner import Runner
 from autofit.protocol.request import Checks, ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.run.report.markdown import prediction_errors
-from autofit.run.rundir import ProbeSettings
+from autofit.run.rundir import ProbeSettings, RunSpec
 from autofit.search.objective import best_of, speed
 from runs import write_run
 
@@ -134,7 +134,10 @@ def test_the_report_gives_the_prediction_error_per_kernel_combination() -> None:
         return {"predicted_peak": predicted}, r
 
     pairs = [row(100, 110), row(100, 90), row(100, 150, liger=True)]
-    spec = {"model": {"config": PRESETS["tiny-llama"]}, "targets": [{"device": "cuda"}]}
+    spec = RunSpec.from_dict({"run_id": "r", "created": "20260101T000000Z", "budget_s": 60.0, "seed": 0,
+                              "model": {"ref": "tiny-llama", "kind": "preset", "config": PRESETS["tiny-llama"]},
+                              "space": {"name": "s", "fixed": {}, "dimensions": {}}, "storage": "sqlite:///r.db",
+                              "study_name": "autofit-r", "targets": [{"device": "cuda"}]})
     lines = prediction_errors(spec, [p[0] for p in pairs], [p[1] for p in pairs])
     assert "| liger=off, torch_compile=off, attn=sdpa | 10% | 10% | 2 |" in lines
     assert "| liger=on, torch_compile=off, attn=sdpa | 50% | 50% | 1 |" in lines
