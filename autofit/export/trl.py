@@ -31,13 +31,6 @@ def differences(w: Winner, version: str) -> list[str]:
     return out
 
 
-def not_kept_dpo(w: Winner) -> list[str]:
-    """What the DPO recipe cannot keep: spec's list for trl, but the DPO keys themselves (DPOConfig takes them)."""
-    from autofit.config.spec import not_kept
-
-    return [x for x in not_kept(w.config, "trl") if x.split("=", 1)[0] not in w.preference_keys]
-
-
 def render(r: ExportRun) -> Rendered:
     if not trl_installed():
         raise UsageError("--format trl: TRL is not installed; `pip install 'autofit[trl]'` (or `pip install "
@@ -46,7 +39,7 @@ def render(r: ExportRun) -> Rendered:
     if w.trainer == "dpo":  # TRL's DPOTrainer: every DPO setting is DPOConfig's, nothing to list as not kept
         check_names(w, set(training(w)), "DPOConfig")
         differs = [x for x in differences(w, versions()["trl"]) if not x.startswith("batching=")]
-        differs += not_kept_dpo(w)
+        differs += w.not_kept("trl")
         return Rendered(render_dpo(r, w, differs), differs)
     check_names(w, set(w.training_for("trl")) | set(sampling_fields(w)) | set(sft_fields(w)), "SFTConfig")
     differs = differences(w, versions()["trl"]) + w.not_kept("trl")
