@@ -23,6 +23,7 @@ from autofit.estimate.memory import (
 )
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.run.report.markdown import report_markdown
+from autofit.run.rundir import RunSpec
 from autofit.search.knowledge import Knowledge, Verdict
 
 GIB = 2**30
@@ -187,11 +188,13 @@ def test_needing_more_gpus_comes_before_every_other_verdict() -> None:
 # ----------------------------------------------------------------------------- the report
 
 
-def spec(ranks: int) -> dict:
+def spec(ranks: int) -> RunSpec:
     target = {"device": "cuda", "gpu_index": 0, "gpu_name": "NVIDIA H200", "memory_limit_bytes": 40 * GIB,
               "headroom": 0.05, "ranks": ranks, "gpu_indices": list(range(ranks))}
-    return {"run_id": "r", "model": {"ref": "llama2-7b", "kind": "preset", "config": PRESETS["llama2-7b"]},
-            "space": SPACE.to_dict(), "budget_s": 600, "targets": [target]}
+    return RunSpec.from_dict({"run_id": "r", "created": "20260101T000000Z", "seed": 0,
+                              "model": {"ref": "llama2-7b", "kind": "preset", "config": PRESETS["llama2-7b"]},
+                              "space": SPACE.to_dict(), "budget_s": 600, "targets": [target],
+                              "storage": "sqlite:///r.db", "study_name": "autofit-r"})
 
 
 def test_the_report_says_what_more_gpus_would_fit() -> None:

@@ -86,7 +86,7 @@ def test_a_raised_error_keeps_its_outcome_and_the_load_figure() -> None:
     except RuntimeError as e:
         res = failure_result(req, e, ProbeState(memory_after_load=123))
     assert res.outcome is Outcome.HOST_OOM and res.memory_after_load == 123
-    assert "Traceback" in res.error_tail and res.config == req.config.to_dict()
+    assert "Traceback" in res.error_tail and res.config == req.config
 
 
 @pytest.mark.parametrize("peak, outcome, reason", [

@@ -557,7 +557,7 @@ def test_plan_reads_the_baseline_and_keeps_the_stored_target(tmp_path: Path) -> 
         ("runner-up 1", 2, 800.0),
     ]
     assert p.target == Target("cpu", None, "", 2 * 2**30, 0.05) and p.run_id == "run"
-    assert p.probe["timeout_s"] == 900.0 and p.env_before["packages"] == {"torch": "2.0.0"}
+    assert p.probe.timeout_s == 900.0 and p.env_before["packages"] == {"torch": "2.0.0"}
     assert [c.name for c in regress.plan(tmp_path / "run", top=1).configs] == ["winner"]
 
 
