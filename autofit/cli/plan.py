@@ -80,6 +80,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                    lambda: space_source(args.space or DEFAULT_SPACE), lambda: _targets(args))
     space, data, notes = _space(args, model, space)
     shapes = TokenShapes(data.table.lengths) if data is not None else None
+    if shapes is not None:
+        shapes.prefetch(space.candidates())  # TRL's and transformers' layouts in one child process
     plans = [forecast(model, space, limit, args.headroom, card, shapes, notes) for card, limit in targets]
     if args.json:
         print(json.dumps({"model": model.ref, "space": space.name, "plans": [plan_dict(p) for p in plans],

@@ -59,6 +59,17 @@ class Layouts:
                 self._fetch(set(), {(max_length, batch_size)})
             return self._grouped[(max_length, batch_size)]
 
+    def prefetch(self, max_lengths: Iterable[int], batch_sizes: Iterable[int] = ()) -> None:
+        """Every layout a search over these lengths and batch sizes will ask for (with `_likely`'s), in one
+        child: a space's lengths beyond the data's candidates would otherwise cost a child each."""
+        longest = max(self.lengths, default=1)
+        with self._lock:
+            packed = {n for n in max_lengths if n not in self._packed}
+            grouped = {(min(n, longest), b) for n in max_lengths for b in {*GROUP_SIZES, *batch_sizes}}
+            grouped -= set(self._grouped)
+            if packed or grouped:
+                self._fetch(packed, grouped)
+
     def _fetch(self, packed: set[int], grouped: set[tuple[int, int]]) -> None:
         if "torch" in sys.modules:  # the libraries cost nothing more to import here: no child
             from autofit.data import library

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autofit.config.models import ModelSource
+from autofit.config.spec import TrialConfig
 from autofit.core.documents import JSONObject
 from autofit.data.batching import Batching, StepShape, plan, step_shape
 from autofit.data.layouts import Layouts, layouts_for
@@ -44,6 +45,14 @@ class TokenShapes:
         if len(self.lengths) > SAMPLE:
             self.lengths = random.Random(self.seed).sample(list(self.lengths), SAMPLE)
         self._layouts = layouts_for(self.lengths, self.seed, self.cache_dir)
+
+    def prefetch(self, configs: Iterable[TrialConfig]) -> None:
+        """The libraries' layouts that judging `configs` needs (each max_length packed, each step's samples
+        grouped by length), computed at once: one child rather than one per length a space adds to the data's."""
+        cfgs = [c for c in configs if c.batching in ("packed", "group_by_length")]
+        if self._layouts is not None and cfgs:
+            self._layouts.prefetch({c.max_length for c in cfgs},
+                                   {_group(c.micro_batch_size, c.global_batch, c.gpus) for c in cfgs})
 
     def per_micro_batch(self, batching: str, max_length: int, micro_batch_size: int,
                         global_batch: int | None = None, gpus: int = 1) -> tuple[float, float]:

@@ -8,6 +8,7 @@ peak is close to affine in tokens per micro-batch, so two fits in a group pin it
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -346,6 +347,7 @@ def reference_bytes(cfg: TrialConfig, shape: Shape, tokens: int, b: int) -> int:
     return out
 
 
+@functools.lru_cache(maxsize=65536)  # a frozen config: the same key every time (a plan asks ~200k times)
 def group_key(cfg: TrialConfig) -> str:
     """Settings that change the peak other than through tokens per micro-batch (every key not popped
     here: the kernel keys liger and torch_compile too, each combination its own fit; gpus, engine,
@@ -672,13 +674,21 @@ def _smaller(a: TrialConfig, b: TrialConfig) -> bool:
 def variants(candidates: list[TrialConfig], **changes: Value) -> list[TrialConfig]:
     """Each candidate with `changes`, where the result is a valid config (full + nf4 is not), once each."""
     out: dict[str, TrialConfig] = {}
+    wanted = tuple(sorted(changes.items()))
     for c in candidates:
-        try:
-            v = c.replace(**changes)
-        except UsageError:
-            continue
-        out.setdefault(v.key(), v)
+        v = _variant(c, wanted)
+        if v is not None:
+            out.setdefault(v.key(), v)
     return list(out.values())
+
+
+@functools.lru_cache(maxsize=65536)  # `autofit plan --card all` asks the same variants for every card
+def _variant(cfg: TrialConfig, changes: tuple[tuple[str, Value], ...]) -> TrialConfig | None:
+    """cfg with `changes`, or None where that is no valid config."""
+    try:
+        return cfg.replace(**dict(changes))
+    except UsageError:
+        return None
 
 
 def four_bit(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: bool = True) -> Saving | None:

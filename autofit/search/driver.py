@@ -168,6 +168,8 @@ class Search:
         self.candidates = s.space.candidates()
         self.shape = Shape.from_config(s.model.config)
         self.token_shapes = shapes_of(s.dataset, s.model, s.data_cache)
+        if self.token_shapes is not None:
+            self.token_shapes.prefetch(self.candidates)  # TRL's and transformers' layouts in one child process
         self.errors: list[BaseException] = []
         self.searched_on = 0
         """Untried configs that measuring the best again reopened, after which the workers ran on."""
