@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import stat
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -452,9 +453,13 @@ def jsonl(rows: Sequence[Mapping[str, object]]) -> str:
 
 def looks_like_preferences(path: str | os.PathLike[str]) -> bool:
     """The file's first row is a JSON object with `chosen` or `rejected`: TRL's preference formats (sniffed
-    from the first 64 KiB, so that a large SFT file is not read twice)."""
+    from the first 64 KiB, so that a large SFT file is not read twice). Only a regular file is sniffed: a FIFO
+    or a device would block the read (the reader then refuses it by name), a folder is a save_to_disk dataset."""
+    file = Path(path).expanduser()
     try:
-        with open(Path(path).expanduser(), "rb") as f:
+        if not stat.S_ISREG(file.stat().st_mode):
+            return False
+        with open(file, "rb") as f:
             head = f.read(65536).decode("utf-8-sig", errors="replace").lstrip()
     except OSError:
         return False

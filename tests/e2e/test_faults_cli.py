@@ -69,8 +69,6 @@ FAULTS = [
           2, "is gzip-compressed. Decompress it first"),
     Fault("dataset-utf16", "a UTF-16 dataset, as PowerShell's `>` writes (called binary)",
           "autofit data train.jsonl --model tiny-llama", 2, "is UTF-16 text. Convert it to UTF-8"),
-    Fault("dataset-one-token-samples", "a dataset whose every sample is one token (every probe `unsupported`, "
-          "then exit 3 'nothing fits')", "autofit search --dataset one.jsonl", 2, "no sample has a token to train on"),
     Fault("probe-log-dir-a-file", "`probe --log-dir` naming a file (a FileExistsError traceback)",
           "autofit probe --model tiny-llama --log-dir FILE", 2, "is a regular file, not a folder. Give the folder the "
           "probe's log goes in"),
@@ -171,11 +169,6 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         str(_write(tmp / "train.jsonl.gz", gzip.compress(b'{"text": "a b"}\n'))),
         "--model",
         "tiny-llama",
-    ],
-    "dataset-one-token-samples": lambda tmp: [
-        *SEARCH,
-        "--dataset",
-        str(_write(tmp / "one.jsonl", b'{"text": "a"}\n{"text": "b"}\n')),
     ],
     "probe-log-dir-a-file": lambda tmp: [
         "probe",
