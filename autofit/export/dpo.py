@@ -12,7 +12,17 @@ rules of `config.spec`).
 from __future__ import annotations
 
 from autofit.export.common import ExportRun, comment_block
-from autofit.export.script import EMULATE, LOAD_DATA, TEXT_SPLITS, THROUGHPUT, call, dict_block, header, text_mode
+from autofit.export.script import (
+    EMULATE,
+    LOAD_DATA,
+    TEXT_SPLITS,
+    THROUGHPUT,
+    arguments,
+    call,
+    dict_block,
+    header,
+    text_mode,
+)
 from autofit.export.winner import Winner
 
 PAIR_COUNT = ('    def count(self, module, args, kwargs):  # both rows of each pair in the policy\'s forward (the '
@@ -27,33 +37,10 @@ THROUGHPUT_DOC = "Trained (label-bearing) tokens/s after two warm-up steps"
 PAIRS_DOC = "Pairs/s and their tokens/s (both rows, padding aside) after two warm-up steps"
 assert THROUGHPUT_DOC in THROUGHPUT
 
-MAIN = '''
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=MODEL, help="folder or hub id of the model, with its tokenizer")
-    parser.add_argument("--dataset", default=DATASET, help="preference pairs: JSONL/JSON/parquet/folder")
-    parser.add_argument("--output-dir", default="autofit-out", help="where the trained adapter or model is saved")
-    parser.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
-    parser.add_argument("--emulate-memory-gib", type=float, help="cap the GPU's memory (a smaller card on this one)")
-    a = parser.parse_args()
-    if os.path.isfile(a.output_dir):
-        parser.error(f"--output-dir: {a.output_dir} is a file; give a folder to save the trained model in")
-    if os.path.isdir(a.model) and not {"tokenizer.json", "tokenizer_config.json"} & set(os.listdir(a.model)):
-        parser.error(f"--model: {a.model} has no tokenizer files; give the model's folder with its tokenizer")
-    if a.max_steps < 1:
-        parser.error(f"--max-steps: {a.max_steps} is not a number of optimizer steps; give 1 or more")
-    if a.emulate_memory_gib is not None and not 0 < a.emulate_memory_gib < float("inf"):
-        parser.error(f"--emulate-memory-gib: {a.emulate_memory_gib} is not a memory size; give GiB above 0")
-    if not os.path.isfile(a.dataset) and not os.path.isdir(a.dataset):
-        parser.error(f"--dataset: cannot read {a.dataset}: not a file or a folder")
-    try:
-        data = load_data(a.dataset)
-    except Exception as e:  # datasets' own error, in one line
-        parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
-    if not len(data) or not {"chosen", "rejected"} <= set(data.column_names):
+PAIRS_CHECK = '''    if not len(data) or not {"chosen", "rejected"} <= set(data.column_names):
         parser.error(f"--dataset: {a.dataset} has no preference pairs (rows with 'chosen' and 'rejected')")
 '''
+MAIN = arguments("preference pairs: JSONL/JSON/parquet/folder", PAIRS_CHECK)
 
 
 def dpo_fields(w: Winner) -> dict[str, object]:

@@ -317,7 +317,7 @@ ARGUMENTS = '''
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL, help="folder or hub id of the model, with its tokenizer")
-    parser.add_argument("--dataset", default=DATASET, help="JSONL/JSON/CSV/parquet/text file or save_to_disk folder")
+    parser.add_argument("--dataset", default=DATASET, help="@DATASET_HELP@")
     parser.add_argument("--output-dir", default="autofit-out", help="where the trained adapter or model is saved")
     parser.add_argument("--max-steps", type=int, default=TRAINING_ARGS["max_steps"], help="optimizer steps")
     parser.add_argument("--emulate-memory-gib", type=float, help="cap the GPU's memory (a smaller card on this one)")
@@ -336,9 +336,17 @@ def main():
         data = load_data(a.dataset)
     except Exception as e:  # datasets' own error, in one line
         parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
-    if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
+@DATA_CHECK@'''
+"""A recipe's main() up to its data: its flags and their checks (one line and exit 2 each), the data read
+with `datasets`; `@DATASET_HELP@` and `@DATA_CHECK@` are the SFT or DPO recipe's (`arguments`)."""
+SFT_DATA_CHECK = '''    if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
         parser.error(f"--dataset: {a.dataset} has no rows with a {TEXT_FIELD!r} field@CHATS_SAID@")
 '''
+
+
+def arguments(dataset_help: str, data_check: str) -> str:
+    """ARGUMENTS with the recipe's --dataset help and its check of what the data holds."""
+    return ARGUMENTS.replace("@DATASET_HELP@", dataset_help).replace("@DATA_CHECK@", data_check)
 
 LIGER = '''    if importlib.util.find_spec("liger_kernel") is None or not torch.cuda.is_available():
         parser.error("this recipe uses Liger's kernels (use_liger_kernel=True): pip install 'liger-kernel>=0.8.5' "
@@ -448,9 +456,10 @@ def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[st
     trains otherwise than the probe, said in comments above the constants."""
     form = data_form(w.dataset) if w.dataset is not None else None
     chats = form is not None and form.chat
-    arguments = ARGUMENTS.replace("@CHATS@", 'MESSAGES_FIELD, "conversations"' if chats else '"messages"')
-    arguments = arguments.replace("@CHATS_SAID@", " or {MESSAGES_FIELD!r} chats" if chats else "")
-    body = arguments + (LIGER if w.config.liger else "") + EMULATE
+    main = arguments("JSONL/JSON/CSV/parquet/text file or save_to_disk folder", SFT_DATA_CHECK)
+    main = main.replace("@CHATS@", 'MESSAGES_FIELD, "conversations"' if chats else '"messages"')
+    main = main.replace("@CHATS_SAID@", " or {MESSAGES_FIELD!r} chats" if chats else "")
+    body = main + (LIGER if w.config.liger else "") + EMULATE
     said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
     lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]
     return "\n".join(lines) + helpers(w, fmt) + body + "\n".join(main_body(w, fmt, form)) + "\n"
