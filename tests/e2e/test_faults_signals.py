@@ -117,6 +117,19 @@ def _wait_for(pattern: str, where: Path, seconds: float = 120) -> Path:
     raise AssertionError(f"nothing matched {pattern} in {where}")
 
 
+def _wait_for_handler(pid: int, sig: int, seconds: float = 60) -> None:
+    """Until process `pid` catches `sig` (its SigCgt mask in /proc): a signal sent sooner meets the default action,
+    whatever the code does later, and how soon a loaded machine gets there is no test's business."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} never set a handler for signal {sig}")
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -263,7 +276,7 @@ def test_data_hung_up_while_it_starts_exits_130_without_a_traceback(tmp_path: Pa
     fault = next(f for f in FAULTS if f.id == "data-hup-starting")
     (tmp_path / "train.jsonl").write_text('{"text": "a b c d"}\n')
     data = _start("data", str(tmp_path / "train.jsonl"), "--model", "tiny-llama", cwd=tmp_path)
-    time.sleep(0.5)  # importing: the command's own handlers are set first thing
+    _wait_for_handler(data.pid, signal.SIGHUP)  # the command's own handlers are set first thing, then it imports
     data.send_signal(signal.SIGHUP)
     _, err = data.communicate(timeout=60)
     assert data.returncode == fault.exit_code and fault.message in err.decode(), err
