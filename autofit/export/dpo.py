@@ -18,7 +18,7 @@ from autofit.export.script import (
     TEXT_SPLITS,
     THROUGHPUT,
     arguments,
-    call,
+    decided,
     dict_block,
     header,
     text_mode,
@@ -75,17 +75,7 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
     lines += [f"from peft import {', '.join(peft)}"] if peft else []
     lines += [f"from transformers import {', '.join(sorted(tf))}", "from trl import DPOConfig, DPOTrainer"]
     lines += [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
-    model = (f"MODEL = {w.model!r}" if w.model is not None else
-             'MODEL = "PATH/TO/MODEL"  # measured on a shape preset (random weights): give a model of that shape')
-    dataset = w.dataset.path if w.dataset is not None else "prefs.jsonl"
-    lines += ["", "# What the search decided.", model, f"DATASET = {dataset!r}", f"MAX_LENGTH = {w.max_length}",
-              f"DTYPE = torch.{w.dtype}", f"ATTENTION = {w.attention!r}"]
-    if w.quantization:
-        lines.append("QUANTIZATION = " + call("BitsAndBytesConfig", w.quantization, ["bnb_4bit_compute_dtype"]))
-    if w.kbit:
-        lines.append(f"KBIT_PREPARATION = {w.kbit!r}")
-    if w.lora:
-        lines.append("LORA = " + call("LoraConfig", w.lora))
+    lines += decided(w, "prefs.jsonl", [])
     reference = ("a separate copy of the base (dpo_reference=copy)" if copy else
                  "the policy with its adapter disabled (dpo_reference=shared, TRL's default with a PEFT model)")
     comments = {"precompute_ref_log_probs": "the reference's log-probs computed once before training"

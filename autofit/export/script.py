@@ -176,21 +176,29 @@ def hf_collator_class(w: Winner) -> str:
     return "default_data_collator" if w.batching == "blocks" else "DataCollatorForLanguageModeling"
 
 
-def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
+def decided(w: Winner, default_dataset: str, data_lines: list[str]) -> list[str]:
+    """The top of a recipe's constants: the model, the dataset (and `data_lines`: its fields), the length, dtype,
+    attention, quantization, k-bit preparation and LoRA the search decided (SFT and DPO recipes alike)."""
     model = (f"MODEL = {w.model!r}" if w.model is not None else
              'MODEL = "PATH/TO/MODEL"  # measured on a shape preset (random weights): give a model of that shape')
-    dataset = w.dataset.path if w.dataset is not None else "data.jsonl"
-    lines = ["", "# What the search decided.", model, f"DATASET = {dataset!r}", f"TEXT_FIELD = {text_field(w)!r}"]
-    if form is not None and form.chat:
-        lines.append(f"MESSAGES_FIELD = {w.dataset.messages_field if w.dataset else 'messages'!r}")
-        lines.append(f"PLAIN_CHAT = {PLAIN_CHAT_TEMPLATE!r}  # autofit's rendering where a tokenizer has no template")
-    lines += [f"MAX_LENGTH = {w.max_length}", f"DTYPE = torch.{w.dtype}", f"ATTENTION = {w.attention!r}"]
+    dataset = w.dataset.path if w.dataset is not None else default_dataset
+    lines = ["", "# What the search decided.", model, f"DATASET = {dataset!r}", *data_lines,
+             f"MAX_LENGTH = {w.max_length}", f"DTYPE = torch.{w.dtype}", f"ATTENTION = {w.attention!r}"]
     if w.quantization:
         lines.append("QUANTIZATION = " + call("BitsAndBytesConfig", w.quantization, ["bnb_4bit_compute_dtype"]))
     if w.kbit:
         lines.append(f"KBIT_PREPARATION = {w.kbit!r}")
     if w.lora:
         lines.append("LORA = " + call("LoraConfig", w.lora))
+    return lines
+
+
+def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
+    data = [f"TEXT_FIELD = {text_field(w)!r}"]
+    if form is not None and form.chat:
+        data.append(f"MESSAGES_FIELD = {w.dataset.messages_field if w.dataset else 'messages'!r}")
+        data.append(f"PLAIN_CHAT = {PLAIN_CHAT_TEMPLATE!r}  # autofit's rendering where a tokenizer has no template")
+    lines = decided(w, "data.jsonl", data)
     fields = {**w.training_for(fmt), **sampling_fields(w)}
     if fmt == "trl":
         fields = {**fields, **sft_fields(w)}

@@ -43,7 +43,7 @@ from autofit.data.preference import (
     token_pairs,
 )
 from autofit.estimate.effects import HALF_TOKENS
-from autofit.probe.child.build import Model, build_model, decoder_layers
+from autofit.probe.child.build import Model, decoder_layers
 from autofit.probe.child.errors import Unsupported
 from autofit.probe.child.gate import (
     check_architecture,
@@ -56,13 +56,15 @@ from autofit.probe.child.kernels import GateResult
 from autofit.probe.child.measure import (
     Trained,
     _stop_runaway,
+    base_model,
     check_lora_targets,
     describe_optimizer,
     figures,
+    loaded,
     prepare_device,
+    start_loading,
     verify_checkpointing,
 )
-from autofit.probe.child.quiet import freeze_built_objects
 from autofit.probe.child.sampler import Memory
 from autofit.probe.child.state import ProbeState
 from autofit.probe.child.timing import TimingPlan, make_callback, spread
@@ -136,27 +138,9 @@ def load_models(req: ProbeRequest, state: ProbeState) -> tuple[Model, Model | No
     """The policy's base as the recipe builds it (dtype, quantization, k-bit preparation; LoRA as a
     `LoraConfig` that DPOTrainer applies, as the exported TRL recipe does) and, for `dpo_reference=copy`, a
     second model with the same weights."""
-    import torch
-
-    cfg, src, mem = req.config, req.model, state.mem
-    assert mem is not None
-    path = state.weights or src.ref
-    if req.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    mem.start()
-
-    def base() -> Model:
-        torch.manual_seed(0)  # the same random weights for the policy and its reference copy
-        model = build_model(cfg, src, req.device, path)
-        model.config.use_cache = False
-        kbit = recipe.kbit_preparation(cfg)
-        if kbit is not None:
-            from peft import prepare_model_for_kbit_training
-
-            model = prepare_model_for_kbit_training(model, **kbit)
-        return model
-
-    policy = base()
+    cfg = req.config
+    start_loading(req, state)
+    policy = base_model(req, state)
     peft_config = None
     lora = recipe.lora_arguments(cfg)
     if lora is not None:
@@ -164,12 +148,10 @@ def load_models(req: ProbeRequest, state: ProbeState) -> tuple[Model, Model | No
 
         check_lora_targets(policy, lora["target_modules"])
         peft_config = LoraConfig(**lora)
-    reference = base() if cfg.dpo_reference == "copy" else None
+    reference = base_model(req, state) if cfg.dpo_reference == "copy" else None
     if reference is not None:
         reference.requires_grad_(False)
-    state.memory_after_load = mem.allocator_now()[1]
-    mem.phase()
-    freeze_built_objects()
+    loaded(state)
     return policy, reference, peft_config
 
 

@@ -153,31 +153,52 @@ def prepare_device(req: ProbeRequest, state: ProbeState) -> Callable[[], object]
 
 def load_model(req: ProbeRequest, state: ProbeState) -> Model:
     """The model as the recipe builds it (dtype, quantization, k-bit preparation, LoRA), measured."""
-    import torch
-
-    cfg, src, mem = req.config, req.model, state.mem
-    assert mem is not None
-    path = state.weights or src.ref
-    if req.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    mem.start()
-    torch.manual_seed(0)
-    model = build_model(cfg, src, req.device, path)
-    model.config.use_cache = False
-    kbit, lora = recipe.kbit_preparation(cfg), recipe.lora_arguments(cfg)
-    if kbit is not None:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, **kbit)
+    start_loading(req, state)
+    model = base_model(req, state)
+    lora = recipe.lora_arguments(req.config)
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
         check_lora_targets(model, lora["target_modules"])
         model = get_peft_model(model, LoraConfig(**lora))
-    state.memory_after_load = mem.allocator_now()[1]
-    mem.phase()
-    freeze_built_objects()
+    loaded(state)
     return model
+
+
+def start_loading(req: ProbeRequest, state: ProbeState) -> None:
+    """The load phase's measurement starts: CUDA's peak counters reset, the memory sampler running."""
+    import torch
+
+    assert state.mem is not None
+    if req.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    state.mem.start()
+
+
+def base_model(req: ProbeRequest, state: ProbeState) -> Model:
+    """The base as the recipe builds it: dtype, quantization, no KV cache, k-bit preparation; the same random
+    weights on every call (a DPO reference copy equals its policy)."""
+    import torch
+
+    cfg = req.config
+    torch.manual_seed(0)
+    model = build_model(cfg, req.model, req.device, state.weights or req.model.ref)
+    model.config.use_cache = False
+    kbit = recipe.kbit_preparation(cfg)
+    if kbit is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, **kbit)
+    return model
+
+
+def loaded(state: ProbeState) -> None:
+    """The load phase ends: what it left allocated is kept, the sampler's next phase begins, and the built
+    objects leave the garbage collector's scans."""
+    assert state.mem is not None
+    state.memory_after_load = state.mem.allocator_now()[1]
+    state.mem.phase()
+    freeze_built_objects()
 
 
 def check_lora_targets(model: Model, targets: list[str] | str) -> None:
