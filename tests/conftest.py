@@ -73,6 +73,12 @@ SEARCH_SPACE = str(DATA_DIR / "oom-space.yaml")
 SEARCH_LIMIT = "90MiB"
 
 
+def cpu_search(budget: str, out: str, *extra: str) -> list[str]:
+    """The command line of a real `autofit search` of tiny-llama over SEARCH_SPACE under SEARCH_LIMIT on the CPU."""
+    return [sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space", SEARCH_SPACE, "--device",
+            "cpu", "--memory-limit", SEARCH_LIMIT, "--budget", budget, "--out", out, *extra]
+
+
 def search_cli(out: Path, *args: str, budget: str = "60s", env: dict[str, str] | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return run_cli("search", "--model", "tiny-llama", "--space", SEARCH_SPACE, "--device", "cpu",

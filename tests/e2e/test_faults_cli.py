@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env, run_cli
+from conftest import ROOT, cpu_search, fake_env, run_cli
 from faults import Fault, read_only_folder
 
 from autofit.config.models import PRESETS
@@ -291,25 +291,7 @@ def test_a_signal_stops_a_search_with_130_and_keeps_the_study(tmp_path: Path, fa
     fault = next(f for f in FAULTS if f.id == fault_id)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "autofit",
-            "search",
-            "--model",
-            "tiny-llama",
-            "--space",
-            SEARCH_SPACE,
-            "--device",
-            "cpu",
-            "--memory-limit",
-            SEARCH_LIMIT,
-            "--budget",
-            "5m",
-            "--out",
-            str(tmp_path),
-            "--json",
-        ],
+        cpu_search("5m", str(tmp_path), "--json"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -362,24 +344,7 @@ def test_a_search_piped_into_head_runs_to_its_end(tmp_path: Path) -> None:
     fault = next(f for f in FAULTS if f.id == "search-piped-into-head")
     env = {**os.environ, **fake_env("cuda_oom"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "autofit",
-            "search",
-            "--model",
-            "tiny-llama",
-            "--space",
-            SEARCH_SPACE,
-            "--device",
-            "cpu",
-            "--memory-limit",
-            SEARCH_LIMIT,
-            "--budget",
-            "40s",
-            "--out",
-            str(tmp_path),
-        ],
+        cpu_search("40s", str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SEARCH_LIMIT, SEARCH_SPACE, fake_env
+from conftest import ROOT, cpu_search, fake_env
 from faults import Fault
 
 FAULTS = [
@@ -222,24 +222,7 @@ def test_a_search_whose_terminal_closed_runs_to_its_end_under_nohup(tmp_path: Pa
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     search = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "autofit",
-            "search",
-            "--model",
-            "tiny-llama",
-            "--space",
-            SEARCH_SPACE,
-            "--device",
-            "cpu",
-            "--memory-limit",
-            SEARCH_LIMIT,
-            "--budget",
-            "1m",
-            "--out",
-            str(tmp_path),
-        ],
+        cpu_search("1m", str(tmp_path)),
         stdin=terminal,
         stdout=terminal,
         stderr=terminal,
