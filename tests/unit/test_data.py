@@ -176,7 +176,7 @@ def test_what_real_files_hold_is_read_as_rows_and_samples(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(("name", "content", "match"), [
-    ("d.jsonl.gz", gzip.compress(b'{"text": "x"}\n'), r"d\.jsonl\.gz is gzip-compressed\. Decompress it"),
+    ("d.jsonl.gz", gzip.compress(b'{"text": "x"}\n', mtime=0), r"d\.jsonl\.gz is gzip-compressed\. Decompress it"),
     ("w.jsonl", '{"text": "x"}\n'.encode("utf-16"), r"w\.jsonl is UTF-16 text\. Convert it to UTF-8"),
     ("comma.json", '[{"text": "a"},\n {"text": "b"},\n]', r"comma\.json is not a valid JSON array \(.* line 3"),
     ("wrapped.json", json.dumps({"version": 1, "data": [{"text": "a"}]}, indent=1),
