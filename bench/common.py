@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,42 @@ fixed:
   precision: fp32
   optimizer: adamw_torch
 dimensions:"""
+
+
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")
+"""The wheels the GPU machine (x86-64 Linux) can load."""
+
+
+def pack_site(name: str, wheels: Sequence[str], drop: Sequence[str] = (), python: str = "3.12",
+              small: bool = False) -> Path:
+    """Wheels for the GPU machine's Python installed (no dependencies: name each) into a folder `.{name}`, the
+    paths matching the globs in `drop` removed, packed as .whl/{name}.tgz, or with `small` its shared libraries'
+    symbols stripped (`strip --strip-unneeded`: the dynamic ones stay) and packed with xz as .whl/{name}.txz.
+    On the GPU machine bench/gpu_env.sh unpacks it under /tmp/site-packages (a path that holds
+    "site-packages": dill, which `datasets` hashes with, pickles modules from elsewhere by value)."""
+    import shutil
+
+    staging = Path(tempfile.mkdtemp(prefix=f"{name}-")) / f".{name}"
+    plat = [x for p in PLATFORMS for x in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--only-binary=:all:",
+                    "--python-version", python, "--implementation", "cp", *plat, "--target", str(staging), *wheels],
+                   check=True)
+    for pattern in (*drop, "**/__pycache__"):
+        for path in list(staging.glob(pattern)):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    if small:
+        libraries = [str(f) for f in staging.rglob("*.so*") if f.is_file() and not f.is_symlink()]
+        subprocess.run(["strip", "--strip-unneeded", *libraries], check=True)
+    out = REPO / ".whl" / f"{name}.{'txz' if small else 'tgz'}"
+    out.parent.mkdir(exist_ok=True)
+    archive = shutil.make_archive(str(out.with_suffix("")), "xztar" if small else "gztar", staging.parent,
+                                  staging.name)
+    Path(archive).replace(out)
+    shutil.rmtree(staging.parent)
+    print(f"wrote {repo_relative(out)} ({out.stat().st_size / 2**20:.1f} MiB); carry .whl/ to the GPU machine and "
+          f"start its command with `source bench/gpu_env.sh &&` (it unpacks /tmp/site-packages/.{name})")
+    return out
 
 
 def repo_relative(path: str | Path) -> str:

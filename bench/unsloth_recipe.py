@@ -24,7 +24,7 @@ trl 1.15, datasets, dill, multiprocess, cut_cross_entropy; Unsloth's Studio web 
 its processes run without the .gpu-site folder on their path, bitsandbytes excepted (linked from it).
 
     python bench/unsloth_recipe.py --pack                      # here: the wheels, packed
-    # on the GPU, after fetch-wheels.sh's .gpu-site.tgz is unpacked and the tarball below:
+    # on the GPU, .gpu-site.tgz and .whl/ carried, after `source bench/gpu_env.sh`:
     python bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1     # ~8 minutes
     python bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5
     python bench/unsloth_recipe.py --train --model-dir DIR ...         # one Unsloth run (the child)
@@ -51,10 +51,8 @@ image's package list): trl <= 1.15 and datasets are required; xformers is option
 PyTorch's attention); tyro, hf_transfer, diffusers, msgspec, torchao and pydantic are not imported by
 training (torchao and pydantic inside try blocks); bitsandbytes comes from .gpu-site."""
 SITE_TGZ = ".whl/unsloth-site.tgz"
-SITE = "/tmp/.unsloth-site"
-GPU_SITE = "/tmp/.gpu-site"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
+SITE = "/tmp/site-packages/.unsloth-site"  # where bench/gpu_env.sh unpacks the carried archives
+GPU_SITE = "/tmp/site-packages/.gpu-site"
 SCENARIOS: dict[str, dict[str, Any]] = {
     "S1": {"limit_gib": 40, "max_length": 2048, "load_in_4bit": False,
            "autofit": {"quantization": "none", "micro_batch_size": 3, "gradient_checkpointing": "off", "liger": "on",
@@ -76,23 +74,11 @@ NO_GPU = ("unsloth_recipe: Unsloth needs a CUDA GPU and this machine has none (t
 # ----------------------------------------------------------------------------- here: the wheels
 
 
-def pack(repo: Path) -> None:
-    """Unsloth's wheels installed for Python 3.12 on x86-64 into a folder, Studio removed, packed."""
-    import shutil
+def pack() -> None:
+    """Unsloth's wheels for the GPU machine, Studio removed (its web app: not used by training), packed."""
+    from common import pack_site  # here only: the Unsloth child runs without autofit on its path
 
-    staging = Path(tempfile.mkdtemp(prefix="unsloth-site-")) / ".unsloth-site"
-    plat = [x for p in PLATFORMS for x in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *plat, "--target", str(staging), *WHEELS],
-                   check=True)
-    shutil.rmtree(staging / "studio", ignore_errors=True)  # Unsloth Studio's web app: not used by training
-    for cache in staging.rglob("__pycache__"):
-        shutil.rmtree(cache, ignore_errors=True)
-    out = repo / SITE_TGZ
-    out.parent.mkdir(exist_ok=True)
-    shutil.make_archive(str(out).removesuffix(".tgz"), "gztar", staging.parent, staging.name)
-    Path(str(out).removesuffix(".tgz") + ".tar.gz").replace(out)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); on the GPU machine: tar xzf {SITE_TGZ} -C /tmp")
+    pack_site("unsloth-site", WHEELS, drop=("studio",))
 
 
 # ----------------------------------------------------------------------------- the child: one Unsloth run
@@ -339,9 +325,8 @@ def main() -> None:
     a = p.parse_args()
     if a.checkpointing in ("true", "false"):
         a.checkpointing = a.checkpointing == "true"
-    repo = Path(__file__).resolve().parent.parent
     if a.pack:
-        pack(repo)
+        pack()
         return
     if a.save_model:
         require_gpu()
@@ -360,7 +345,7 @@ def main() -> None:
         sys.exit(NO_GPU)
     if not Path(SITE, "unsloth").is_dir():
         sys.exit(f"unsloth_recipe: no Unsloth at {SITE}: make {SITE_TGZ} here with --pack, carry it, and unpack it "
-                 "there first (tar xzf .whl/unsloth-site.tgz -C /tmp)")
+                 "there first (source bench/gpu_env.sh)")
     work = Path(tempfile.mkdtemp(prefix="unsloth-bench-"))
     folder = work / "llama2-7b-random"
     t0 = time.monotonic()
