@@ -40,6 +40,15 @@ def test_a_dpo_search_finds_a_winner_and_reports_pairs_per_s(dpo_run: Path) -> N
     assert f"pairs/s** ({res['extra']['tokens_per_pair']} tokens a pair)" in report.split("## Winner")[1]
     if not res["config"].get("precompute_ref_log_probs"):  # the reference's forward is in the step's breakdown
         assert "DPO reference" in report
+    # the pairs' lengths and what the winner's max_length cuts, from the summary the search wrote
+    pairs = json.loads((dpo_run / "data" / "preferences.json").read_text())
+    data = report.split("## Data")[1].split("\n## ")[0]
+    assert "40 preference pairs" in data
+    longest = pairs["percentiles"]["pair"]["p100"]
+    assert "| pair | " in data and f"{longest:,.0f} |" in data.split("| pair | ")[1].split("\n")[0]
+    (cut,) = [c for c in pairs["cuts"] if c["max_length"] == 128]
+    assert (f"Winner's max_length 128: {cut['pairs_dropped']} pairs dropped, {cut['pairs_truncated']} truncated, "
+            f"{cut['completion_tokens_lost']:.2%} of completion tokens lost") in data
 
 
 def test_autofit_data_shows_the_pairs_lengths(tmp_path: Path) -> None:

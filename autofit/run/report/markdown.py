@@ -107,7 +107,7 @@ def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResu
     else:
         lines += _winner(spec, results, best, limit, folder, bool(searching))
     if data is not None:
-        lines += _data_section(data, results, best)
+        lines += _pairs_section(data, best) if "pairs" in data else _data_section(data, results, best)
     lines += _memory_section(spec, results, best)
     model = learned_model(spec, rows, results)  # taught once, for both sections
     lines += gpus_section(spec, results, usable, model)
@@ -197,12 +197,16 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
 
 
 def data_summary(run_dir: Path) -> JSONObject | None:
-    """data/data.json, written when a search with --dataset starts (None without one)."""
-    path = run_dir / "data" / "data.json"
-    try:
-        return dict(json.loads(path.read_text())) if path.is_file() else None
-    except (OSError, ValueError):
-        return None
+    """What a search with --dataset wrote as it started (None without one): data/data.json for samples,
+    data/preferences.json for a DPO search's pairs."""
+    for name in ("data.json", "preferences.json"):
+        path = run_dir / "data" / name
+        try:
+            if path.is_file():
+                return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def _data_section(data: JSONObject, results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
@@ -222,6 +226,32 @@ def _data_section(data: JSONObject, results: list[ProbeResult], best: ProbeResul
     lines += [f"| {L} | {c['samples_truncated']:.2%} | {c['tokens_lost']:.2%} |" for L, c in cuts.items()]
     lines += ["", "![lengths](data/lengths.png)", ""] + _batching_table(results, best)
     return lines + [f"note: {n}" for n in data.get("notes", [])] + [""]
+
+
+def _pairs_section(data: JSONObject, best: ProbeResult | None) -> list[str]:
+    """A DPO search's preference pairs: the lengths of prompt, chosen, rejected and the longer row of each
+    pair, and what each max_length drops (the prompt alone fills it) and truncates (`autofit data`'s table)."""
+    ds, pct, mean = data["dataset"], data["percentiles"], data["mean"]
+    approx = " (approximate: a stand-in tokenizer)" if data.get("approximate") else ""
+    qs = list(next(iter(pct.values())))
+    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['pairs']} preference pairs, {data['format']}"
+             f"{approx}; content hash `{ds['content_hash'][:12]}`)"),
+             "- a pair trains two rows, prompt + chosen and prompt + rejected; `pair` is the longer of the two", "",
+             "| tokens | " + " | ".join(qs) + " | mean |", "|---|" + "---|" * (len(qs) + 1)]
+    lines += [f"| {part} | " + " | ".join(f"{v[q]:,.0f}" for q in qs) + f" | {mean[part]:,.1f} |"
+              for part, v in pct.items()]
+    cuts = {c["max_length"]: c for c in data.get("cuts", [])}
+    lines.append("")
+    if best is not None and best.config.max_length in cuts:
+        c = cuts[best.config.max_length]
+        lines += [(f"**Winner's max_length {best.config.max_length}: {c['pairs_dropped']} pairs dropped, "
+                   f"{c['pairs_truncated']} truncated, {c['completion_tokens_lost']:.2%} of completion tokens "
+                   "lost**" + (" (it changes what is learned)." if c["completion_tokens_lost"] else ".")), ""]
+    lines += ["| max_length | pairs dropped (the prompt fills it) | pairs truncated | completion tokens lost |",
+              "|---|---|---|---|"]
+    lines += [f"| {n} | {c['pairs_dropped']} | {c['pairs_truncated']} | {c['completion_tokens_lost']:.2%} |"
+              for n, c in cuts.items()]
+    return [*lines, *(["", f"note: {data['note']}"] if approx and data.get("note") else []), ""]
 
 
 def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
