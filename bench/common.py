@@ -157,13 +157,14 @@ def step_of(res: dict[str, Any]) -> dict[str, Any]:
     return {k: extra.get(k) for k in STEP_KEYS}
 
 
-def spread_figure(values: list[float]) -> dict[str, Any]:
+def spread_figure(values: list[float], digits: int = 1) -> dict[str, Any]:
     """A headline figure: every run, their median, and the spread (max / min) around it; None where
-    nothing was measured."""
+    nothing was measured. `digits`: decimals kept (pairs/s of a 7B are a few a second: 3)."""
     if not values:
         return {"runs": [], "median": None, "min": None, "max": None, "spread": None}
-    return {"runs": [round(v, 1) for v in values], "median": round(statistics.median(values), 1),
-            "min": round(min(values), 1), "max": round(max(values), 1), "spread": round(max(values) / min(values), 4)}
+    return {"runs": [round(v, digits) for v in values], "median": round(statistics.median(values), digits),
+            "min": round(min(values), digits), "max": round(max(values), digits),
+            "spread": round(max(values) / min(values), 4)}
 
 
 def ratio_of_medians(a: dict[str, Any], b: dict[str, Any]) -> float | None:
@@ -223,6 +224,7 @@ def run_brief(res: Any) -> dict[str, Any]:
     d = res.to_dict()
     extra = d.get("extra") or {}
     return {"outcome": d["outcome"], "tokens_per_s": d.get("tokens_per_s"), "noisy": d.get("noisy"),
+            **({"pairs_per_s": d["pairs_per_s"]} if d.get("pairs_per_s") else {}),  # a DPO probe's objective
             "reason": (d.get("reason") or "")[:300],
             "peak_gib": round(d["peak_memory_bytes"] / GIB, 2) if d.get("peak_memory_bytes") else None,
             "oom_shortfall_gib": round(d["oom_shortfall_bytes"] / GIB, 2) if d.get("oom_shortfall_bytes") else None,

@@ -1,30 +1,49 @@
-"""S7 in one call: LoRA DPO on the Llama-2-7B shape under a 24 GiB limit, prompt + completion up to 2048 tokens,
-a generated preference set with a realistic length spread. The search's winner against the forum recipe
-(micro-batch 1, checkpointing on) and against the best of a small grid, each the median of 3 fresh processes
-measured alternately (`common.interleaved`), pairs/s and tokens/s; then every config of the grid recorded as a
-landscape (bench/landscapes/s7.json, `search/replay.py` reads it) so the replay tests cover DPO.
+"""S7: LoRA DPO on the Llama-2-7B shape under a 24 GiB limit, prompt + completion up to 2048 tokens, a generated
+preference set with a realistic length spread (deterministic: every stage and machine makes the same file).
 
-    python bench/dpo_bench.py                        # on the GPU machine: $OUT/dpo-bench-s7.json and $OUT/s7.json
-    python bench/dpo_bench.py --small                # the same on the CPU with tiny-llama, in a few minutes
+Three stages, each one GPU call of under 10 minutes; each adds its figures to the same JSON (read back from
+$OUT or bench/results/, where the previous call's file was copied):
+- `search`: `autofit search --dataset prefs.jsonl` as a user runs it, then the exported TRL recipe of its winner
+  trained for a few steps beside the probe's figure (bench/export_bench.py: pairs/s within 5%, peak within 3%);
+  the run folder comes back as a tarball.
+- `grid`: a small grid (micro-batch 1, 2, 4 x checkpointing off/on, the rest at the space's first values), once
+  each, recorded as the landscape s7.json (bench/landscapes/, which `search/replay.py` reads) so the replay
+  tests cover DPO; its best is the grid's best.
+- `compare`: the search's winner, the forum recipe (micro-batch 1, checkpointing on) and the grid's best, each the
+  median of 3 fresh processes measured alternately (`common.interleaved`), pairs/s and tokens/s; ratios of medians.
 
-The search trains on the preference file (its probes read it as the DPO child does); it is started from the
-session API with that file as the probes' dataset, the one step `autofit search --dataset` does not take for
-preference data yet.
+    python bench/dpo_bench.py --stage search --budget 4m     # on the GPU machine, one call each (~8, ~5, ~8 min)
+    python bench/dpo_bench.py --stage grid
+    python bench/dpo_bench.py --stage compare --runs 3
+    python bench/dpo_bench.py --small                        # every stage on the CPU with tiny-llama
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import math
 import random
+import subprocess
 import sys
+import tarfile
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import figure_row, interleaved, keep_run, out_dir, ratio_of_medians, save
+from common import (
+    GIB,
+    autofit_cli,
+    bench_env,
+    figure_row,
+    interleaved,
+    keep_run,
+    out_dir,
+    ratio_of_medians,
+    save,
+    spread_figure,
+)
 
 from autofit.config.models import resolve_model
 from autofit.config.space import Space, load_space
@@ -33,10 +52,6 @@ from autofit.config.target import resolve_targets
 from autofit.core.envinfo import collect
 from autofit.data.preference import jsonl, preference_ref_dict, read_preferences
 from autofit.probe.runner import Runner
-from autofit.protocol.result import ProbeResult
-from autofit.run.session import SearchRequest, plan, search_settings, start, summarize
-from autofit.search.driver import Search
-from autofit.search.objective import pairs_per_s
 from autofit.search.replay import Landscape
 
 HERE = Path(__file__).resolve().parent
@@ -66,28 +81,126 @@ def preference_set(path: Path, n: int, longest: int, seed: int = 7) -> Path:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny-llama on the CPU, short rows (a dry run)")
-    p.add_argument("--budget", default=None, help="the search's budget (default 10m; --small 120s)")
+    p.add_argument("--stage", choices=("search", "grid", "compare", "all"), default="all")
+    p.add_argument("--budget", default=None, help="the search's budget (default 4m; --small 60s)")
     p.add_argument("--runs", type=int, default=3, help="fresh processes per compared config")
-    p.add_argument("--name", default="dpo-bench-s7")
+    p.add_argument("--export-steps", type=int, default=None, help="optimizer steps of the exported recipe "
+                                                                  "(default 20; --small 3)")
+    p.add_argument("--name", default=None, help="the result file's name (default dpo-bench-s7; --small "
+                                                "dpo-bench-small)")
     return p.parse_args()
 
 
 def scenario(a: argparse.Namespace) -> dict[str, Any]:
     if a.small:
         return {"model": "tiny-llama", "device": "cpu", "limit": "2GiB", "length": 128, "pairs": 48,
-                "space": HERE.parent / "tests" / "data" / "dpo-space.yaml", "budget": a.budget or "120s"}
+                "space": HERE.parent / "tests" / "data" / "dpo-space.yaml", "budget": a.budget or "60s",
+                "name": a.name or "dpo-bench-small", "steps": a.export_steps or 3}
     return {"model": "llama2-7b", "device": None, "limit": "24GiB", "length": 2048, "pairs": 600,
-            "space": "dpo", "budget": a.budget or "10m"}
+            "space": HERE.parent / "search_spaces" / "dpo.yaml", "budget": a.budget or "4m",
+            "name": a.name or "dpo-bench-s7", "steps": a.export_steps or 20}
 
 
 def grid(space: Space) -> list[TrialConfig]:
-    """The small grid: micro-batch x checkpointing (every_2 left out), the rest at the space's first values."""
+    """The small grid: micro-batch 1, 2, 4 x checkpointing off/on, the rest at the space's first values."""
     first = {k: v[0] for k, v in space.dimensions.items() if k not in ("micro_batch_size", "gradient_checkpointing")}
-    out = []
-    for cfg in space.candidates():
-        if all(getattr(cfg, k) == v for k, v in first.items()) and cfg.gradient_checkpointing in ("off", "on"):
-            out.append(cfg)
-    return out
+    return [cfg for cfg in space.candidates() if all(getattr(cfg, k) == v for k, v in first.items())
+            and cfg.gradient_checkpointing in ("off", "on") and cfg.micro_batch_size in (1, 2, 4)]
+
+
+def previous(name: str) -> dict[str, Any]:
+    """What earlier stages saved: $OUT's file (this call's), else bench/results/'s (an earlier call's)."""
+    for folder in (out_dir(), HERE / "results"):
+        path = folder / f"{name}.json"
+        if path.is_file():
+            return dict(json.loads(path.read_text()))
+    return {}
+
+
+def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any]) -> None:
+    """`autofit search` on the pairs, then the exported recipe's fidelity; the run folder kept as a tarball."""
+    runs = work / "runs"
+    cmd = ["search", "--model", sc["model"], "--space", str(sc["space"]), "--dataset", str(data), "--max-length",
+           str(sc["length"]), "--memory-limit", sc["limit"], "--budget", sc["budget"], "--out", str(runs), "--json"]
+    proc = autofit_cli(*cmd, *(["--device", sc["device"]] if sc["device"] else []), timeout=3600)
+    print(proc.stderr[-3000:], flush=True)
+    folders = sorted(runs.iterdir()) if runs.is_dir() else []
+    run = folders[-1] if folders else None
+    best = json.loads((run / "best.json").read_text()) if run and (run / "best.json").is_file() else None
+    figures["search"] = {"rc": proc.returncode, "command": "autofit " + " ".join(cmd), "run_id": run and run.name,
+                         "probes": len((run / "trials.jsonl").read_text().splitlines()) if run else 0,
+                         "winner": best and best["config"], "pairs_per_s": best and best.get("pairs_per_s"),
+                         "tokens_per_s": best and best.get("tokens_per_s"),
+                         "peak_gib": best and round(best["peak_memory_bytes"] / GIB, 2)}
+    save(sc["name"], figures)
+    if run is None or best is None:
+        return
+    with tarfile.open(out_dir() / f"{sc['name']}-run.tar.gz", "w:gz") as tar:  # its probes' logs left out
+        tar.add(run, arcname=run.name, filter=lambda m: None if m.name.endswith(".log") else m)
+    export = f"{sc['name']}-export"
+    proc = subprocess.run([sys.executable, str(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data),
+                           "--steps", str(sc["steps"]), "--name", export], capture_output=True, text=True,
+                          env=bench_env(), check=False, timeout=1800)
+    print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
+    figures["export"] = previous(export) or {"rc": proc.returncode, "stderr_tail": proc.stderr[-1500:]}
+    save(sc["name"], figures)
+
+
+def stage_grid(sc: dict[str, Any], a: argparse.Namespace, space: Space, target: Any, model: Any,
+               dataset: dict[str, Any], work: Path, figures: dict[str, Any]) -> None:
+    """The small grid once each, recorded as the landscape; its best fit by pairs/s."""
+    points: dict[str, Any] = {}
+    with Runner(target, work / "grid", standby=1, dataset=dataset, data_cache=work / "cache") as runner:
+        for i, cfg in enumerate(grid(space)):
+            res = runner.run(cfg, model, name=f"grid-{i:02d}")
+            points[cfg.key()] = res.to_dict()
+            print(f"grid {i}: {cfg.micro_batch_size} {cfg.gradient_checkpointing} {res.outcome.value} "
+                  f"{res.pairs_per_s or 0:.2f} pairs/s", flush=True)
+    fits = [(p["pairs_per_s"], k) for k, p in points.items() if p["outcome"] == "fit" and p.get("pairs_per_s")]
+    env = collect()
+    land = Landscape(scenario="s7", model=model.to_dict(), space=space.to_dict(),
+                     memory_limit_bytes=int(target.memory_limit_bytes or 0), headroom=target.headroom,
+                     points=points, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     gpu=env["gpus"][0]["name"] if env["gpus"] and target.device == "cuda" else "cpu",
+                     versions=env["packages"], command=" ".join([Path(sys.executable).name, *sys.argv]),
+                     note=f"DPO on a generated preference set of {dataset['samples']} pairs; the grid of "
+                          "bench/dpo_bench.py")
+    land.save(out_dir() / ("s7-small.json" if a.small else "s7.json"))
+    figures["grid"] = {"points": {k: {"outcome": p["outcome"], "pairs_per_s": p.get("pairs_per_s"),
+                                      "tokens_per_s": p.get("tokens_per_s")} for k, p in points.items()},
+                       "best": points[max(fits)[1]]["config"] if fits else None}
+    save(sc["name"], figures)
+
+
+def stage_compare(sc: dict[str, Any], a: argparse.Namespace, space: Space, target: Any, model: Any,
+                  dataset: dict[str, Any], work: Path, figures: dict[str, Any]) -> None:
+    """Winner, forum recipe and the grid's best: medians of fresh processes, alternately."""
+    forum = space.config({**space.seed(), "micro_batch_size": 1, "gradient_checkpointing": "on"})
+    configs = {"forum": forum}
+    for label, cfg in (("winner", (figures.get("search") or {}).get("winner")),
+                       ("grid_best", (figures.get("grid") or {}).get("best"))):
+        if cfg and TrialConfig.from_dict(cfg) not in configs.values():  # the same config measured once
+            configs[label] = TrialConfig.from_dict(cfg)
+        elif cfg:
+            figures.setdefault("same_as", {})[label] = next(k for k, c in configs.items()
+                                                            if c == TrialConfig.from_dict(cfg))
+    rows = {label: figure_row(cfg.to_dict()) for label, cfg in configs.items()}
+    figures["rows"] = rows
+
+    def keep(label: str, res: Any) -> None:
+        keep_run(rows[label], res)
+        rows[label]["pairs"] = spread_figure([r["pairs_per_s"] for r in rows[label]["runs"]
+                                              if r["outcome"] == "fit" and r.get("pairs_per_s")], digits=3)
+        save(sc["name"], figures)
+
+    interleaved(target, model, configs, a.runs, keep, max_acc=4, dataset=dataset, data_cache=work / "cache",
+                prefix="s7")
+    for label in ("winner", "grid_best"):
+        row = rows.get(label) or rows.get((figures.get("same_as") or {}).get(label, ""))
+        if row is not None:
+            figures[f"{label}_over_forum_pairs"] = ratio_of_medians(row["pairs"], rows["forum"]["pairs"])
+            figures[f"{label}_over_forum_tokens"] = ratio_of_medians(row["figure"], rows["forum"]["figure"])
+    save(sc["name"], figures)
 
 
 def main() -> None:
@@ -100,65 +213,14 @@ def main() -> None:
     target = resolve_targets(None, sc["device"], sc["limit"])[0]
     model = resolve_model(sc["model"])
     space = load_space(sc["space"]).replaced(max_length=[sc["length"]], batching=["pad_longest"])
-    figures: dict[str, Any] = {"scenario": "S7", "model": sc["model"], "limit": sc["limit"],
-                               "max_length": sc["length"], "pairs": len(prefs), "rows": {}}
-
-    # 1. the search, on the preference file
-    session = plan(SearchRequest(model=sc["model"], space=str(space.source or sc["space"]), device=sc["device"],
-                                 memory_limit=sc["limit"], budget=sc["budget"], out=work / "runs",
-                                 max_length=str(sc["length"])))
-    # TRL's collator pads each micro-batch to its longest row: pad_longest (a session without --dataset fixes
-    # pad_max, random tokens' batching)
-    session = dataclasses.replace(session, spec=session.spec.replace(space=session.spec.space.replaced(
-        batching=["pad_longest"])))
-    session, study = start(session)
-    settings = dataclasses.replace(search_settings(session), dataset=dataset, data_cache=work / "cache")
-    reason = Search(settings, lambda event: None).run()
-    summary = summarize(session, study, reason)
-    best_doc = summary.best.get("result", summary.best) if summary.best else None
-    best = ProbeResult.from_dict(best_doc) if best_doc else None
-    figures["search"] = {"run": str(session.run_dir), "stop": reason, "probes": len(summary.rows),
-                         "winner": best.config.to_dict() if best else None,
-                         "pairs_per_s": pairs_per_s(best) if best else None}
-    save(a.name, figures)
-
-    # 2. the small grid, once each: its best; every point kept as the landscape
-    points: dict[str, Any] = {}
-    with Runner(target, work / "grid", standby=1, dataset=dataset, data_cache=work / "cache") as runner:
-        for i, cfg in enumerate(grid(space)):
-            res = runner.run(cfg, model, name=f"grid-{i:02d}")
-            points[cfg.key()] = res.to_dict()
-            print(f"grid {i}: {cfg.micro_batch_size} {cfg.gradient_checkpointing} {res.outcome.value} "
-                  f"{res.pairs_per_s or 0:.2f} pairs/s", flush=True)
-    fits = [(p["pairs_per_s"], k) for k, p in points.items() if p["outcome"] == "fit" and p.get("pairs_per_s")]
-    grid_best = TrialConfig.from_dict(points[max(fits)[1]]["config"]) if fits else None
-    env = collect()
-    land = Landscape(scenario="s7", model=model.to_dict(), space=space.to_dict(),
-                     memory_limit_bytes=int(target.memory_limit_bytes or 0), headroom=target.headroom,
-                     points=points, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     gpu=env["gpus"][0]["name"] if env["gpus"] and target.device == "cuda" else "cpu",
-                     versions=env["packages"], command=" ".join([Path(sys.executable).name, *sys.argv]),
-                     note=f"DPO on a generated preference set of {len(prefs)} pairs; the grid of bench/dpo_bench.py")
-    land.save(out_dir() / ("s7-small.json" if a.small else "s7.json"))
-
-    # 3. winner, forum recipe and the grid's best: medians of fresh processes, alternately
-    forum = space.config({**space.seed(), "micro_batch_size": 1, "gradient_checkpointing": "on"})
-    configs = {"forum": forum, **({"winner": best.config} if best else {}), **({"grid_best": grid_best}
-                                                                              if grid_best else {})}
-    rows = {label: figure_row(cfg.to_dict()) for label, cfg in configs.items()}
-    figures["rows"] = rows
-
-    def keep(label: str, res: Any) -> None:
-        keep_run(rows[label], res)
-        rows[label].setdefault("pairs_per_s", []).append(res.pairs_per_s)
-        save(a.name, figures)
-
-    interleaved(target, model, configs, a.runs, keep, max_acc=4, dataset=dataset, data_cache=work / "cache",
-                prefix="s7")
-    for label in ("winner", "grid_best"):
-        if label in rows:
-            figures[f"{label}_over_forum"] = ratio_of_medians(rows[label]["figure"], rows["forum"]["figure"])
-    save(a.name, figures)
+    figures: dict[str, Any] = {**previous(sc["name"]), "scenario": "S7", "model": sc["model"], "limit": sc["limit"],
+                               "max_length": sc["length"], "pairs": len(prefs), "content_hash": prefs.content_hash}
+    if a.stage in ("search", "all"):
+        stage_search(sc, data, work, figures)
+    if a.stage in ("grid", "all"):
+        stage_grid(sc, a, space, target, model, dataset, work, figures)
+    if a.stage in ("compare", "all"):
+        stage_compare(sc, a, space, target, model, dataset, work, figures)
 
 
 if __name__ == "__main__":

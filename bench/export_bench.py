@@ -1,8 +1,8 @@
-"""Issue 4's fidelity check: the exported hf-trainer recipe vs the probe that measured it.
+"""Issue 4's fidelity check: the exported recipe vs the probe that measured it.
 
-Exports RUN's winner, runs the script for --steps optimizer steps under the same memory
-limit (the script's --emulate-memory-gib), and compares its tokens/s and peak memory with
-the probe's. Targets: no OOM, tokens/s within 5%, peak within 3%.
+Exports RUN's winner (hf-trainer; a DPO run's as TRL's DPOTrainer script, `trl`), runs the script for --steps
+optimizer steps under the same memory limit (the script's --emulate-memory-gib), and compares its speed
+(tokens/s; a DPO run's pairs/s) and peak memory with the probe's. Targets: no OOM, speed within 5%, peak within 3%.
 
 A recipe loads a model folder with its tokenizer (`--model`). A run measured on a shape preset (random
 weights, no tokenizer) gets one made here (`model_folder`): the preset's random weights, and the tokenizer
@@ -10,6 +10,10 @@ the probe used: on a dataset, the run's stand-in BPE (`RUN/data/standin-bpe-*.js
 BPE trained on the bench's text (every sequence is a full block of max_length, whatever the tokenizer).
 
     python bench/export_bench.py --run RUN_FOLDER --steps 50 [--dataset DATA]   # DATA: a run searched on it
+    python bench/export_bench.py --run DPO_RUN --dataset PAIRS --steps 20 --name dpo-export-s7
+    python bench/data/make_corpus.py --out /tmp/d    # D2, then S1/D2's packed and padding-free winners probed now:
+    python bench/export_bench.py --search bench/spaces/s1-d2-packed.yaml --dataset /tmp/d/d2.jsonl --steps 30 \
+        --name export-fidelity-s1-d2-packed          # (and s1-d2-padding-free.yaml)
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import GIB, save
+from common import GIB, autofit_cli, save
 
 
 def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
@@ -54,19 +58,43 @@ def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
     return folder
 
 
+def searched(a: argparse.Namespace) -> Path:
+    """`autofit search` of the space on the dataset, as a user runs it: its run folder."""
+    runs = Path(tempfile.mkdtemp(prefix="export-bench-")) / "runs"
+    cmd = ["search", "--model", a.model, "--space", a.search, "--memory-limit", a.limit, "--budget", "10m",
+           "--out", str(runs), *(["--dataset", a.dataset] if a.dataset else []),
+           *(["--device", a.device] if a.device else [])]
+    proc = autofit_cli(*cmd, timeout=1800)
+    folders = sorted(runs.iterdir()) if runs.is_dir() else []
+    if not folders or not (folders[-1] / "best.json").is_file():
+        sys.exit(f"export_bench: the search found no fit (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return folders[-1]
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--run", required=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="a run folder: its winner is exported")
+    where.add_argument("--search", metavar="SPACE", help="search SPACE first (a one-point space: that config probed "
+                                                         "now, by this checkout) and export its winner")
+    p.add_argument("--model", default="llama2-7b", help="with --search")
+    p.add_argument("--limit", default="40GiB", help="with --search: the memory limit")
+    p.add_argument("--device", help="with --search: cpu for a dry run")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--name", default="export-fidelity-s1")
-    p.add_argument("--dataset", help="the dataset RUN was searched on (default: the bench's random words)")
+    p.add_argument("--dataset", help="the dataset RUN was searched on (default: the bench's random words; a DPO "
+                                     "run's preference file is needed)")
     a = p.parse_args()
-    run = Path(a.run)
+    run = Path(a.run) if a.run else searched(a)
     best = json.loads((run / "best.json").read_text())
+    dpo = best["config"].get("trainer") == "dpo"
+    if dpo and not a.dataset:
+        sys.exit("export_bench: a DPO run trains on its preference pairs: give the file with --dataset")
+    speed = "pairs_per_s" if dpo else "tokens_per_s"  # what the search maximised, probe and recipe alike
     work = Path(tempfile.mkdtemp())
     script = work / "train.py"
-    subprocess.run([sys.executable, "-m", "autofit", "export", str(run), "--format", "hf-trainer", "-o", str(script)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "autofit", "export", str(run), "--format", "trl" if dpo else "hf-trainer",
+                    "-o", str(script)], check=True)
     rng = random.Random(0)
     words = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
              for _ in range(2000)]
@@ -93,13 +121,15 @@ def main() -> None:
         # the same definition as the probe: reserved peak + memory outside the allocator
         outside = summary["device_used"] - summary["memory_reserved_now"]
         recipe_peak = summary["max_memory_reserved"] + max(outside, 0)
-    tps_ratio = summary.get("tokens_per_s", 0) / best["tokens_per_s"] if summary else None
+    tps_ratio = summary.get(speed, 0) / best[speed] if summary and best.get(speed) else None
     peak_ratio = recipe_peak / best["peak_memory_bytes"] if recipe_peak else None
     figures = {
         "run_id": best["run_id"], "config": best["config"], "steps": a.steps, "rc": proc.returncode, "oom": oom,
-        "recipe_wall_seconds": wall, "recipe_summary": summary,
+        "recipe_wall_seconds": wall, "recipe_summary": summary, "speed": speed,
         "probe_tokens_per_s": best["tokens_per_s"], "recipe_tokens_per_s": summary.get("tokens_per_s"),
-        "tokens_per_s_ratio": tps_ratio, "target_tokens_per_s_within": 0.05,
+        **({"probe_pairs_per_s": best.get("pairs_per_s"), "recipe_pairs_per_s": summary.get("pairs_per_s")}
+           if dpo else {}),
+        "tokens_per_s_ratio" if not dpo else "pairs_per_s_ratio": tps_ratio, "target_speed_within": 0.05,
         "probe_peak_bytes": best["peak_memory_bytes"], "recipe_peak_bytes": recipe_peak,
         "peak_ratio": peak_ratio, "target_peak_within": 0.03,
         "meets_targets": bool(proc.returncode == 0 and not oom and tps_ratio and abs(tps_ratio - 1) <= 0.05
@@ -107,8 +137,8 @@ def main() -> None:
         "stderr_tail": proc.stderr[-1500:],
     }
     save(a.name, figures)
-    print({k: figures[k] for k in ("rc", "oom", "probe_tokens_per_s", "recipe_tokens_per_s", "tokens_per_s_ratio",
-                                   "probe_peak_bytes", "recipe_peak_bytes", "peak_ratio", "meets_targets")})
+    print({k: v for k, v in figures.items() if k.endswith(("_per_s", "_ratio", "_bytes")) or k in ("rc", "oom",
+                                                                                                "meets_targets")})
 
 
 if __name__ == "__main__":

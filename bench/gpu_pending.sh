@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU figures still to measure, one call of under 10 minutes each, in order of what they settle:
+#   bash bench/gpu_pending.sh N        (on the GPU machine, from the repository root)
+# Carry .gpu-site.tgz and .whl/data-site.txz (calls 12-13: .whl/unsloth-site.tgz instead: the three with the
+# tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
+# bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
+set -u
+source bench/gpu_env.sh
+call=${1:?"which call: 1-13 (bench/gpu_pending.sh's list)"}
+case "$call" in
+  1)  # issue 31: the plan of S5 against fresh probes; issue 29: the pad_longest-below-pad_max anomaly
+      timeout 300 python3 bench/plan_live.py --others 1 --name plan-live-s5
+      timeout 270 python3 bench/data_bench.py --limits 24GiB --datasets D1 --budget 0 --anomaly 3 \
+        --name data-anomaly-s2-d1 ;;
+  2)  # issue 33: the exported recipe against a probe made now, S1/D2's packed and padding-free winners
+      python3 bench/data/make_corpus.py --out /tmp/corpus >/dev/null
+      for b in packed padding-free; do
+        timeout 280 python3 bench/export_bench.py --search "bench/spaces/s1-d2-$b.yaml" --dataset /tmp/corpus/d2.jsonl \
+          --steps 30 --name "export-fidelity-s1-d2-$b"
+      done ;;
+  3)  timeout 570 python3 bench/dpo_bench.py --stage search --budget 4m ;;   # issue 32, S7
+  4)  timeout 570 python3 bench/dpo_bench.py --stage grid ;;
+  5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
+  6)  timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;   # issue 29: the headline
+  7)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D1 --budget 100s --name data-bench-s1-d1 ;;
+  8)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D2 --budget 100s --name data-bench-s1-d2 ;;
+  9)  timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D1 --budget 100s --name data-bench-s2-d1 ;;
+  10) timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D2 --budget 100s --name data-bench-s2-d2 ;;
+  11) # issue 29: loss parity at equal samples per step, on call 8's S1/D2 run folder
+      mkdir -p /tmp/r && tar xzf bench/results/data-bench-s1-d2-runs.tar.gz -C /tmp/r
+      timeout 570 python3 bench/data_parity.py --run "$(ls -d /tmp/r/*/ | head -1)" --together --name data-parity-d2 ;;
+  12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
+  13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
+  *)  echo "gpu_pending: no call $call (1-13)" >&2; exit 2 ;;
+esac
