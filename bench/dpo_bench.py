@@ -6,9 +6,9 @@ $OUT or bench/results/, where the previous call's file was copied):
 - `search`: `autofit search --dataset prefs.jsonl` as a user runs it, then the exported TRL recipe of its winner
   trained for a few steps beside the probe's figure (bench/export_bench.py: pairs/s within 5%, peak within 3%);
   the run folder comes back as a tarball.
-- `grid`: a small grid (micro-batch 1, 2, 4 x checkpointing off/on, the rest at the space's first values), once
-  each, recorded as the landscape s7.json (bench/landscapes/, which `search/replay.py` reads) so the replay
-  tests cover DPO; its best is the grid's best.
+- `grid`: a small grid (bench/spaces/s7-grid.yaml: micro-batch 1, 2, 4 x checkpointing off/on, the rest at the
+  DPO space's first values), once each, recorded as the landscape s7.json (to copy to bench/landscapes/, which
+  `search/replay.py` and the replay tests read) so the replay tests cover DPO; its best is the grid's best.
 - `compare`: the search's winner, the forum recipe (micro-batch 1, checkpointing on) and the grid's best, each the
   median of 3 fresh processes measured alternately (`common.interleaved`), pairs/s and tokens/s; ratios of medians.
 
@@ -44,6 +44,7 @@ from common import (
     save,
     spread_figure,
 )
+from record_landscape import portable
 
 from autofit.config.models import resolve_model
 from autofit.config.space import Space, load_space
@@ -98,14 +99,19 @@ def scenario(a: argparse.Namespace) -> dict[str, Any]:
                 "name": a.name or "dpo-bench-small", "steps": a.export_steps or 3}
     return {"model": "llama2-7b", "device": None, "limit": "24GiB", "length": 2048, "pairs": 600,
             "space": HERE.parent / "search_spaces" / "dpo.yaml", "budget": a.budget or "4m",
-            "name": a.name or "dpo-bench-s7", "steps": a.export_steps or 20}
+            "name": a.name or "dpo-bench-s7", "steps": a.export_steps or 20, "grid": HERE / "spaces" / "s7-grid.yaml"}
 
 
-def grid(space: Space) -> list[TrialConfig]:
-    """The small grid: micro-batch 1, 2, 4 x checkpointing off/on, the rest at the space's first values."""
-    first = {k: v[0] for k, v in space.dimensions.items() if k not in ("micro_batch_size", "gradient_checkpointing")}
-    return [cfg for cfg in space.candidates() if all(getattr(cfg, k) == v for k, v in first.items())
-            and cfg.gradient_checkpointing in ("off", "on") and cfg.micro_batch_size in (1, 2, 4)]
+def grid_space(sc: dict[str, Any], space: Space) -> tuple[Space, dict[str, Any]]:
+    """The small grid as a space, and that space as the landscape stores it: S7's file (bench/spaces/s7-grid.yaml,
+    record_landscape.SCENARIOS["s7"], so that the replay tests read it); with --small, the small DPO space cut to
+    micro-batch 1, 2, 4 x checkpointing off/on, the rest at its first values."""
+    if "grid" in sc:
+        grid = load_space(sc["grid"])
+        return grid, portable(grid)
+    first = {k: v[:1] for k, v in space.dimensions.items() if k not in ("micro_batch_size", "gradient_checkpointing")}
+    grid = space.replaced(**first, micro_batch_size=[1, 2, 4], gradient_checkpointing=["off", "on"])
+    return grid, grid.to_dict()
 
 
 def previous(name: str) -> dict[str, Any]:
@@ -150,15 +156,16 @@ def stage_grid(sc: dict[str, Any], a: argparse.Namespace, space: Space, target: 
                dataset: dict[str, Any], work: Path, figures: dict[str, Any]) -> None:
     """The small grid once each, recorded as the landscape; its best fit by pairs/s."""
     points: dict[str, Any] = {}
+    grid, stored = grid_space(sc, space)
     with Runner(target, work / "grid", standby=1, dataset=dataset, data_cache=work / "cache") as runner:
-        for i, cfg in enumerate(grid(space)):
+        for i, cfg in enumerate(grid.candidates()):
             res = runner.run(cfg, model, name=f"grid-{i:02d}")
             points[cfg.key()] = res.to_dict()
             print(f"grid {i}: {cfg.micro_batch_size} {cfg.gradient_checkpointing} {res.outcome.value} "
                   f"{res.pairs_per_s or 0:.2f} pairs/s", flush=True)
     fits = [(p["pairs_per_s"], k) for k, p in points.items() if p["outcome"] == "fit" and p.get("pairs_per_s")]
     env = collect()
-    land = Landscape(scenario="s7", model=model.to_dict(), space=space.to_dict(),
+    land = Landscape(scenario="s7", model=model.to_dict(), space=stored,
                      memory_limit_bytes=int(target.memory_limit_bytes or 0), headroom=target.headroom,
                      points=points, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      gpu=env["gpus"][0]["name"] if env["gpus"] and target.device == "cuda" else "cpu",

@@ -46,6 +46,7 @@ SCENARIOS = {  # bench/SCENARIOS.md: model preset, space, memory limit
     "s4": ("qwen2.5-7b", "spaces/s4.yaml", "24GiB"),
     "s5": ("llama2-7b", "spaces/s5.yaml", "12GiB"),
     "s6": ("llama3.2-3b", "spaces/s6.yaml", "12GiB"),
+    "s7": ("llama2-7b", "spaces/s7-grid.yaml", "24GiB"),  # DPO: recorded on its pairs by dpo_bench.py --stage grid
 }
 
 
