@@ -18,7 +18,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autofit.core.documents import JSONObject
 from autofit.protocol.result import Outcome, ProbeResult
-from autofit.search.objective import combined_tokens_per_s, study_value
+from autofit.search.objective import combined_tokens_per_s, pairs_per_s, study_value
 
 ProbeRow = dict[str, Any]
 """One probe as trials.jsonl holds it (JSON): its trial number, the memory model's predicted peak and its full
@@ -171,7 +171,7 @@ def adopt(study: optuna.Study, stale: FrozenTrial, res: ProbeResult, usable: int
 
 
 def merge_repeats(res: ProbeResult, repeats: list[JSONObject]) -> ProbeResult:
-    """A fit measured again: tokens/s becomes the median of the runs and the peak the largest;
+    """A fit measured again: tokens/s (and a DPO fit's pairs/s) becomes the median of the runs and the peak the largest;
     a repeat that runs out of memory makes the config not fit. Other failures are ignored."""
     if not repeats or not res.outcome.is_fit():
         return res
@@ -180,6 +180,9 @@ def merge_repeats(res: ProbeResult, repeats: list[JSONObject]) -> ProbeResult:
                                         and r.tokens_per_s]
     res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
     res.tokens_per_s = combined_tokens_per_s(runs)
+    if res.pairs_per_s is not None:  # a DPO fit: its pairs/s follows the combined tokens/s, as the report's does
+        res.pairs_per_s = pairs_per_s(res)
+        res.extra["pairs_per_s"] = res.pairs_per_s
     counted = [res] + [r for r in again if r.outcome.is_fit() or r.outcome.is_memory()]
     res.peak_memory_bytes = max(r.peak_memory_bytes or 0 for r in counted) or None
     memory = [r for r in again if r.outcome.is_memory()]

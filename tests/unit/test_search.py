@@ -115,6 +115,22 @@ def test_a_repeat_sets_the_figures_and_a_repeat_oom_means_no_fit() -> None:
     assert edge.reason.startswith("fit once, out of memory when measured again")
 
 
+def test_a_repeated_dpo_fit_gives_the_pairs_per_s_of_its_combined_tokens_per_s() -> None:
+    """best.json and report.md give one pairs/s for a DPO winner measured twice: the combined runs', not the
+    first run's (the child's figure is its tokens/s over the mean pair's tokens)."""
+    cfg = {"max_length": 128, "micro_batch_size": 2, "trainer": "dpo"}
+
+    def fit(tps: float) -> ProbeResult:
+        per_pair = 107.55
+        return ProbeResult(Outcome.FIT, cfg, tokens_per_s=tps, pairs_per_s=tps / per_pair,
+                           extra={"tokens_per_pair": per_pair, "pairs_per_s": tps / per_pair})
+
+    merged = merge_repeats(fit(2496.0), [fit(1777.0).to_dict()])
+    assert merged.tokens_per_s == pytest.approx(2136.5)
+    assert merged.pairs_per_s == pytest.approx(2136.5 / 107.55) == merged.extra["pairs_per_s"]
+    assert merged.to_dict()["pairs_per_s"] == pytest.approx(19.865, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- spaces and flags
 
 
