@@ -29,14 +29,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     for note in rendered.notes:
         print(f"autofit: warning: {note}", file=sys.stderr)
     for item in rendered.unexpressed:
-        print(f"autofit: warning: {args.format} cannot express {item}", file=sys.stderr)
+        print(f"autofit: warning: {rendered.format} cannot express {item}", file=sys.stderr)
     if not args.output or args.output == "-":  # a stdout that cannot take it is exit 4 (cli/streams.py)
         sys.stdout.write(rendered.text)
         for line in stdout_notes(rendered):
             print(f"autofit: {line}", file=sys.stderr)
         return 0
     # the recipe, the files it names beside it (a DeepSpeed JSON, an accelerate config) and how to launch it
-    for line in write_rendered(rendered, Path(args.output), args.force, executable=args.format in SCRIPTS,
+    for line in write_rendered(rendered, Path(args.output), args.force, executable=rendered.format in SCRIPTS,
                                run_dir=Path(args.run)):
         print(line, file=sys.stderr)
     return 0
@@ -47,7 +47,8 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
                         epilog=textwrap.dedent("""\
                             formats:
                               hf-trainer     standalone transformers Trainer + peft script (default)
-                              trl            the same through TRL SFTTrainer / SFTConfig
+                              trl            the same through TRL SFTTrainer / SFTConfig (a DPO winner:
+                                             DPOTrainer / DPOConfig, its default)
                               axolotl        axolotl YAML
                               llama-factory  LLaMA-Factory YAML
 
@@ -69,7 +70,8 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
                             read-only folder: nothing is written, not even an empty file)
                             """))
     ex.add_argument("run", help="a run folder made by autofit search")
-    ex.add_argument("--format", default="hf-trainer", help="hf-trainer | trl | axolotl | llama-factory")
+    ex.add_argument("--format", help="hf-trainer | trl | axolotl | llama-factory (default: hf-trainer; trl for a "
+                                     "DPO winner)")
     ex.add_argument("-o", "--output", help="output file (default, or -: stdout); an existing one needs "
                                            "--force")
     ex.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")

@@ -36,7 +36,7 @@ from autofit.core.paths import shown
 from autofit.core.units import bare_seconds, format_duration, format_size
 from autofit.protocol.request import TRAIN_TOKENS
 from autofit.run import locks
-from autofit.run.report.lines import config_brief
+from autofit.run.report.lines import config_brief, export_command
 from autofit.run.report.markdown import untried_line
 from autofit.run.rundir import CONFIRM, REGRESS_LOCK, SEARCH_LOCK, RunDir
 from autofit.run.session import (
@@ -239,13 +239,14 @@ def _opening(session: Session) -> str:
 def _closing(s: Summary) -> str:
     best = s.best or {}
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.skipped.items()))
-    return (f"\nbest: {best['tokens_per_s']:,.0f} tokens/s, peak {format_size(best['peak_memory_bytes'])} "
+    pairs = f"{best['pairs_per_s']:,.2f} pairs/s, " if best.get("pairs_per_s") else ""  # a DPO winner's objective
+    return (f"\nbest: {pairs}{best['tokens_per_s']:,.0f} tokens/s, peak {format_size(best['peak_memory_bytes'])} "
             f"({config_brief(best['config'])})\nstopped: {s.stop_reason}; {len(s.rows)} "
             f"probe{'s' if len(s.rows) != 1 else ''}"
             + (f", skipped {sum(s.skipped.values())} ({skipped})" if skipped else "")
             + (f"; {untried_line(s.untried)}" if s.untried else "")
             + f"\nreport: {shown(s.run_dir / 'report.md')}\n"
-            f"next:   autofit export {shown(s.run_dir)} --format hf-trainer -o train.py")
+            f"next:   {export_command(s.run_dir, best['config'])}")
 
 
 SEARCH_EPILOG = """\

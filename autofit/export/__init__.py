@@ -19,6 +19,7 @@ from autofit.export.common import (
     stdout_notes,
     write_rendered,
 )
+from autofit.run.report.lines import default_format
 
 RENDERERS: dict[str, Callable[[ExportRun], Rendered]] = {
     "hf-trainer": hf_trainer.render, "trl": trl.render, "axolotl": axolotl.render,
@@ -29,14 +30,16 @@ SCRIPTS = ("hf-trainer", "trl")
 """Formats that write a Python script (made executable)."""
 
 
-def export_run(run: str | Path, fmt: str, dataset: str | None = None) -> Rendered:
-    """The run's winner rendered in `fmt` (on its dataset, from `dataset` where the file moved); a bad
-    format, run folder or dataset is a UsageError."""
-    if fmt not in RENDERERS:
+def export_run(run: str | Path, fmt: str | None, dataset: str | None = None) -> Rendered:
+    """The run's winner rendered in `fmt` (None: the winner's default, `default_format`; on its dataset, from
+    `dataset` where the file moved); a bad format, run folder or dataset is a UsageError."""
+    if fmt is not None and fmt not in RENDERERS:
         raise UsageError(f"--format: {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
     loaded = load_run(run, dataset)
+    fmt = fmt or default_format(loaded.config.trainer)
     rendered = RENDERERS[fmt](loaded)
     rendered.notes = [*loaded.notes, *rendered.notes]
+    rendered.format = fmt
     return rendered
 
 

@@ -105,6 +105,8 @@ class Rendered:
     """How to start the recipe on several GPUs, with `{recipe}` for its file; '' for one GPU."""
     notes: list[str] = field(default_factory=list)
     """What to tell the user on stderr beside the recipe (`ExportRun.notes`)."""
+    format: str = ""
+    """The format rendered (`export_run` sets it: --format, or the winner's default)."""
 
     def launch_for(self, recipe: str) -> str:
         return self.launch.format(recipe=recipe)

@@ -37,6 +37,12 @@ def test_a_dpo_search_finds_a_winner_and_reports_pairs_per_s(dpo_run: Path) -> N
     assert spec["dataset"]["kind"] == "preference" and spec["dataset"]["samples"] == 40
     assert run_cli("report", str(dpo_run), cwd=dpo_run.parent).returncode == 0
     report = (dpo_run / "report.md").read_text()
+    # the export it suggests works: TRL's DPO script, also the default format of a DPO winner
+    assert "--format trl -o train.py`" in report and "--format hf-trainer" not in report
+    recipe = dpo_run.parent / "default.py"
+    proc = run_cli("export", str(dpo_run), "-o", str(recipe), cwd=dpo_run.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert "DPOTrainer(" in recipe.read_text()
     assert f"pairs/s** ({res['extra']['tokens_per_pair']} tokens a pair)" in report.split("## Winner")[1]
     if not res["config"].get("precompute_ref_log_probs"):  # the reference's forward is in the step's breakdown
         assert "DPO reference" in report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from autofit.config.spec import TrialConfig, brief
 from autofit.core.paths import shown
@@ -14,6 +15,18 @@ def config_brief(cfg: TrialConfig | Mapping[str, object]) -> str:
     """The knobs that usually differ, in one short line (each dimension's declared label); a config stored as
     JSON (trials.jsonl, best.json, a benchmark's file) is read as `TrialConfig.from_dict` reads it."""
     return brief(TrialConfig.from_dict(cfg))
+
+
+def default_format(trainer: str) -> str:
+    """The recipe a run exports to without --format: TRL's script for a DPO winner (transformers' Trainer has no
+    preference training), else the standalone Trainer script."""
+    return "trl" if trainer == "dpo" else "hf-trainer"
+
+
+def export_command(run_dir: Path, cfg: TrialConfig | Mapping[str, object]) -> str:
+    """The export command the search's last lines and report.md give for the run's winner."""
+    trainer = TrialConfig.from_dict(cfg).trainer
+    return f"autofit export {shown(run_dir)} --format {default_format(trainer)} -o train.py"
 
 
 def probe_summary(res: ProbeResult) -> str:

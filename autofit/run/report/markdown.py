@@ -17,7 +17,7 @@ from autofit.core.units import format_duration, format_size
 from autofit.estimate.memory import MemoryModel, Shape, prior
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.advice import nothing_fits_message
-from autofit.run.report.lines import config_brief, kernel_label, size_text
+from autofit.run.report.lines import config_brief, export_command, kernel_label, size_text
 from autofit.run.rundir import RunSpec
 from autofit.search.knowledge import promise
 from autofit.search.objective import best_per_length, pairs_per_s
@@ -180,7 +180,7 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
               f"| samples per optimizer step | `{step['samples_per_step']:g}`{kept} |",
               *([f"| trained tokens per optimizer step | `{tokens:,.0f}` |"] if tokens is not None else []), "",
               ("Export it when the search has ended" if so_far else "Export it")
-              + f": `autofit export {shown(run_dir)} --format hf-trainer -o train.py`", ""]
+              + f": `{export_command(run_dir, cfg)}`", ""]
     lines += ["## Best configuration at each length", "", "| max_length | tokens/s | peak | config |",
               "|---|---|---|---|"]
     per_length = best_per_length(results)
