@@ -178,6 +178,9 @@ def _utf8(data: bytes, path: str) -> None:
 
 def _pair(row: object, line: int, problems: _Problems) -> Pair | None:
     """The row as a Pair, or None with its problems noted."""
+    if row is reader.NotJson:
+        problems.add("not valid JSON; expected a JSON object with 'chosen' and 'rejected'", line)
+        return None
     if not isinstance(row, dict):
         problems.add(f"expected a JSON object with 'chosen' and 'rejected', got {_kind(row)}", line)
         return None
@@ -451,25 +454,43 @@ def jsonl(rows: Sequence[Mapping[str, object]]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
+SNIFF = 1 << 20
+"""Bytes read to tell a preference file from samples: a first row of up to a MiB."""
+SNIFF_LINES = 20
+"""JSONL lines tried for the first row that is a JSON object."""
+
+
 def looks_like_preferences(path: str | os.PathLike[str]) -> bool:
-    """The file's first row is a JSON object with `chosen` or `rejected`: TRL's preference formats (sniffed
-    from the first 64 KiB, so that a large SFT file is not read twice). Only a regular file is sniffed: a FIFO
-    or a device would block the read (the reader then refuses it by name), a folder is a save_to_disk dataset."""
+    """The file's first JSON object is a row with `chosen` or `rejected`: TRL's preference formats. Sniffed from
+    the file's start (up to SNIFF bytes, so that a large SFT file is not read twice): the first line that parses
+    as a JSON object in a JSONL file, or the first item of a JSON array however it is indented; a line that is
+    not JSON is passed over (the reader then says which line it is). Only a regular file is sniffed: a FIFO or a
+    device would block the read (the reader then refuses it by name), a folder is a save_to_disk dataset."""
     file = Path(path).expanduser()
     try:
         if not stat.S_ISREG(file.stat().st_mode):
             return False
         with open(file, "rb") as f:
-            head = f.read(65536).decode("utf-8-sig", errors="replace").lstrip()
+            head = f.read(SNIFF).decode("utf-8-sig", errors="replace").lstrip()
     except OSError:
         return False
-    if head.startswith("["):
-        head = head[1:].lstrip()
-    first = head.split("\n", 1)[0].rstrip().rstrip(",")
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return '"chosen"' in first or '"rejected"' in first  # a bad first row: its own error says why
+    if head.startswith("["):  # a JSON array: its first item, over as many lines as it spans
+        try:
+            row, _ = json.JSONDecoder().raw_decode(head[1:].lstrip())
+        except ValueError:
+            return '"chosen"' in head or '"rejected"' in head  # cut at SNIFF, or a bad item: the reader says
+        return _is_pair(row)
+    for line in head.split("\n")[:SNIFF_LINES]:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # not JSON, or the last line cut at SNIFF
+        if isinstance(row, dict):
+            return _is_pair(row)
+    return '"chosen"' in head or '"rejected"' in head  # no whole row in the head: a very long first row
+
+
+def _is_pair(row: object) -> bool:
     return isinstance(row, dict) and ("chosen" in row or "rejected" in row)
 
 

@@ -34,7 +34,7 @@ from autofit.core.paths import output_file, output_folder, shown, source
 from autofit.core.units import parse_duration
 from autofit.data import DatasetRef, TextMode
 from autofit.data import summarize as summarize_data
-from autofit.data.preference import looks_like_preferences, summarize_preferences
+from autofit.data.preference import PreferenceStats, looks_like_preferences, summarize_preferences
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.outputs import write_outputs
@@ -286,18 +286,40 @@ def preference_data_space(space: Space, model: ModelSource, req: SearchRequest) 
     data = summarize_preferences(req.dataset, model, None, space.lengths if req.max_length else ())
     stats = data.stats
     dims: dict[str, Sequence[Value]] = {}
+    left_out: tuple[str, ...] = ()
     if req.max_length is None:  # the pairs' lengths, within what the model takes
         limit = model.positions
         within = [n for n in stats.candidates if limit is None or n <= limit]
         dims["max_length"] = within or ([limit] if limit is not None else [])
+    else:  # the lengths asked: one that drops every pair would only probe an error
+        dims, left_out = _lengths_with_pairs(space, stats, req.dataset)
     if "batching" not in space.dimensions and "batching" not in space.fixed:
         dims["batching"] = ["pad_longest"]
     cuts = "; ".join(f"{c.max_length}: {c.dropped} pairs dropped, {c.truncated} truncated, "
                      f"{c.completion_tokens_lost:.2%} of completion tokens lost" for c in stats.cuts)
     notes = (f"--dataset {req.dataset}: {stats.count} preference pairs ({data.prefs.format}), mean pair (the "
              f"longer row) {stats.mean['pair']:.0f} tokens, p99 {stats.percentiles['pair'][99.0]:.0f}; max_length "
-             f"{cuts}", *([data.note] if data.approximate else []))
+             f"{cuts}", *left_out, *([data.note] if data.approximate else []))
     return space.replaced(**dims), DatasetRef.of_preferences(data.prefs), notes
+
+
+def _lengths_with_pairs(space: Space, stats: PreferenceStats,
+                        dataset: str) -> tuple[dict[str, Sequence[Value]], tuple[str, ...]]:
+    """--max-length's lengths at which some pair keeps a completion token: TRL's DPOTrainer drops a pair whose
+    prompt fills max_length, and a length that drops them all is left out (all of them: a usage error, before
+    any probe, rather than a budget of probes that each end unsupported)."""
+    empty = {c.max_length for c in stats.cuts if stats.count and c.dropped == stats.count}
+    if not empty:
+        return {}, ()
+    kept = [n for n in space.lengths if n not in empty]
+    prompt = stats.percentiles["prompt"]
+    if not kept:
+        raise UsageError(f"--max-length {','.join(map(str, sorted(empty, reverse=True)))}: every pair's prompt "
+                         f"fills it, so TRL's DPOTrainer drops all {stats.count} pairs of {dataset} (prompts: median "
+                         f"{prompt[50.0]:.0f}, longest {prompt[100.0]:.0f} tokens); give a longer --max-length "
+                         f"(`autofit data {dataset}` shows what each length keeps).")
+    return {"max_length": kept}, (f"--max-length {','.join(map(str, sorted(empty, reverse=True)))} left out: every "
+                                  f"pair's prompt fills it (TRL's DPOTrainer would drop all {stats.count} pairs)",)
 
 
 def check_dataset(ref: DatasetRef, flag: str) -> None:

@@ -41,6 +41,11 @@ FAULTS = [
           "autofit search --dataset prefs.jsonl --space dpo", 2, "line 2: 'chosen' is missing"),
     Fault("dpo-search-sft-space", "preference pairs given to a space that trains SFT",
           "autofit search --dataset prefs.jsonl --space lora", 2, "holds preference pairs"),
+    Fault("dpo-not-json", "a line that is not JSON", "autofit data prefs.jsonl --model M", 2,
+          "row at line 2: not valid JSON; expected a JSON object with 'chosen' and 'rejected'"),
+    Fault("dpo-search-length-drops-all", "a --max-length that every pair's prompt fills",
+          "autofit search --dataset prefs.jsonl --space dpo --max-length 16", 2,
+          "--max-length 16: every pair's prompt fills it, so TRL's DPOTrainer drops all 3 pairs"),
 ]
 
 BAD_ROW: dict[str, object] = {
@@ -57,8 +62,9 @@ BAD_ROW: dict[str, object] = {
     "dpo-search-bad-row": {"prompt": "q", "rejected": "b"},
     "dpo-search-sft-space": GOOD,
 }
-SPACE = {"dpo-search-bad-row": str(Path(__file__).resolve().parents[1] / "data" / "dpo-space.yaml"),
-         "dpo-search-sft-space": "cpu-demo"}
+DPO_SPACE = str(Path(__file__).resolve().parents[1] / "data" / "dpo-space.yaml")
+SPACE = {"dpo-search-bad-row": DPO_SPACE, "dpo-search-sft-space": "cpu-demo", "dpo-search-length-drops-all": DPO_SPACE}
+LONG_PROMPT = {"prompt": "Explain this. " * 20, "chosen": " Yes.", "rejected": " No."}
 
 
 def _file(tmp_path: Path, fault: Fault) -> Path:
@@ -66,6 +72,10 @@ def _file(tmp_path: Path, fault: Fault) -> Path:
     if fault.id == "dpo-not-utf8":
         path.write_bytes((json.dumps(GOOD) + "\n").encode() + '{"prompt": "caf\u00e9", "chosen": "a", '
                          '"rejected": "b"}\n'.encode("latin-1"))
+    elif fault.id == "dpo-not-json":
+        path.write_text(json.dumps(GOOD) + "\n" + '{"prompt": "q", "chosen": "a",\n' + json.dumps(GOOD) + "\n")
+    elif fault.id == "dpo-search-length-drops-all":  # prompts of ~60 tokens, --max-length 16
+        path.write_text((json.dumps(LONG_PROMPT) + "\n") * 3)
     elif fault.id in ("dpo-no-completion", "dpo-formats-differ"):
         first = {"chosen": "Say hi. Hi!", "rejected": "Say hi. Go away."}
         second = ({"chosen": "Say hi.", "rejected": "Say hi. Hello."} if fault.id == "dpo-no-completion"
@@ -80,8 +90,9 @@ def _file(tmp_path: Path, fault: Fault) -> Path:
 def test_a_bad_preference_row_is_a_clear_error(tmp_path: Path, fault: Fault) -> None:
     path = _file(tmp_path, fault)
     if fault.id in SPACE:  # the search reads --dataset before anything is created
+        lengths = ["--max-length", "16"] if fault.id == "dpo-search-length-drops-all" else []
         proc = run_cli("search", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(path), "--space",
-                       SPACE[fault.id], "--out", str(tmp_path / "runs"), cwd=tmp_path)
+                       SPACE[fault.id], *lengths, "--out", str(tmp_path / "runs"), cwd=tmp_path)
         assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
     else:
         proc = run_cli("data", str(path), "--model", "tiny-llama", "--out", str(tmp_path / "out"), cwd=tmp_path)

@@ -3,6 +3,7 @@ preference reader's pairs (checked against TRL's own prompt extraction) and the 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,27 @@ def test_lengths_and_what_a_max_length_drops() -> None:
     assert cut(lengths, 64).truncated == 1 and cut(lengths, 64).dropped == 0
     assert pair_lengths([([1, 2], [3], [4, 5, 6])]) == [PairLengths(2, 1, 3)]
     assert looks_like_preferences(DATA / "prefs.jsonl") and not looks_like_preferences(DATA / "dpo-space.yaml")
+
+
+def test_a_preference_file_is_told_from_samples_whatever_its_first_line(tmp_path: Path) -> None:
+    """`autofit data`, probe and an SFT space's check decide by the sniff: an indented JSON array of pairs, a
+    first row longer than 64 KiB and a first line that is not JSON are still pairs; samples stay samples."""
+    pair = {"prompt": "What is 2 + 2?", "chosen": " 4.", "rejected": " 5."}
+    files = {
+        "pretty.json": json.dumps([pair, pair], indent=2),
+        "long-first.jsonl": "".join(json.dumps(r) + "\n" for r in [{**pair, "prompt": "word " * 30_000}, pair]),
+        "bad-first.jsonl": "not json\n" + json.dumps(pair) + "\n",
+        "samples.jsonl": json.dumps({"text": "the word \"chosen\" in a sample"}) + "\n",
+        "samples-bad-first.jsonl": "{oops\n" + json.dumps({"text": "a"}) + "\n",
+        "samples-array.json": json.dumps([{"text": "a"}, {"text": "b"}], indent=2),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert [n for n in files if looks_like_preferences(tmp_path / n)] == ["pretty.json", "long-first.jsonl",
+                                                                         "bad-first.jsonl"]
+    assert len(read_preferences(tmp_path / "pretty.json")) == 2
+    with pytest.raises(UsageError, match="row at line 1: not valid JSON; expected a JSON object with"):
+        read_preferences(tmp_path / "bad-first.jsonl")
 
 
 def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:
