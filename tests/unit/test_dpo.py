@@ -134,6 +134,20 @@ def test_a_preference_file_is_told_from_samples_whatever_its_first_line(tmp_path
         read_preferences(tmp_path / "bad-first.jsonl")
 
 
+def test_a_max_length_that_drops_every_pair_is_left_out_of_the_search(tmp_path: Path) -> None:
+    """TRL drops a pair whose prompt fills max_length: of --max-length 16,512 on prompts of ~60 tokens the search
+    keeps 512 and says why 16 went (all of them dropped: a usage error, tests/e2e/test_faults_dpo.py)."""
+    from autofit.run.session import SearchRequest, preference_data_space
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text((json.dumps({"prompt": "Explain this. " * 20, "chosen": " Yes.", "rejected": " No."}) + "\n") * 3)
+    space = load_space(DATA / "dpo-space.yaml").replaced(max_length=[512, 16])
+    kept, _, notes = preference_data_space(space, resolve_model("tiny-llama"),
+                                           SearchRequest(dataset=str(data), max_length="512,16"))
+    assert kept.lengths == [512]
+    assert any(n.startswith("--max-length 16 left out: every pair's prompt fills it") for n in notes)
+
+
 def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:
     res = ProbeResult(Outcome.FIT, DPO, tokens_per_s=1000.0, extra={"tokens_per_pair": 250.0})
     assert pairs_per_s(res) == 4.0
