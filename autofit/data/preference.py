@@ -507,7 +507,8 @@ class PreferenceSummary:
 
     @property
     def text(self) -> str:
-        head = (f"{self.prefs.path}: {len(self.prefs)} preference pairs ({self.prefs.format}); no bad rows")
+        n = len(self.prefs)
+        head = f"{self.prefs.path}: {n} preference pair{'s' if n != 1 else ''} ({self.prefs.format}); no bad rows"
         note = f"\n{self.note}" if self.approximate else ""
         return f"{head}{note}\n{format_preference_stats(self.stats)}"
 

@@ -125,7 +125,7 @@ class Breakdown:
 
 GATHERED = "gathered layers (FSDP2 / ZeRO-3)"
 BUFFERS = "engine buffers (DDP / ZeRO buckets, offload staging)"
-REFERENCE = "DPO reference (its copy's weights, its forward without saved activations)"
+REFERENCE = "DPO reference (its forward without saved activations; with dpo_reference=copy, the copy's weights)"
 TERMS = ("weights", "trainable", "gathered", "buffers", "activations", "logits", "reference")
 """The allocated terms (allocator and outside are derived from them, or constant)."""
 

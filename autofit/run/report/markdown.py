@@ -234,7 +234,8 @@ def _pairs_section(data: JSONObject, best: ProbeResult | None) -> list[str]:
     ds, pct, mean = data["dataset"], data["percentiles"], data["mean"]
     approx = " (approximate: a stand-in tokenizer)" if data.get("approximate") else ""
     qs = list(next(iter(pct.values())))
-    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['pairs']} preference pairs, {data['format']}"
+    plural = "s" if data["pairs"] != 1 else ""
+    lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['pairs']} preference pair{plural}, {data['format']}"
              f"{approx}; content hash `{ds['content_hash'][:12]}`)"),
              "- a pair trains two rows, prompt + chosen and prompt + rejected; `pair` is the longer of the two", "",
              "| tokens | " + " | ".join(qs) + " | mean |", "|---|" + "---|" * (len(qs) + 1)]
