@@ -245,9 +245,12 @@ def run_folder(run_dir: Path, flag: str) -> None:
     except OSError as e:
         raise UsageError(f"{flag}: {shown(run_dir)} {problem(e)}; give a folder made by `autofit "
                          "search`.") from None
-    if stat.S_ISREG(mode):
+    if stat.S_ISREG(mode) and RunDir(run_dir.parent).spec.is_file():  # a file of a run folder: its folder
         raise UsageError(f"{flag}: {shown(run_dir)} is a file; give the run folder that holds it "
                          f"({shown(run_dir.parent)}).")
+    if stat.S_ISREG(mode):
+        raise UsageError(f"{flag}: {shown(run_dir)} is a file, not a run folder; give a folder made by "
+                         "`autofit search` (one under runs/).")
     if not stat.S_ISDIR(mode):
         raise UsageError(f"{flag}: {shown(run_dir)} is {kind(mode)}, not a folder; give a folder made by "
                          "`autofit search`.")

@@ -63,6 +63,8 @@ FAULTS = [
           "spec.yaml is not UTF-8 text"),
     Fault("report-a-file", "a file of a run folder given as the run folder", "autofit report RUN/best.json", 2,
           "is a file; give the run folder that holds it"),
+    Fault("report-a-data-file", "a file outside any run folder given as the run folder (it named its folder, '.')",
+          "autofit report prefs.jsonl", 2, "is a file, not a run folder; give a folder made by `autofit search`"),
     Fault("data-out-a-file", "`autofit data --out` naming an existing file (a FileExistsError traceback)",
           "autofit data train.jsonl --model tiny-llama --out FILE", 2, "is a regular file, not a folder"),
     Fault("dataset-gzip", "a gzip-compressed JSONL (called binary)", "autofit data train.jsonl.gz --model tiny-llama",
@@ -156,6 +158,7 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         str(_write(_stub_run(tmp) / "spec.yaml", b"run_id: caf\xe9\n").parent),
     ],
     "report-a-file": lambda tmp: ["report", str(_write(_stub_run(tmp) / "best.json", b"{}"))],
+    "report-a-data-file": lambda tmp: ["report", str(_write(tmp / "prefs.jsonl", b'{"chosen": "a"}\n'))],
     "data-out-a-file": lambda tmp: [
         "data",
         str(_write(tmp / "train.jsonl", b'{"text": "a b"}\n')),
