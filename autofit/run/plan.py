@@ -110,7 +110,8 @@ def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEA
              notes: tuple[str, ...] = ()) -> Plan:
     """The plan of `space` for `model` on a card of `limit` bytes (as the driver reports it)."""
     shape = Shape.from_config(model.config)
-    usable = usable_bytes(limit, headroom) or 0
+    # no usable memory (a headroom of 100% or more) is a card nothing fits on, never "no limit"
+    usable = max(usable_bytes(limit, headroom) or 0, 0)
     know = Knowledge.build([], shape, on_gpu=True, usable=usable, shapes=shapes)
     candidates = space.candidates()
     seed = space.config(space.seed())
@@ -119,7 +120,8 @@ def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEA
     for cfg in candidates:
         peak = know.memory.predict(cfg)
         mu, _ = expected_speed([], cfg, shapes)
-        out.append(Forecast(cfg, peak, int(peak * know.memory.margin(cfg)), fit_probability(know, cfg),
+        p_fit = fit_probability(know, cfg) if usable > 0 else 0.0  # the policy reads a usable of 0 as no limit
+        out.append(Forecast(cfg, peak, int(peak * know.memory.margin(cfg)), p_fit,
                             mu / forum if forum > 0 else 0.0, prior(cfg, shape), step_of(cfg, shapes)))
     # the search's objective: the longest length at which something fits, then the fastest there
     ranked = sorted(out, key=lambda f: (not f.fits, -f.cfg.max_length if f.fits else 0,

@@ -47,3 +47,11 @@ def test_without_a_card_it_plans_for_this_gpu_or_says_what_to_give() -> None:
         assert proc.returncode == 2 and "--card or --memory-limit: this machine has no GPU" in proc.stderr
     bad = run_cli("plan", "--model", "llama2-7b", "--card", "V100")
     assert bad.returncode == 2 and "is not a card autofit knows" in bad.stderr
+
+
+def test_a_headroom_search_refuses_is_refused() -> None:
+    """100% would leave no memory (and read as no limit: every config 'fits'); search refuses it, so does plan."""
+    proc = run_cli("plan", "--model", "llama2-7b", "--card", "RTX 4090", "--headroom", "100%")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "autofit: error: --headroom: 1.0 is out of range; expected a fraction such as 0.05.\n"
+

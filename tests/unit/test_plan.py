@@ -95,3 +95,12 @@ def test_spearman_matches_its_definition() -> None:
     assert spearman([(1, 30), (2, 20), (3, 10)]) == pytest.approx(-1.0)
     assert spearman([(1, 5), (1, 5), (2, 6)]) == pytest.approx(1.0)
     assert spearman([(1, 1), (1, 2)]) is None
+
+
+def test_no_usable_memory_is_a_card_nothing_fits_on_not_no_limit() -> None:
+    """A headroom of 100% or more leaves 0 or less: the policy's "no limit" reading would call all 160 fits."""
+    for headroom in (1.0, 1.5):
+        plan = forecast(resolve_model("llama2-7b"), load_space("lora"), 24 * GIB, headroom)
+        assert plan.usable == 0 and plan.best is None and not plan.fitting
+        assert all(f.p_fit == 0.0 for f in plan.forecasts)
+
