@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from autofit.cli.common import add_data_flags, data_fields, share, warn
@@ -18,9 +19,10 @@ from autofit.core.paths import shown
 from autofit.core.units import format_size, parse_size
 from autofit.data import TextMode
 from autofit.data import summarize as summarize_data
-from autofit.data.shapes import TokenShapes
+from autofit.data.preference import PairLengths, PreferenceSummary, file_pair_lengths, summarize_preferences
+from autofit.data.shapes import PairShapes, TokenShapes
 from autofit.data.summary import DataSummary
-from autofit.run.plan import TOP, Forecast, Plan, card_line, forecast, smallest_saving
+from autofit.run.plan import TOP, Forecast, Plan, card_line, forecast, next_step
 from autofit.run.session import (
     DEFAULT_SPACE,
     SearchRequest,
@@ -63,9 +65,10 @@ def add_parser(sub: Any, fmt: Any) -> None:
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs one training run spans (default 1)")
     p.add_argument("--max-length", metavar="N[,N...]",
                    help="the lengths to plan for (default: the space's, or the data's with --dataset)")
-    p.add_argument("--global-batch", metavar="N", help="samples per optimizer step (default: the space's)")
+    p.add_argument("--global-batch", metavar="N",
+                   help="samples (DPO: pairs) per optimizer step (default: the space's)")
     p.add_argument("--top", type=int, default=TOP, metavar="N",
-                   help=f"configs shown with their memory (default {TOP})")
+                   help=f"configs shown with their memory, in the text and in --json (default {TOP}; 0: none)")
     add_data_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
@@ -80,30 +83,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, space, targets = gather(lambda: model_source(args.model),
                                    lambda: space_source(args.space or DEFAULT_SPACE), lambda: _targets(args))
     space, data, notes = _space(args, model, space)
-    shapes = TokenShapes(data.table.lengths) if data is not None else None
+    shapes = data.shapes if data is not None else None
     if shapes is not None:
         shapes.prefetch(space.candidates())  # TRL's and transformers' layouts in one child process
     plans = [forecast(model, space, limit, args.headroom, card, shapes, notes) for card, limit in targets]
     if args.json:
-        print(json.dumps({"model": model.ref, "space": space.name, "plans": [plan_dict(p) for p in plans],
-                          **({"data": data.to_dict()} if data is not None else {})}, indent=1))
+        print(json.dumps({"model": model.ref, "space": space.name,
+                          "plans": [plan_dict(p, args.top) for p in plans],
+                          **({"data": data.summary.to_dict()} if data is not None else {})}, indent=1))
     else:
         for line in notes[1:] if data is not None else notes:  # the first: the data's lengths, shown below
             warn(line)
         if data is not None:
-            print(data_lines(data))
+            print(data.text)
         print(plan_text(plans[0], args) if len(plans) == 1 else all_cards_text(plans, args))
     if not any(p.best for p in plans):
         one = plans[0]
         where = one.card.name if one.card else format_size(one.limit)
         raise NothingFits("nothing in the space is predicted to fit " + (
-            f"{where}: {smallest_saving(one)}" if len(plans) == 1 else "any of the cards"))
+            f"{where}: {next_step(one).saving}" if len(plans) == 1 else "any of the cards"))
     return 0
 
 
 def _targets(args: argparse.Namespace) -> list[tuple[Card | None, int]]:
     if args.card is not None:
-        return [(c, c.total_bytes) for c in cards(args.card)]
+        named = cards(args.card)
+        if len(named) == 1 and (other := _namesakes(args.card, named[0])):
+            warn(f"--card {args.card}: planned for the {named[0].name}; for the {other} give --card "
+                 f"{shown(other)}.")
+        return [(c, c.total_bytes) for c in named]
     if args.memory_limit is not None:
         return [(None, parse_size(args.memory_limit))]
     found = gpus()
@@ -114,11 +122,33 @@ def _targets(args: argparse.Namespace) -> list[tuple[Card | None, int]]:
     return [(None, found[0].memory_bytes)]
 
 
+def _namesakes(name: str, card: Card) -> str:
+    """The cards of the same name with another memory ('A100 80GB' for 'A100', read as the 40 GB card), where
+    `name` does not say the memory: '' where it does or there is none."""
+    def family(c: Card) -> str:  # the name less its memory: 'A100 40GB' -> 'A100'
+        return c.name.removesuffix(c.label.replace(" ", "")).strip()
+
+    size = card.label.split()[0]  # '40' of '40 GB'
+    others = [c.name for c in CARDS if c != card and family(c) == family(card)]
+    return "" if not others or size in name else " or ".join(others)
+
+
+@dataclass(frozen=True)
+class PlanData:
+    """--dataset as the plan reads it: samples or preference pairs, their shapes (what a micro-batch holds)
+    and what is shown of them."""
+
+    summary: DataSummary | PreferenceSummary
+    shapes: TokenShapes
+    text: str
+
+
 def _space(args: argparse.Namespace, model: ModelSource,
-           space: Space) -> tuple[Space, DataSummary | None, tuple[str, ...]]:
+           space: Space) -> tuple[Space, PlanData | None, tuple[str, ...]]:
     """The space as `autofit search` would search it: the flags' lengths and batch, the GPUs, the data's
-    lengths and batching strategies."""
+    lengths and batching strategies (of samples, or of preference pairs for a DPO space)."""
     dims = space_dimensions(args.max_length, args.global_batch)
+    _check_gpus(args, [int(b) for b in dims.get("global_batch") or space.values("global_batch")])
     if args.gpus > 1 and "gpus" not in space.dimensions:
         dims = {**dims, "gpus": [args.gpus]}
     if dims:
@@ -126,14 +156,27 @@ def _space(args: argparse.Namespace, model: ModelSource,
     text_field, messages_field = data_fields(args)
     req = SearchRequest(model=args.model, dataset=args.dataset, max_length=args.max_length,
                         text_field=text_field, messages_field=messages_field, text_mode=args.text_mode)
-    space, _, notes = data_space(space, model, req)
+    space, ref, notes = data_space(space, model, req)
     model.check_lengths(space.lengths,
                         "--max-length" if args.max_length else f"--space {args.space or DEFAULT_SPACE}")
-    data = None
-    if args.dataset:
-        data = summarize_data(args.dataset, model, None, text_field, messages_field, TextMode(args.text_mode),
-                              space.lengths)
-    return space, data, notes
+    if ref is None:
+        return space, None, notes
+    if ref.preference:
+        pairs = summarize_preferences(args.dataset, model, None, space.lengths)
+        lengths = file_pair_lengths(pairs.prefs, model)
+        return space, PlanData(pairs, PairShapes([], pairs=lengths), pair_lines(pairs, lengths)), notes
+    data = summarize_data(args.dataset, model, None, text_field, messages_field, TextMode(args.text_mode),
+                          space.lengths)
+    return space, PlanData(data, TokenShapes(data.table.lengths), data_lines(data)), notes
+
+
+def _check_gpus(args: argparse.Namespace, batches: list[int]) -> None:
+    """Each GPU trains one sample a step at least: more GPUs than the global batch is no configuration."""
+    if batches and args.gpus > max(batches):
+        whose = "--global-batch" if args.global_batch else "the space's global batch"
+        raise UsageError(f"--gpus {args.gpus}: more GPUs than samples per optimizer step ({whose} "
+                         f"{max(batches)}), and each GPU trains at least one a step; give --gpus {max(batches)} or "
+                         f"fewer, or --global-batch {args.gpus} or more.")
 
 
 def data_lines(data: DataSummary) -> str:
@@ -149,6 +192,21 @@ def data_lines(data: DataSummary) -> str:
             f"worst-case sample: {where}, {lengths[worst]} tokens; max_length candidates {cuts}\n")
 
 
+def pair_lines(data: PreferenceSummary, lengths: list[PairLengths]) -> str:
+    """The lengths planned for on preference pairs: each pair's longer row (prompt + the longer completion,
+    what its micro-batch pads to), its percentiles and the worst-case pair."""
+    s = data.stats
+    worst = max(range(len(lengths)), key=lambda i: lengths[i].longest)
+    w = lengths[worst]
+    pct = ", ".join(f"p{q:g} {v:.0f}" for q, v in s.percentiles["pair"].items())
+    cuts = "; ".join(f"{c.max_length}: {c.dropped} pairs dropped, {c.truncated} truncated" for c in s.cuts)
+    return (f"data: {shown(data.prefs.path)}: {s.count} preference pairs ({data.prefs.format}), the longer row "
+            f"of each pair mean {s.mean['pair']:.0f} tokens ({pct})"
+            f"{' (approximate: ' + data.tokenizer + ')' if data.approximate else ''}\n"
+            f"worst-case pair: line {data.prefs.pairs[worst].line}, {w.longest} tokens (prompt {w.prompt}, chosen "
+            f"{w.chosen}, rejected {w.rejected}); max_length candidates {cuts}\n")
+
+
 def plan_text(plan: Plan, args: argparse.Namespace) -> str:
     card = (f"{plan.card.name} ({plan.card.total_bytes // 2**20:,} MiB as the driver reports it"
             f"{', estimated' if plan.card.estimated else ''})" if plan.card else f"{format_size(plan.limit)}")
@@ -156,23 +214,22 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
     out = [f"{plan.model.ref} on {card}: usable {format_size(plan.usable)} with the {args.headroom:.0%} "
            f"headroom; space {plan.space.name} ({len(plan.forecasts)} configs)",
            f"predicted to fit: {len(fits)} of {len(plan.forecasts)} (P(fit) >= 0.5)"]
-    if fits:
+    shown_fits = distinct(fits)[:args.top]
+    if shown_fits:
         out += ["", f"{'#':>3}  {'config':<58} {'peak':>20}  {'P(fit)':>6}  speed vs forum recipe"]
-        for i, f in enumerate(distinct(fits)[:max(args.top, 1)], 1):
-            batch = "" if f.step.keeps_global_batch else f"  ({f.step.describe()})"
-            out.append(f"{i:>3}  {brief(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
-                       f"{f.p_fit:>6.2f}  {f.speed:.2f}x{batch}")
-            if args.top:
-                terms = f.breakdown.as_dict().items()
-                out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in terms))
-    else:
-        out += ["", f"nothing is predicted to fit: {smallest_saving(plan)}"]
+    for i, f in enumerate(shown_fits, 1):
+        batch = "" if f.step.keeps_global_batch else f"  ({f.step.describe()})"
+        out.append(f"{i:>3}  {brief(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
+                   f"{f.p_fit:>6.2f}  {f.speed:.2f}x{batch}")
+        out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in f.breakdown.as_dict().items()))
+    if not fits:
+        out += ["", f"nothing is predicted to fit: {next_step(plan).saving}"]
     if plan.longest_length is not None:
         out.append(f"\nlongest max_length predicted to fit: {plan.longest_length}")
     if plan.largest_micro_batch:
         sizes = ", ".join(f"{k}: {'none' if v is None else v}" for k, v in plan.largest_micro_batch.items())
         out.append(f"largest micro-batch at length {max(plan.space.lengths)}, by checkpointing: {sizes}")
-    out.append(f"\nnext: {search_command(plan, args)}")
+    out.append(f"\nnext: {next_line(plan, args)}")
     return "\n".join(out)
 
 
@@ -193,26 +250,52 @@ def all_cards_text(plans: list[Plan], args: argparse.Namespace) -> str:
     first = next((p for p in plans if p.best), plans[-1])
     where = f" (on the {first.card.name}; on another card, its --memory-limit)" if first.card else ""
     return "\n".join([head, f"{'card':<16} {'usable':>9}", *(card_line(p) for p in plans),
-                      "", f"next: {search_command(first, args)}{where}"])
+                      "", f"next: {next_line(first, args)}{where}"])
 
 
-def search_command(plan: Plan, args: argparse.Namespace) -> str:
-    """The search that measures what the plan predicts (its first probes start from these same numbers)."""
-    parts = ["autofit search", "--model", shown(args.model)]
-    parts += ["--space", shown(args.space)] if args.space else []
-    parts += ["--dataset", shown(args.dataset)] if args.dataset else []
-    parts += ["--max-length", args.max_length] if args.max_length else []
-    parts += ["--gpus", str(args.gpus)] if args.gpus > 1 else []
-    parts += ["--memory-limit", f"{plan.limit // 2**20}MiB"] if plan.card or args.memory_limit else []
-    return " ".join([*parts, "--budget", "30m"])
+def next_line(plan: Plan, args: argparse.Namespace) -> str:
+    """The search that measures what the plan predicts; where nothing fits, the search of the smallest saving
+    that would (a flag or a shipped space), else what to change."""
+    if plan.best is not None:
+        return search_command(plan, args)
+    step = next_step(plan)
+    if step.flags is None:
+        return step.change
+    return search_command(plan, args, step.flags)
 
 
-def plan_dict(plan: Plan) -> dict[str, Any]:
+def search_command(plan: Plan, args: argparse.Namespace, changes: dict[str, str] | None = None) -> str:
+    """The search of the plan's own space, card and data, with `changes` to its flags (a saving's)."""
+    text_mode = args.text_mode if args.text_mode != "auto" else None
+    headroom = f"{args.headroom * 100:g}%" if args.headroom != HEADROOM else None  # 100 per cent
+    memory = size_flag(plan.limit) if plan.card or args.memory_limit else None
+    given = {"--model": args.model, "--space": args.space, "--dataset": args.dataset,
+             "--text-field": args.text_field, "--messages-field": args.messages_field, "--text-mode": text_mode,
+             "--max-length": args.max_length, "--global-batch": args.global_batch,
+             "--gpus": str(args.gpus) if args.gpus > 1 else None, "--memory-limit": memory, "--headroom": headroom}
+    flags = {**given, **(changes or {}), "--budget": "30m"}
+    return " ".join(["autofit search", *(f"{k} {shown(v)}" for k, v in flags.items() if v is not None)])
+
+
+def size_flag(limit: int) -> str:
+    """A --memory-limit that reads back as `limit` bytes: in the largest unit that is exact, except that from
+    1 GiB on a limit that is no whole MiB (a card's CUDA total) is rounded down to one (less than 0.1% off); a
+    limit under a MiB is never rounded to 0."""
+    if limit % 2**30 == 0:
+        return f"{limit // 2**30}GiB"
+    if limit % 2**20 == 0 or limit >= 2**30:
+        return f"{limit // 2**20}MiB"
+    return f"{limit // 2**10}KiB" if limit % 2**10 == 0 else f"{limit}B"
+
+
+def plan_dict(plan: Plan, top: int = TOP) -> dict[str, Any]:
+    step = None if plan.best else next_step(plan)
     return {"card": plan.card.name if plan.card else None, "memory_bytes": plan.limit,
             "usable_bytes": plan.usable, "estimated": plan.card.estimated if plan.card else False,
             "fits": len(plan.fitting), "configs": len(plan.forecasts),
             "best": plan.best.to_dict() if plan.best else None,
-            "top": [f.to_dict() for f in plan.fitting[:TOP]],
+            "top": [f.to_dict() for f in distinct(plan.fitting)[:top]],
             "longest_max_length": plan.longest_length, "largest_micro_batch": plan.largest_micro_batch,
-            "smallest_saving": None if plan.best else smallest_saving(plan),
+            "smallest_saving": step.saving if step else None,
+            "next_search_flags": step.flags if step else None, "next_change": step.change if step else None,
             "savings": [{"change": s.change, "fits": s.fits, "detail": s.detail} for s in plan.reach.savings]}

@@ -17,19 +17,20 @@ from typing import Any
 
 from autofit.config.cards import Card
 from autofit.config.models import ModelSource
-from autofit.config.space import Space
+from autofit.config.space import Space, load_space
 from autofit.config.spec import TrialConfig, brief
 from autofit.config.target import HEADROOM, usable_bytes
 from autofit.core.units import format_size
 from autofit.data.batching import Batching, StepShape, step_shape
 from autofit.data.shapes import TokenShapes
 from autofit.estimate.memory import (
+    SHARDING,
     Breakdown,
     Reach,
+    Saving,
     Shape,
     prior,
     reach,
-    shorter_length,
     smallest_peak,
     variants,
 )
@@ -88,7 +89,7 @@ class Plan:
     forecasts: tuple[Forecast, ...]
     """Every config: those called fits first, fastest first; then the rest, likeliest first."""
     longest_length: int | None
-    """The longest max_length at which some config of the space is predicted to fit (None: none)."""
+    """The longest max_length of the space at which some config is predicted to fit (None: none)."""
     largest_micro_batch: dict[str, int | None]
     """Per checkpointing level of the space: the largest micro-batch predicted to fit at the space's longest
     length (None: not even micro-batch 1)."""
@@ -126,8 +127,8 @@ def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEA
     # the search's objective: the longest length at which something fits, then the fastest there
     ranked = sorted(out, key=lambda f: (not f.fits, -f.cfg.max_length if f.fits else 0,
                                         -f.speed if f.fits else -f.p_fit, f.peak))
-    length = shorter_length(candidates, shape, usable)
-    longest = length.amount if length and length.fits else None
+    # a length of the space: a shorter one that would fit is a saving, said as one where nothing fits
+    longest = max((f.cfg.max_length for f in out if f.fits), default=None)
     return Plan(model, space, usable, card, limit, tuple(ranked), longest,
                 largest_micro_batches(candidates, shape, usable), reach(candidates, shape, usable), notes)
 
@@ -180,15 +181,79 @@ def card_line(plan: Plan) -> str:
 def smallest_saving(plan: Plan) -> str:
     """What would bring the space under the card, the cheapest first: a shorter length, offloaded
     checkpointing, a 4-bit base, more GPUs, a smaller model, a larger card."""
+    return next_step(plan).saving
+
+
+SAVINGS = ("LENGTH", "OFFLOAD", "QUANTIZE", "GPUS", "MODEL", "CARD")
+"""The savings a plan proposes where nothing fits, the cheapest first."""
+QLORA = "qlora"
+"""The shipped space of LoRA on a 4-bit base (supervised samples)."""
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """Where nothing is predicted to fit: the smallest saving that would, and how to search it."""
+
+    saving: str
+    """The saving, for a person ('a 4-bit base (QLoRA, --space qlora): weights 4.1 GiB, ...')."""
+    flags: dict[str, str] | None
+    """The `autofit search` flags that make it, replacing the plan's own ({}: the same search; None: no flag
+    or shipped space makes it, and `change` says what to change)."""
+    change: str = ""
+
+
+def next_step(plan: Plan) -> NextStep:
+    """The smallest saving predicted to fit and the search flags that make it, where a flag or a shipped
+    space does; else what to change (a space file's dimension, the model, the card)."""
+    would = _would_fit(plan)
+    kind = next((k for k in SAVINGS if k in would), None)
+    if kind is None:
+        return NextStep(plan.reach.describe(), None, "no saving the memory model knows of fits this card; "
+                        "plan a smaller model or a larger card")
+    text, saving = would[kind]
+    flags, change = _how(kind, saving, plan)
+    return NextStep(text, flags, change)
+
+
+def _would_fit(plan: Plan) -> dict[str, tuple[str, Saving | None]]:
+    """Per kind, the saving predicted to fit, for a person (offloaded checkpointing has no `Saving`)."""
     planned = max(plan.space.lengths)
-    would = {s.kind.name: s.describe() for s in plan.reach.savings
-             if s.fits and not (s.kind.name == "LENGTH" and (s.amount or 0) < min(MIN_LENGTH, planned))}
+    would: dict[str, tuple[str, Saving | None]] = {
+        s.kind.name: (s.describe(), s) for s in plan.reach.savings
+        if s.fits and not (s.kind.name == "LENGTH" and (s.amount or 0) < min(MIN_LENGTH, planned))}
     offload = offload_saving(plan.space.candidates(), Shape.from_config(plan.model.config), plan.usable)
     if offload is not None and offload <= plan.usable:
         would["OFFLOAD"] = (f"checkpointing on+offload (saved layer inputs in host memory): predicted peak "
-                            f"{format_size(offload)}")
-    order = ("LENGTH", "OFFLOAD", "QUANTIZE", "GPUS", "MODEL", "CARD")
-    return next((would[k] for k in order if k in would), plan.reach.describe())
+                            f"{format_size(offload)}", None)
+    return would
+
+
+def _how(kind: str, saving: Saving | None, plan: Plan) -> tuple[dict[str, str] | None, str]:
+    """The search flags that make a saving, or what to change where no flag or shipped space does."""
+    candidates = plan.space.candidates()
+    amount = saving.amount if saving is not None and saving.amount is not None else 0
+    if kind == "LENGTH":
+        return {"--max-length": str(amount)}, ""
+    if kind == "QUANTIZE":
+        if any(c.quantization == "nf4" for c in candidates):
+            return {}, ""  # the space's own 4-bit configs, predicted at the edge: the search measures them
+        if "dpo" in plan.space.values("trainer"):
+            return None, ("fix quantization: nf4 in a copy of the space (the shipped qlora space trains "
+                          "samples, not preference pairs) and search that file")
+        lengths = plan.space.lengths  # the lengths planned, where the qlora space's own differ
+        same = lengths == load_space(QLORA).lengths
+        return {"--space": QLORA, **({} if same else {"--max-length": ",".join(map(str, lengths))})}, ""
+    if kind == "GPUS":
+        if not any(c.engine in SHARDING for c in candidates):
+            return None, (f"add `engine: [{', '.join(SHARDING)}]` to the space's dimensions and search that "
+                          f"file with --gpus {amount}")
+        batch = max(c.global_batch for c in candidates)  # a sequence per GPU at least
+        return {"--gpus": str(amount), **({"--global-batch": str(amount)} if amount > batch else {})}, ""
+    if kind == "OFFLOAD":
+        return None, "add on+offload to the space's gradient_checkpointing dimension and search that file"
+    if kind == "MODEL":
+        return None, "plan a smaller model (autofit plan --model SMALLER)"
+    return None, "plan a larger card (autofit plan --card all lists each card)"
 
 
 # --------------------------------------------------------------------------- the plan against measurements

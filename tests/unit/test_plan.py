@@ -8,13 +8,17 @@ import statistics
 import pytest
 from conftest import ROOT
 
+from autofit.cli import build_parser
+from autofit.cli.plan import _namesakes, _space, plan_dict, size_flag
 from autofit.config.cards import CARDS, cards
 from autofit.config.models import resolve_model
-from autofit.config.space import load_space
+from autofit.config.space import Space, load_space
 from autofit.config.target import usable_bytes
 from autofit.core.errors import UsageError
+from autofit.core.units import parse_size
+from autofit.data.shapes import PairShapes
 from autofit.protocol.result import ProbeResult
-from autofit.run.plan import Calls, check_calls, forecast, smallest_saving, spearman
+from autofit.run.plan import Calls, check_calls, forecast, next_step, smallest_saving, spearman
 from autofit.search.knowledge import Knowledge
 from autofit.search.policy import fit_probability
 from autofit.search.replay import Landscape
@@ -104,3 +108,64 @@ def test_no_usable_memory_is_a_card_nothing_fits_on_not_no_limit() -> None:
         assert plan.usable == 0 and plan.best is None and not plan.fitting
         assert all(f.p_fit == 0.0 for f in plan.forecasts)
 
+
+def test_the_longest_length_shown_is_a_length_of_the_space() -> None:
+    """A space of one length (2048) on the RTX 4090: nothing fits, and the shorter length that would (about
+    1,640) is a saving, not "the longest max_length predicted to fit"."""
+    space = Space("one", {"method": "lora", "max_length": 2048}, {})
+    plan = forecast(resolve_model("llama2-7b"), space, cards("RTX 4090")[0].total_bytes)
+    assert plan.best is None and plan.longest_length is None
+    assert next_step(plan).flags == {"--max-length": smallest_saving(plan).split()[1]}
+
+
+def test_where_nothing_fits_the_next_search_is_the_smallest_saving() -> None:
+    model, t4 = resolve_model("llama2-7b"), cards("T4")[0].total_bytes
+    step = next_step(forecast(model, load_space("lora"), t4))
+    assert step.flags == {"--space": "qlora"}
+    assert forecast(model, load_space("qlora"), t4).best is not None  # the search it names has fits
+    # a length: the flag that makes it, searched in the same space
+    assert next_step(forecast(model, load_space("qlora").replaced(max_length=[4096]), 6 * GIB)).flags == {
+        "--max-length": "600"}
+    # pairs: the shipped qlora space trains samples, so no flag makes a 4-bit DPO base: what to change
+    dpo = next_step(forecast(model, load_space("dpo"), t4))
+    assert dpo.flags is None and "quantization: nf4" in dpo.change
+    # more GPUs, in a space that shards nothing: what to add to it, not a search that cannot fit
+    one = next_step(forecast(model, Space("one", {"method": "lora", "max_length": 2048}, {}), t4))
+    assert one.flags is None and "engine: [fsdp2, zero3]" in one.change and "--gpus 16" in one.change
+
+
+def test_the_next_searchs_memory_limit_reads_back_positive_and_exact_enough() -> None:
+    assert size_flag(1024) == "1KiB" and size_flag(1000) == "1000B" and size_flag(24 * GIB) == "24GiB"
+    assert size_flag(1536 * 2**20) == "1536MiB"
+    for card in CARDS:  # a CUDA total is no whole MiB: less than one MiB under it
+        back = parse_size(size_flag(card.total_bytes))
+        assert 0 <= card.total_bytes - back < 2**20, card
+    for n in (1, 1000, 1025, 2**20 + 1, 5 * 10**8):
+        assert parse_size(size_flag(n)) == n
+
+
+def test_an_a100_without_its_memory_names_the_other_a100() -> None:
+    (a100,) = cards("A100")
+    assert a100.name == "A100 40GB" and _namesakes("A100", a100) == "A100 80GB"
+    assert _namesakes("a100-40", a100) == "" and _namesakes("A100 80GB", cards("A100 80GB")[0]) == ""
+    assert _namesakes("H100", cards("H100")[0]) == "" and _namesakes("4090", cards("4090")[0]) == ""
+
+
+def test_json_shows_as_many_configs_as_top() -> None:
+    plan = forecast(resolve_model("llama2-7b"), load_space("lora"), 40 * GIB)
+    assert [len(plan_dict(plan, n)["top"]) for n in (0, 1, 3)] == [0, 1, 3]
+
+
+def test_a_dpo_plan_reads_the_dataset_as_pairs() -> None:
+    """The pairs' longer rows are the lengths planned for (TRL pads each micro-batch to its longest row), with
+    the worst-case pair; samples' 'text' is never asked of them."""
+    prefs = ROOT / "tests" / "data" / "prefs.jsonl"
+    for space in ("dpo", str(ROOT / "tests" / "data" / "dpo-space.yaml")):
+        args = build_parser().parse_args(["plan", "--model", "llama2-7b", "--card", "RTX 4090", "--space", space,
+                                          "--dataset", str(prefs)])
+        model = resolve_model("llama2-7b")
+        planned, data, _ = _space(args, model, load_space(space))
+        assert data is not None and isinstance(data.shapes, PairShapes)
+        longest = data.summary.stats.percentiles["pair"][100.0]  # type: ignore[union-attr]
+        assert max(data.shapes.lengths) == longest and f"worst-case pair: line 8, {longest:.0f} tokens" in data.text
+        assert max(planned.lengths) >= longest and planned.values("batching") == ["pad_longest"]
