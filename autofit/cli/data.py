@@ -54,10 +54,17 @@ def cmd_data(args: argparse.Namespace) -> int:
     model, lengths, _ = gather(lambda: model_source(args.model, weights=False),
                                lambda: _lengths(args.max_length),
                                lambda: source(Path(args.path).expanduser(), "PATH", GIVE))
+    model.check_lengths(list(lengths), "--max-length")  # as search and plan refuse it
     out = Path(args.out) if args.out else default_out(args.path)
     output_folder(out, "--out" if args.out else "autofit data", "Give a folder (created if missing) for "
                   "lengths.png, data.json and the caches with --out.")
     if looks_like_preferences(args.path):
+        ignored = [flag for flag, given in (("--text-field", args.text_field is not None),
+                                            ("--messages-field", args.messages_field is not None),
+                                            ("--text-mode", args.text_mode != "auto")) if given]
+        if ignored:  # TRL's preference formats name their fields: prompt, chosen, rejected
+            warn(f"{' and '.join(ignored)} ignored: {shown(args.path)} holds preference pairs, read from their "
+                 "'prompt', 'chosen' and 'rejected' fields as TRL reads them")
         return _preferences(args, model, out, lengths)
     try:
         summary = summarize(args.path, model, out, *data_fields(args), TextMode(args.text_mode),

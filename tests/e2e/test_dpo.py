@@ -63,6 +63,14 @@ def test_autofit_data_shows_the_pairs_lengths(tmp_path: Path) -> None:
     assert "40 preference pairs" in proc.stdout and "max_length    192: 0 pairs dropped" in proc.stdout
     for part in ("prompt", "chosen", "rejected", "pair"):
         assert any(line.startswith(part) for line in proc.stdout.splitlines())
+    # the SFT field flags name no field of a pair: said, not silently ignored
+    proc = run_cli("data", str(DATA / "prefs.jsonl"), "--model", "tiny-llama", "--text-field", "body", "--out",
+                   str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0 and "--text-field ignored:" in proc.stderr, proc.stderr
+    # a length beyond the model's positions is refused, as search and plan refuse it (tiny-llama: 8192)
+    proc = run_cli("data", str(DATA / "prefs.jsonl"), "--model", "tiny-llama", "--max-length", "100000", "--out",
+                   str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "--max-length: max_length 100000 is longer than" in proc.stderr, proc.stderr
 
 
 def test_a_probe_trains_dpo_on_the_pairs_of_a_file(tmp_path: Path) -> None:
