@@ -148,11 +148,10 @@ def _space(args: argparse.Namespace, model: ModelSource,
     """The space as `autofit search` would search it: the flags' lengths and batch, the GPUs, the data's
     lengths and batching strategies (of samples, or of preference pairs for a DPO space)."""
     dims = space_dimensions(args.max_length, args.global_batch)
-    _check_gpus(args, [int(b) for b in dims.get("global_batch") or space.values("global_batch")])
-    if args.gpus > 1 and "gpus" not in space.dimensions:
-        dims = {**dims, "gpus": [args.gpus]}
     if dims:
         space = space.replaced(**dims)
+    if args.gpus > 1 and "gpus" not in space.dimensions:
+        space = _on_gpus(args, space)
     text_field, messages_field = data_fields(args)
     req = SearchRequest(model=args.model, dataset=args.dataset, max_length=args.max_length,
                         text_field=text_field, messages_field=messages_field, text_mode=args.text_mode)
@@ -170,13 +169,26 @@ def _space(args: argparse.Namespace, model: ModelSource,
     return space, PlanData(data, TokenShapes(data.table.lengths), data_lines(data)), notes
 
 
-def _check_gpus(args: argparse.Namespace, batches: list[int]) -> None:
-    """Each GPU trains one sample a step at least: more GPUs than the global batch is no configuration."""
-    if batches and args.gpus > max(batches):
+def _on_gpus(args: argparse.Namespace, space: Space) -> Space:
+    """The space on --gpus N GPUs; where no configuration of it runs on N, the error names --gpus and why (a
+    global batch smaller than N, a trainer measured on one GPU), not the space file."""
+    batch = max(int(b) for b in space.values("global_batch"))
+    if args.gpus > batch:  # each GPU trains one sample a step at least
         whose = "--global-batch" if args.global_batch else "the space's global batch"
-        raise UsageError(f"--gpus {args.gpus}: more GPUs than samples per optimizer step ({whose} "
-                         f"{max(batches)}), and each GPU trains at least one a step; give --gpus {max(batches)} or "
-                         f"fewer, or --global-batch {args.gpus} or more.")
+        raise UsageError(f"--gpus {args.gpus}: more GPUs than samples per optimizer step ({whose} {batch}), and "
+                         f"each GPU trains at least one a step; give --gpus {batch} or fewer, or --global-batch "
+                         f"{args.gpus} or more.")
+    try:
+        return space.replaced(gpus=[args.gpus])
+    except UsageError:
+        why = ""
+        for cfg in space.candidates()[:1]:
+            try:
+                cfg.replace(gpus=args.gpus)
+            except UsageError as e:
+                why = f": {e.problems[0]}"
+        raise UsageError(f"--gpus {args.gpus}: no configuration of --space {args.space or DEFAULT_SPACE} runs on "
+                         f"{args.gpus} GPUs{why}; plan it with --gpus 1, or give a space that does.") from None
 
 
 def data_lines(data: DataSummary) -> str:

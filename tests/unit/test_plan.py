@@ -169,3 +169,17 @@ def test_a_dpo_plan_reads_the_dataset_as_pairs() -> None:
         longest = data.summary.stats.percentiles["pair"][100.0]  # type: ignore[union-attr]
         assert max(data.shapes.lengths) == longest and f"worst-case pair: line 8, {longest:.0f} tokens" in data.text
         assert max(planned.lengths) >= longest and planned.values("batching") == ["pad_longest"]
+
+
+def test_gpus_no_config_runs_on_are_blamed_on_gpus_not_the_space_file() -> None:
+    model = resolve_model("llama2-7b")
+    for space, wanted in (("dpo", "--gpus 2: no configuration of --space dpo runs on 2 GPUs: trainer=dpo is "
+                                  "measured on one GPU"),
+                          ("lora", "--gpus 32: more GPUs than samples per optimizer step (the space's global "
+                                   "batch 16)")):
+        gpus = wanted.split()[1].rstrip(":")
+        args = build_parser().parse_args(["plan", "--model", "llama2-7b", "--card", "H100", "--space", space,
+                                          "--gpus", gpus])
+        with pytest.raises(UsageError) as e:
+            _space(args, model, load_space(space))
+        assert e.value.problems[0].startswith(wanted) and ".yaml" not in str(e.value)
