@@ -10,10 +10,12 @@ import difflib
 import json
 import logging
 import os
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from autofit.core import paths
 from autofit.core.documents import JSONObject
@@ -210,13 +212,14 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
                 "save_pretrained, a config.json, a hub id, or a preset "
                 f"({', '.join(PRESETS)})."
             )
+        config = _read_json(cfg, flag)  # a damaged config.json is said first, not after a hint to give it
         if weights and not any(f.suffix in WEIGHT_SUFFIXES for f in path.iterdir() if f.is_file()):
             raise UsageError(
                 f"{flag}: folder {text} has a config.json but no weights (no .safetensors or .bin file); "
                 f"give {cfg} to measure the architecture with random weights (the same memory and speed), or "
                 "the folder the weights were saved to."
             )
-        return ModelSource("local", str(path.resolve()), _read_json(cfg, flag))
+        return ModelSource("local", str(path.resolve()), config)
     if path.is_file():
         return ModelSource("config", str(path.resolve()), _read_json(path, flag))
     if _looks_like_path(text) or text.endswith(".json"):
@@ -235,17 +238,25 @@ def resolve_model(text: str, flag: str = "--model", weights: bool = True) -> Mod
 def _hub_config(repo_id: str, flag: str) -> ModelConfig:
     """config.json of a hub model: from the local cache, or downloaded when online."""
     # deferred: huggingface_hub takes a second to import and only a hub id needs it
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):  # no network needed (and none asked: an offline machine answers at once)
+        return _read_json(Path(cached), flag)
+    advice = (f"Download it once with `hf download {repo_id}` or give a local folder or a preset "
+              f"({', '.join(PRESETS)}).")
+    host = urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    try:  # a host that does not resolve fails now, not after huggingface_hub's retries (~25 s)
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        raise UsageError(f"{flag}: hub model {repo_id!r} is not in the local cache, and {host} cannot be "
+                         f"reached from here ({e.strerror or e}). {advice}") from None
     try:
         path = hf_hub_download(repo_id, "config.json")
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"{flag}: hub model {repo_id!r} is not in the local cache and could not be "
-            f"downloaded ({first}). Download it once with `hf download "
-            f"{repo_id}` or give a local folder or a preset ({', '.join(PRESETS)})."
-        ) from None
+        raise UsageError(f"{flag}: hub model {repo_id!r} is not in the local cache and could not be "
+                         f"downloaded ({first}). {advice}") from None
     return _read_json(Path(path), flag)
 

@@ -294,6 +294,15 @@ def test_a_hub_id_not_in_the_cache_offline_is_a_clear_error(tmp_path: Path) -> N
     assert "not in the local cache" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_hub_that_does_not_resolve_is_said_at_once_not_after_retries(tmp_path: Path) -> None:
+    """A machine without the hub's name (no network, no DNS): one line naming the host, not ~25 s of
+    huggingface_hub's retries first (.invalid never resolves)."""
+    proc = run_cli("plan", "--model", "someorg/not-cached-model", "--card", "T4", cwd=tmp_path,
+                   env={"HF_ENDPOINT": "https://hub.example.invalid", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2, proc.stderr
+    assert "hub.example.invalid cannot be reached from here" in proc.stderr and "Retrying" not in proc.stderr
+
+
 def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path: Path, saved_tiny: Path) -> None:
     # lay the folder out as the hub cache does (models--owner--name/snapshots/<rev>/ + refs/main)
     cache = tmp_path / "hub"
