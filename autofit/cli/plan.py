@@ -12,7 +12,7 @@ from autofit.config.cards import CARDS, Card, cards
 from autofit.config.models import ModelSource
 from autofit.config.space import Space
 from autofit.config.spec import brief
-from autofit.config.target import HEADROOM, resolve_targets
+from autofit.config.target import HEADROOM, check_headroom
 from autofit.core.envinfo import gpus
 from autofit.core.errors import NothingFits, UsageError, gather
 from autofit.core.paths import shown
@@ -79,7 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--gpus: {args.gpus} is not a number of GPUs; give 1 or more.")
     if args.top < 0:
         raise UsageError(f"--top: {args.top} is negative; give how many configs to show (0 for none).")
-    resolve_targets(None, "cpu", None, args.headroom)  # --headroom in search's range, with search's message
+    check_headroom(args.headroom)  # search's range and message
     model, space, targets = gather(lambda: model_source(args.model),
                                    lambda: space_source(args.space or DEFAULT_SPACE), lambda: _targets(args))
     space, data, notes = _space(args, model, space)

@@ -66,6 +66,12 @@ class Target:
         return usable_bytes(self.memory_limit_bytes or self.card_bytes, self.headroom)
 
 
+def check_headroom(headroom: float) -> None:
+    """--headroom: the share of the limit kept free, at least 0 and under a half (search and plan alike)."""
+    if not 0 <= headroom < 0.5:
+        raise UsageError(f"--headroom: {headroom} is out of range; expected a fraction such as 0.05.")
+
+
 def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | None,
                     headroom: float = HEADROOM, per_probe: int = 1) -> list[Target]:
     """--gpu / --device / --memory-limit / --gpus -> one Target per worker.
@@ -75,8 +81,7 @@ def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | Non
     limit = parse_size(memory_limit) if memory_limit is not None else None
     if per_probe < 1:
         raise UsageError(f"--gpus: {per_probe} is not a number of GPUs; expected 1 or more (for example 2).")
-    if not 0 <= headroom < 0.5:
-        raise UsageError(f"--headroom: {headroom} is out of range; expected a fraction such as 0.05.")
+    check_headroom(headroom)
     if device not in (None, "cpu", "cuda"):
         raise UsageError(f"--device: {device!r} is not known; expected cpu or cuda.")
     if gpu is not None and device == "cpu":

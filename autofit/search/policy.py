@@ -64,8 +64,10 @@ class Score:
 
 def fit_probability(know: Knowledge, cfg: TrialConfig) -> float:
     """How likely cfg's peak is under the usable memory, by the memory model and its margin."""
-    if not know.usable:
+    if know.usable is None:  # no limit
         return 1.0
+    if know.usable <= 0:  # nothing usable (a headroom of the whole card): nothing fits, whatever the model says
+        return 0.0
     predicted = know.memory.predict(cfg)
     z = (know.usable - predicted) / (max(know.memory.margin(cfg), 0.05) * know.usable)
     return logistic(3.0 * z)

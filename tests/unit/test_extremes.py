@@ -245,6 +245,9 @@ def test_a_card_of_one_byte_fits_nothing_and_one_of_ten_tebibytes_fits_everythin
     know = Knowledge(10 * TIB, MemoryModel(LLAMA))
     assert all(fit_probability(know, c) > 0.99 for c in candidates)
     assert all(fit_probability(Knowledge(1, MemoryModel(LLAMA)), c) == 0.0 for c in candidates)
+    # no usable memory at all (or less: a headroom past the card) fits nothing; only None means no limit
+    assert all(fit_probability(Knowledge(u, MemoryModel(LLAMA)), c) == 0.0 for u in (0, -TIB) for c in candidates)
+    assert all(fit_probability(Knowledge(None, MemoryModel(LLAMA)), c) == 1.0 for c in candidates)
 
 
 def test_a_card_far_too_small_gives_every_config_probability_zero_not_an_overflow() -> None:
