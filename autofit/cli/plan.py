@@ -19,6 +19,7 @@ from autofit.core.paths import shown
 from autofit.core.units import format_size, parse_size
 from autofit.data import TextMode
 from autofit.data import summarize as summarize_data
+from autofit.data.batching import unit
 from autofit.data.preference import PairLengths, PreferenceSummary, file_pair_lengths, summarize_preferences
 from autofit.data.shapes import PairShapes, TokenShapes
 from autofit.data.summary import DataSummary
@@ -230,7 +231,7 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
     if shown_fits:
         out += ["", f"{'#':>3}  {'config':<58} {'peak':>20}  {'P(fit)':>6}  speed vs forum recipe"]
     for i, f in enumerate(shown_fits, 1):
-        batch = "" if f.step.keeps_global_batch else f"  ({f.step.describe()})"
+        batch = "" if f.step.keeps_global_batch else f"  ({f.step.describe(unit(f.cfg))})"
         out.append(f"{i:>3}  {brief(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
                    f"{f.p_fit:>6.2f}  {f.speed:.2f}x{batch}")
         out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in f.breakdown.as_dict().items()))

@@ -37,6 +37,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autofit.config.spec import TrialConfig
 from autofit.data.layouts import Layouts, layouts_for
 
 BATCH_TOLERANCE = 0.10
@@ -112,6 +113,13 @@ class BatchPlan:
         return sum(len(b.samples) for b in self.batches) / max(len(self.batches), 1)
 
 
+
+def unit(cfg: TrialConfig) -> str:
+    """What one of a step's global batch is: a sample, or for DPO a preference pair (prompt + chosen and
+    prompt + rejected)."""
+    return "pairs" if cfg.trainer == "dpo" else "samples"
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What one optimizer step trains, over every rank, on average over the data."""
@@ -129,12 +137,13 @@ class StepShape:
     def keeps_global_batch(self) -> bool:
         return abs(self.samples / self.global_batch - 1) <= BATCH_TOLERANCE + 1e-9
 
-    def describe(self) -> str:
-        """"16 samples per step (global batch 16)", with the difference where it is not kept."""
+    def describe(self, unit: str = "samples") -> str:
+        """"16 samples per step (global batch 16)", with the difference where it is not kept; `unit`: what a
+        step trains ("pairs" for DPO)."""
         n = f"{self.samples:,.1f}".removesuffix(".0")
         if self.keeps_global_batch:
-            return f"{n} samples per optimizer step (global batch {self.global_batch})"
-        return (f"{n} samples per optimizer step, {self.samples / self.global_batch - 1:+.0%} against the "
+            return f"{n} {unit} per optimizer step (global batch {self.global_batch})"
+        return (f"{n} {unit} per optimizer step, {self.samples / self.global_batch - 1:+.0%} against the "
                 f"global batch of {self.global_batch}: changes what is learned")
 
     def to_dict(self) -> dict[str, float | int | bool]:

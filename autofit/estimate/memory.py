@@ -700,7 +700,9 @@ def four_bit(candidates: list[TrialConfig], shape: Shape, usable: int, on_gpu: b
     if peak is None:
         return None
     weights = min(loaded_bytes(c, shape) for c in four)
-    where = "in the space" if any(c.quantization == "nf4" for c in candidates) else "QLoRA, --space qlora"
+    where = ("in the space" if any(c.quantization == "nf4" for c in candidates) else
+             "QLoRA: quantization nf4 in a copy of the space" if any(c.trainer == "dpo" for c in candidates) else
+             "QLoRA, --space qlora")  # the qlora space trains SFT: a DPO space gets nf4 in its own copy
     return Saving(Change.QUANTIZE, f"a 4-bit base ({where})", peak <= usable,
                   f"weights {format_size(weights)}, smallest predicted peak {format_size(peak)}", peak)
 

@@ -21,7 +21,7 @@ from autofit.config.space import Space, load_space
 from autofit.config.spec import TrialConfig, brief
 from autofit.config.target import HEADROOM, usable_bytes
 from autofit.core.units import format_size
-from autofit.data.batching import Batching, StepShape, step_shape
+from autofit.data.batching import Batching, StepShape, step_shape, unit
 from autofit.data.shapes import TokenShapes
 from autofit.estimate.memory import (
     SHARDING,
@@ -172,7 +172,7 @@ def card_line(plan: Plan) -> str:
     name = plan.card.name if plan.card else format_size(plan.limit)
     if plan.best is not None:
         f = plan.best
-        batch = "" if f.step.keeps_global_batch else f"; {f.step.describe()}"
+        batch = "" if f.step.keeps_global_batch else f"; {f.step.describe(unit(f.cfg))}"
         return (f"{name:<16} {format_size(plan.usable):>9}  fits: {brief(f.cfg)}  "
                 f"(peak {format_size(f.peak)}, {f.speed:.2f}x the forum recipe{batch})")
     return f"{name:<16} {format_size(plan.usable):>9}  does not fit: {smallest_saving(plan)}"

@@ -39,6 +39,7 @@ def test_a_dpo_search_finds_a_winner_and_reports_pairs_per_s(dpo_run: Path) -> N
     report = (dpo_run / "report.md").read_text()
     # the export it suggests works: TRL's DPO script, also the default format of a DPO winner
     assert "--format trl -o train.py`" in report and "--format hf-trainer" not in report
+    assert "| pairs per optimizer step |" in report  # a DPO step's global batch counts pairs
     recipe = dpo_run.parent / "default.py"
     proc = run_cli("export", str(dpo_run), "-o", str(recipe), cwd=dpo_run.parent)
     assert proc.returncode == 0, proc.stderr

@@ -22,7 +22,8 @@ from autofit.estimate.memory import MemoryModel, Shape, loaded_bytes, prior, wei
 from autofit.protocol.result import Outcome, ProbeResult
 from autofit.search.objective import pairs_per_s
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
 SHAPE = Shape.from_config(resolve_model("llama2-7b").config)
 DPO = TrialConfig(trainer="dpo", micro_batch_size=2)
 
@@ -146,6 +147,20 @@ def test_a_max_length_that_drops_every_pair_is_left_out_of_the_search(tmp_path: 
                                            SearchRequest(dataset=str(data), max_length="512,16"))
     assert kept.lengths == [512]
     assert any(n.startswith("--max-length 16 left out: every pair's prompt fills it") for n in notes)
+
+
+def test_a_dpo_space_is_told_to_quantize_its_own_copy_and_counts_pairs_per_step() -> None:
+    """The qlora space trains SFT: the 4-bit saving of a DPO space names nf4 in a copy of that space, and a DPO
+    step is counted in pairs."""
+    from autofit.data.batching import unit
+    from autofit.estimate.memory import four_bit
+
+    dpo = load_space(ROOT / "search_spaces" / "dpo.yaml").candidates()
+    saving = four_bit(dpo, SHAPE, 6 * 2**30)
+    assert saving is not None and "quantization nf4 in a copy of the space" in saving.describe()
+    sft = load_space(ROOT / "search_spaces" / "lora.yaml").candidates()
+    assert "--space qlora" in four_bit(sft, SHAPE, 6 * 2**30).describe()  # type: ignore[union-attr]
+    assert (unit(dpo[0]), unit(sft[0])) == ("pairs", "samples")
 
 
 def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:

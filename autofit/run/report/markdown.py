@@ -14,6 +14,7 @@ from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
 from autofit.core.paths import shown
 from autofit.core.units import format_duration, format_size
+from autofit.data.batching import unit
 from autofit.estimate.memory import MemoryModel, Shape, prior
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.advice import nothing_fits_message
@@ -177,7 +178,7 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
     kept = ("" if step["keeps_global_batch"] else
             f" (**changes what is learned**: the global batch is {cfg.global_batch})")
     lines += [f"| gradient_accumulation_steps | `{step['gradient_accumulation_steps']}` |",
-              f"| samples per optimizer step | `{step['samples_per_step']:g}`{kept} |",
+              f"| {unit(cfg)} per optimizer step | `{step['samples_per_step']:g}`{kept} |",
               *([f"| trained tokens per optimizer step | `{tokens:,.0f}` |"] if tokens is not None else []), "",
               ("Export it when the search has ended" if so_far else "Export it")
               + f": `{export_command(run_dir, cfg)}`", ""]
