@@ -417,8 +417,7 @@ class Search:
             if self.s.policy is Policy.EDGE else None
         pick = self.time.pick(know, viable, left, choose)
         if pick is None:
-            kept = " (time is kept to measure the best again)" if self.time.kept(know) else ""
-            return "budget: no untried configuration would finish in the time left" + kept
+            return budget_stop(self.time.kept(know), left)
         if self.s.policy is Policy.EDGE:  # every probe is the policy's, chosen on what is known now
             if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
                 study.enqueue_trial({k: getattr(pick, k) for k in self.s.space.dimensions},
@@ -596,6 +595,14 @@ class Search:
         with self.lock:
             self.on_event(Event(number, target.describe(), cfg, kind, res, predicted, best,
                                 max(0.0, self.deadline - self.clock())))
+
+
+def budget_stop(kept: float, left: float) -> str:
+    """The stop reason when no untried config would finish in the `left` seconds: that time is kept for
+    measuring the best again is said only where that repeat (`kept` seconds) still fits in them (else the
+    closing note says the best was measured once, and what measuring it again needed)."""
+    why = "budget: no untried configuration would finish in the time left"
+    return why + (" (time is kept to measure the best again)" if 0 < kept <= left else "")
 
 
 def repeat_shown(merged: ProbeResult, repeat: ProbeResult) -> ProbeResult:

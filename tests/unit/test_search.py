@@ -17,7 +17,7 @@ from autofit.config.spec import TrialConfig
 from autofit.core.errors import UsageError
 from autofit.estimate.memory import MemoryModel, Shape, prior
 from autofit.protocol.result import Outcome, ProbeResult
-from autofit.search.driver import unconfirmed_note
+from autofit.search.driver import budget_stop, unconfirmed_note
 from autofit.search.knowledge import SPEED_NOISE, Knowledge, Verdict
 from autofit.search.study import merge_repeats
 
@@ -210,6 +210,10 @@ def test_the_stop_says_which_fit_it_could_not_measure_again() -> None:
     winner = ProbeResult(Outcome.FIT, space.config(space.seed()).to_dict(), tokens_per_s=13_727.0)
     other = ProbeResult(Outcome.FIT, space.config({**space.seed(), "micro_batch_size": 2}).to_dict(),
                         tokens_per_s=14_100.0)
+    # the stop line keeps time for the repeat only where the repeat fits: not beside "needs 8 s, 4 s left"
+    assert budget_stop(8.2, 30.0).endswith("(time is kept to measure the best again)")
+    assert budget_stop(8.2, 4.0) == budget_stop(0.0, 30.0) == "budget: no untried configuration would finish in " \
+        "the time left"
     once = "the best fit was measured once: measuring it again needs about 8 s, 4 s of the budget were left"
     assert unconfirmed_note(winner, winner, 3, 8.2, 4.0) == once
     assert unconfirmed_note(winner, other, 5, 8.2, 4.0) == once  # the winner itself is still measured once
