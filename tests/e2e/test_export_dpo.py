@@ -55,5 +55,7 @@ def test_the_trl_dpo_recipe_trains_three_steps_and_hf_trainer_refuses(tmp_path: 
     assert summary["pairs_per_s"] * summary["steady_seconds"] == pytest.approx(4)
     assert summary["steady_tokens"] <= 4 * 2 * 128
     assert (out / "adapter_config.json").is_file()
-    refused = run_cli("export", str(run))
+    refused = run_cli("export", str(run), "--format", "hf-trainer")
     assert refused.returncode == 2 and "--format trl" in refused.stderr and "Traceback" not in refused.stderr
+    default = run_cli("export", str(run))  # without --format a DPO winner gets TRL's script, the same text
+    assert default.returncode == 0 and default.stdout == text, default.stderr
