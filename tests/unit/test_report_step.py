@@ -23,12 +23,12 @@ def _row(trial: int, batching: str, tokens_per_s: float, step: dict[str, object]
     return {"trial": trial, **res.to_dict()}
 
 
-def _write(tmp_path: Path, winner_step: dict[str, object]) -> tuple[dict, str]:
+def _write(tmp_path: Path, winner_step: dict[str, object], **data: object) -> tuple[dict, str]:
     run = data_run(tmp_path, "packed")
     (run / "data").mkdir()  # what a search with --dataset writes first: the data's lengths
     (run / "data" / "data.json").write_text(json.dumps({
         "dataset": {"path": "d1.jsonl", "content_hash": "0" * 64}, "samples": 200, "tokens": 11_640, "mean": 58.2,
-        "percentiles": {"p50": 41, "p99": 301}, "cuts": []}))
+        "percentiles": {"p50": 41, "p99": 301}, "cuts": [], **data}))
     rows = [_row(0, "pad_longest", 900.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
                                            "trained_tokens_per_step": 930.4, "keeps_global_batch": True}),
             _row(1, "group_by_length", 1100.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
@@ -72,3 +72,15 @@ def test_without_step_figures_the_config_s_step_is_given(tmp_path: Path) -> None
     assert best["step"] == {"gradient_accumulation_steps": 8, "samples_per_step": 16,
                             "trained_tokens_per_step": None, "keeps_global_batch": True, "global_batch": 16}
     assert "| samples per optimizer step | `16` |" in report and "trained tokens per optimizer step" not in report
+
+
+def test_the_data_section_says_what_the_search_skipped_and_a_cut_of_nothing_changes_nothing(tmp_path: Path) -> None:
+    step = {"gradient_accumulation_steps": 1, "samples_per_step": 16, "trained_tokens_per_step": 930.0,
+            "keeps_global_batch": True}
+    _, report = _write(tmp_path / "a", step, cuts=[{"max_length": 96, "tokens_lost": 0.0, "samples_truncated": 0.0}],
+                       bad_rows={"count": 20, "counts": {"not JSON": 5, "missing 'text'": 15}})
+    assert "- **20 rows skipped** (5 not JSON, 15 missing 'text'): the search measured the rest" in report
+    assert "0.00% of samples truncated**." in report and "truncated** (it changes" not in report
+    _, report = _write(tmp_path / "b", step, cuts=[{"max_length": 96, "tokens_lost": 0.05,
+                                                    "samples_truncated": 0.1}])
+    assert "10.00% of samples truncated** (it changes what is learned)." in report and "rows skipped" not in report

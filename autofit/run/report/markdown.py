@@ -217,16 +217,29 @@ def _data_section(data: JSONObject, results: list[ProbeResult], best: ProbeResul
     lines = ["## Data", "", (f"- dataset: `{ds['path']}` ({data['samples']} samples, {data['tokens']} "
              f"tokens, mean {data['mean']:.1f}{approx}; content hash `{ds['content_hash'][:12]}`)"),
              "- percentiles: " + ", ".join(f"{k} {v:.0f}" for k, v in pct.items()),
-             "- tokens/s here are **trained tokens/s**: label-bearing, non-pad tokens per second", ""]
+             "- tokens/s here are **trained tokens/s**: label-bearing, non-pad tokens per second",
+             *_skipped_rows(data), ""]
     cuts = {c["max_length"]: c for c in data.get("cuts", [])}
     if best is not None and best.config.max_length in cuts:
         c = cuts[best.config.max_length]
         lines += [(f"**Winner's max_length {best.config.max_length}: {c['tokens_lost']:.2%} of tokens lost, "
-                  f"{c['samples_truncated']:.2%} of samples truncated** (it changes what is learned)."), ""]
+                  f"{c['samples_truncated']:.2%} of samples truncated**"
+                   + (" (it changes what is learned)." if c["tokens_lost"] else ".")), ""]
     lines += ["| max_length | samples truncated | tokens lost |", "|---|---|---|"]
     lines += [f"| {L} | {c['samples_truncated']:.2%} | {c['tokens_lost']:.2%} |" for L, c in cuts.items()]
     lines += ["", "![lengths](data/lengths.png)", ""] + _batching_table(results, best)
     return lines + [f"note: {n}" for n in data.get("notes", [])] + [""]
+
+
+def _skipped_rows(data: JSONObject) -> list[str]:
+    """The rows the search's reader skipped (data.json's bad_rows): measured without them, and a recipe's
+    `datasets` loader stops at them."""
+    bad = data.get("bad_rows") or {}
+    if not bad.get("count"):
+        return []
+    reasons = ", ".join(f"{n} {why}" for why, n in (bad.get("counts") or {}).items())
+    return [f"- **{bad['count']} rows skipped** ({reasons}): the search measured the rest; `autofit data "
+            f"{data['dataset']['path']}` lists their lines (remove them before training with the recipe)"]
 
 
 def _pairs_section(data: JSONObject, best: ProbeResult | None) -> list[str]:
