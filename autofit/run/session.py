@@ -12,7 +12,7 @@ import enum
 import json
 import stat
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -250,16 +250,32 @@ def data_space(space: Space, model: ModelSource, req: SearchRequest) -> tuple[Sp
                          "before it). Give longer samples.")
     dims: dict[str, Sequence[Value]] = {}
     if req.max_length is None:  # the data's lengths, within what the model takes
-        limit = model.positions
-        within = [n for n in data.stats.candidates if limit is None or n <= limit]
-        dims["max_length"] = within or ([limit] if limit is not None else [])
+        dims["max_length"] = data_lengths(data.stats.candidates, model)
     if "batching" not in space.dimensions and "batching" not in space.fixed:
         dims["batching"] = list(BATCHINGS)
     cuts = ", ".join(f"{c.max_length}: {c.tokens_lost:.2%} of tokens lost" for c in data.stats.cuts)
     notes = ((f"--dataset {req.dataset}: {data.stats.count} samples, mean {data.stats.mean:.0f} tokens, p99 "
-             f"{data.stats.percentiles[99.0]:.0f}; max_length {cuts}"),
+             f"{data.stats.percentiles[99.0]:.0f}; max_length {cuts}"), *lengths_replaced(space, dims),
              *([data.data.bad.summary()] if data.data.bad.count else []), *data.stats.notes)
     return space.replaced(**dims), data.ref, notes
+
+
+def data_lengths(candidates: Sequence[int], model: ModelSource) -> list[Value]:
+    """The data's max_length candidates within the model's positions (else its positions)."""
+    limit = model.positions
+    within: list[Value] = [n for n in candidates if limit is None or n <= limit]
+    return within or ([limit] if limit is not None else [])
+
+
+def lengths_replaced(space: Space, dims: Mapping[str, Sequence[Value]]) -> tuple[str, ...]:
+    """Said where the data's lengths replace the ones the space lists or fixes (a space written for random
+    tokens, as cpu-demo's 512 and 256): --max-length keeps lengths of the user's choosing."""
+    new = list(dims.get("max_length") or [])
+    if not new or sorted(space.lengths) == sorted(new):
+        return ()
+    return (f"max_length {', '.join(map(str, new))} from the data replaces the space's "
+            f"{', '.join(map(str, space.lengths))}; --max-length {','.join(map(str, space.lengths))} keeps the "
+            "space's",)
 
 
 def preference_space(space: Space, dataset: str, flag: str) -> bool:
@@ -288,9 +304,8 @@ def preference_data_space(space: Space, model: ModelSource, req: SearchRequest) 
     dims: dict[str, Sequence[Value]] = {}
     left_out: tuple[str, ...] = ()
     if req.max_length is None:  # the pairs' lengths, within what the model takes
-        limit = model.positions
-        within = [n for n in stats.candidates if limit is None or n <= limit]
-        dims["max_length"] = within or ([limit] if limit is not None else [])
+        dims["max_length"] = data_lengths(stats.candidates, model)
+        left_out = lengths_replaced(space, dims)
     else:  # the lengths asked: one that drops every pair would only probe an error
         dims, left_out = _lengths_with_pairs(space, stats, req.dataset)
     if "batching" not in space.dimensions and "batching" not in space.fixed:

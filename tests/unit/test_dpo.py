@@ -163,6 +163,25 @@ def test_a_dpo_space_is_told_to_quantize_its_own_copy_and_counts_pairs_per_step(
     assert (unit(dpo[0]), unit(sft[0])) == ("pairs", "samples")
 
 
+def test_the_data_s_lengths_replacing_the_space_s_are_said() -> None:
+    """With --dataset the data's max_length candidates replace a space's own (cpu-demo lists 512 and 256 for random
+    tokens): the search says so and how to keep them, for samples and for pairs alike."""
+    from autofit.run.session import SearchRequest, data_space
+
+    model = resolve_model("tiny-llama")
+    space = load_space(ROOT / "search_spaces" / "cpu-demo.yaml")
+    searched, _, notes = data_space(space, model, SearchRequest(dataset=str(DATA / "d2-slice.jsonl")))
+    assert searched.lengths != space.lengths
+    said = "from the data replaces the space's 512, 256; --max-length 512,256 keeps the space's"
+    assert any(said in n for n in notes), notes
+    pairs = load_space(DATA / "dpo-space.yaml")
+    searched, _, notes = data_space(pairs, model, SearchRequest(dataset=str(DATA / "prefs.jsonl")))
+    assert any("from the data replaces the space's 128" in n for n in notes), notes
+    kept, _, notes = data_space(space, model, SearchRequest(dataset=str(DATA / "d2-slice.jsonl"),
+                                                            max_length="512,256"))
+    assert not any("replaces the space's" in n for n in notes)
+
+
 def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:
     res = ProbeResult(Outcome.FIT, DPO, tokens_per_s=1000.0, extra={"tokens_per_pair": 250.0})
     assert pairs_per_s(res) == 4.0
