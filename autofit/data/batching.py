@@ -107,11 +107,30 @@ class BatchPlan:
         return sum(b.trained_tokens for b in self.batches)
 
     @property
-    def samples_per_micro_batch(self) -> float:
-        """The mean samples a micro-batch of this plan trains (micro_batch_size but for packed rows and
-        the epoch's last, short micro-batch)."""
-        return sum(len(b.samples) for b in self.batches) / max(len(self.batches), 1)
+    def full(self) -> tuple[MicroBatch, ...]:
+        """The micro-batches of a whole micro_batch_size (samples; packed: rows): every step but the epoch's
+        last trains these, so a step is judged on them; the epoch's short last one counted in would make a
+        small file's step look off the global batch. All of them where none is whole (a file smaller than one
+        micro-batch)."""
+        def size(b: MicroBatch) -> int:
+            return len(b.rows) if self.strategy is Batching.PACKED else len(b.samples)
 
+        return tuple(b for b in self.batches if size(b) >= self.micro_batch_size) or self.batches
+
+    @property
+    def samples_per_micro_batch(self) -> float:
+        """The mean samples a whole micro-batch of this plan trains (micro_batch_size but for packed rows)."""
+        return sum(len(b.samples) for b in self.full) / max(len(self.full), 1)
+
+    @property
+    def trained_per_micro_batch(self) -> float:
+        """The mean trained (label-bearing) tokens of a whole micro-batch."""
+        return sum(b.trained_tokens for b in self.full) / max(len(self.full), 1)
+
+    @property
+    def tensor_per_micro_batch(self) -> float:
+        """The mean tensor tokens (padding included) of a whole micro-batch."""
+        return sum(b.tensor_tokens for b in self.full) / max(len(self.full), 1)
 
 
 def unit(cfg: TrialConfig) -> str:

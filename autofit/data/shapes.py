@@ -75,9 +75,7 @@ class TokenShapes:
             if key not in self._cache:
                 p = plan(Batching(batching), self.lengths, max_length, micro_batch_size, self.seed, group,
                          self._layouts)
-                n = max(len(p.batches), 1)
-                self._cache[key] = (p.trained_tokens / n, sum(b.tensor_tokens for b in p.batches) / n,
-                                    p.samples_per_micro_batch)
+                self._cache[key] = (p.trained_per_micro_batch, p.tensor_per_micro_batch, p.samples_per_micro_batch)
             return self._cache[key]
 
 

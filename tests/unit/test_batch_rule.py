@@ -38,15 +38,19 @@ def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
 
 
 def epoch_steps(p: BatchPlan, accumulation: int) -> list[int]:
-    """Samples of each whole optimizer step of one epoch, as Trainer groups the plan's micro-batches
-    (a last, partial step left out: its size is the epoch's end, not the rule)."""
+    """Samples of each whole optimizer step of one epoch, as Trainer groups the plan's micro-batches (a last,
+    partial step and the epoch's short last micro-batch left out: their size is the epoch's end, not the rule)."""
     counts = [len(b.samples) for b in p.batches]
+    last = p.batches[-1]
+    size = len(last.rows) if p.strategy is Batching.PACKED else len(last.samples)
+    if len(p.batches) > 1 and size < p.micro_batch_size:
+        counts = counts[:-1]
     return [sum(counts[i:i + accumulation]) for i in range(0, len(counts) - accumulation + 1, accumulation)]
 
 
 def step_of(p: BatchPlan, global_batch: int, gpus: int = 1) -> StepShape:
     return step_shape(p.strategy, global_batch, p.micro_batch_size, gpus, p.samples_per_micro_batch,
-                      p.trained_tokens / len(p.batches))
+                      p.trained_per_micro_batch)
 
 
 @pytest.mark.parametrize("name", ["D1", "D2", "longest"])
@@ -115,3 +119,16 @@ def test_a_step_shape_is_reported_as_the_report_and_best_json_read_it() -> None:
     doc = json.loads(json.dumps(step.to_dict()))
     assert doc == {"gradient_accumulation_steps": 2, "samples_per_step": 15.0, "trained_tokens_per_step": 7800.0,
                    "global_batch": 16, "keeps_global_batch": True}
+
+
+def test_a_small_file_s_short_last_micro_batch_does_not_move_the_step() -> None:
+    """20 samples of 10 tokens packed 4 to a 40-token row, 2 rows a micro-batch: micro-batches of 8, 8 and 4
+    samples. Every step but the epoch's last trains 8 = the global batch, which is the step: the short last
+    micro-batch counted in made it 6.67 and 'changes what is learned' (the recipe trains 8 a step)."""
+    p = plan(Batching.PACKED, [10] * 20, 40, 2, seed=0)
+    assert [len(b.samples) for b in p.batches] == [8, 8, 4]
+    step = step_of(p, 8)
+    assert (step.accumulation, step.samples, step.keeps_global_batch) == (1, 8, True)
+    assert step.trained_tokens == 8 * 9  # each sample's first token has no label
+    padded = plan(Batching.PAD_LONGEST, [10] * 20, 40, 8, seed=0)  # 8, 8, 4 samples
+    assert step_of(padded, 8).trained_tokens == 8 * 9

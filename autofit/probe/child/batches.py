@@ -193,15 +193,14 @@ def real_batches(req: ProbeRequest) -> RealBatches | None:
     per_step = cfg.micro_batch_size * math.ceil(cfg.global_batch / (cfg.micro_batch_size * cfg.gpus))
     p = plan(strategy, lengths, cfg.max_length, cfg.micro_batch_size, req.data_seed, group=per_step,
              layouts=Layouts(lengths, req.data_seed))
-    n = max(len(p.batches), 1)
     step = step_shape(strategy, cfg.global_batch, cfg.micro_batch_size, cfg.gpus, p.samples_per_micro_batch,
-                      p.trained_tokens / n)
+                      p.trained_per_micro_batch)
     rest = drawn(p.batches, dataclasses.replace(req, accumulation=step.accumulation).micro_batches - 1,
                  req.data_seed)
     leaky = strategy is Batching.PACKED and os.environ.get(LEAKY_ENV) == "1"
     return RealBatches(strategy, ids, tok.pad_id, cfg.max_length, (p.heaviest, *rest), p.pad_fraction,
-                       cut([len(t) for t in ids], cfg.max_length).tokens_lost, p.trained_tokens / n,
-                       sum(b.tensor_tokens for b in p.batches) / n, step, leaky)
+                       cut([len(t) for t in ids], cfg.max_length).tokens_lost, p.trained_per_micro_batch,
+                       p.tensor_per_micro_batch, step, leaky)
 
 
 def drawn(batches: Sequence[MicroBatch], n: int, seed: int) -> list[MicroBatch]:
