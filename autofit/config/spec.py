@@ -232,7 +232,8 @@ class TrialConfig:
         16, "samples per optimizer step, as in Trainer; accumulation = ceil(global_batch / "
         "micro_batch_size), or for packed rows the data's samples per micro-batch into it (a step more than "
         "10% off it is marked as changing what is learned)", check=_positive, expected="an integer >= 1",
-        memory=Memory.NONE, label=lambda c: f"ga={c.gradient_accumulation_steps}", label_at=3)
+        memory=Memory.NONE, label_at=3,  # packed rows: the accumulation comes from the data (the step's figures)
+        label=lambda c: "" if c.batching == "packed" else f"ga={c.gradient_accumulation_steps}")
     precision: str = dim("bf16", "bf16, fp16 (with loss scaling) or fp32", allowed=PRECISIONS, learning=True,
                          speed={"bf16": 1.0, "fp16": 1.0, "fp32": 0.35}, gate=4, boundary=3,
                          label=lambda c: c.precision, label_at=4)

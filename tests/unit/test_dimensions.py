@@ -78,11 +78,13 @@ def test_the_lists_of_keys_derive_from_the_declaration() -> None:
     one = TrialConfig.from_dict({**OTHER, "method": "lora", "gpus": 1, "engine": "none", "cpu_offload": "off",
                                  "reshard_after_forward": True})
     assert (
-        brief(one) == "L=4096 mb=4 ga=8 fp16 ckpt=every_2 nf4 paged_adamw_8bit eager liger torch_compile expandable "
+        brief(one) == "L=4096 mb=4 fp16 ckpt=every_2 nf4 paged_adamw_8bit eager liger torch_compile expandable "
         "packed"
     )
     two = TrialConfig(method="full", gpus=2, engine="fsdp2", reshard_after_forward=False, cpu_offload="all")
     assert brief(two) == "L=2048 mb=1 ga=8 bf16 ckpt=off adamw_torch_fused full gpus=2 fsdp2 no-reshard offload=all"
+    # a packed config's accumulation comes from the data (its step's figures), not ceil(global_batch / micro-batch)
+    assert "ga=" not in brief(TrialConfig(batching="packed")) and "ga=16" in brief(TrialConfig(batching="pad_max"))
 
 
 def test_a_key_stored_before_it_existed_keeps_the_stored_key() -> None:
