@@ -27,7 +27,8 @@ class DataSummary:
 
     @property
     def text(self) -> str:
-        head = f"{shown(self.data.path)}: {len(self.data)} samples ({self.data.bad.summary()})"
+        n = len(self.data)
+        head = f"{shown(self.data.path)}: {n} sample{'s' if n != 1 else ''} ({self.data.bad.summary()})"
         pic = f"\nhistogram: {shown(self.histogram)}" if self.histogram else ""
         return f"{head}\n{format_stats(self.stats)}{pic}"
 
