@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -132,6 +133,7 @@ def load_run(run: str | Path, dataset: str | None = None) -> ExportRun:
     else:
         stored = spec.dataset
         notes += check_stored_dataset(stored) if stored else []
+    notes += skipped_rows(run_dir, stored) if stored else []
     return ExportRun(run_dir, spec.run_id, best.winner.config, spec.model, best, read_env(run_dir), stored,
                      notes)
 
@@ -158,6 +160,23 @@ def check_stored_dataset(ref: DatasetRef) -> list[str]:
     return []
 
 
+def skipped_rows(run_dir: Path, dataset: DatasetRef) -> list[str]:
+    """The note on the rows the search skipped (the run's data.json counts them): a recipe reads the file with
+    `datasets`, which skips none; it stops at a line that is not JSON, or trains a row autofit refused."""
+    try:
+        doc = json.loads((RunDir(run_dir).data / "data.json").read_text())
+        bad, measured = doc["bad_rows"], doc["dataset"]["content_hash"]
+    except (OSError, ValueError, KeyError, TypeError):  # no record of them (a run before data.json): nothing to say
+        return []
+    if not bad.get("count") or measured != dataset.content_hash:
+        return []
+    reasons = ", ".join(f"{n} {why}" for why, n in bad.get("counts", {}).items())
+    rows = "1 row" if bad["count"] == 1 else f"{bad['count']} rows"
+    return [f"{rows} of {shown(dataset.path)} were skipped by the search ({reasons}); the recipe's `datasets` "
+            "loader skips none (it stops at a line that is not JSON, or trains what autofit skipped): remove "
+            f"them first (`autofit data {shown(dataset.path)}` lists their lines)."]
+
+
 @dataclass(frozen=True)
 class DataForm:
     """What the measured dataset's rows are, for the YAML trainers' dataset entries: chats (and their
@@ -169,6 +188,9 @@ class DataForm:
     note: str = ""
     roles: tuple[str, ...] = ()
     """The role names the chats use, as written (human/gpt in ShareGPT data)."""
+    format: str = "json"
+    """How the search read the file, in `datasets`' loader names: json (JSONL whatever the file's name), csv,
+    text, parquet (a file, or a folder of them) or arrow (a `save_to_disk` folder)."""
 
 
 def data_form(dataset: DatasetRef) -> DataForm:
@@ -181,14 +203,20 @@ def data_form(dataset: DatasetRef) -> DataForm:
     except reader.DatasetError:
         return DataForm(False, note=(f"the dataset {dataset.path} is not here to read: written as text rows "
                                      f"('{dataset.text_field}'); export with --dataset PATH to "
-                                     "have its chats written as chats"))
+                                     "have its chats written as chats"),
+                        format=loader_name(reader.source_kind(dataset.path)))
     if not source.chats:
-        return DataForm(False)
+        return DataForm(False, format=loader_name(source.kind))
     note = "" if source.chats == len(source.samples) else (
         f"the dataset mixes {source.chats} chats with {len(source.samples) - source.chats} text rows: "
         "written as chats; its text rows are not read by this trainer")
     role, content = source.chat_keys or ("role", "content")
-    return DataForm(True, role, content, note, source.roles)
+    return DataForm(True, role, content, note, source.roles, loader_name(source.kind))
+
+
+def loader_name(kind: str) -> str:
+    """The `datasets` loader of a source kind of autofit's reader (`reader.source_kind`)."""
+    return "json" if kind == "jsonl" else kind
 
 
 def write_recipe(text: str, out: Path, force: bool, executable: bool) -> None:

@@ -14,14 +14,11 @@ from __future__ import annotations
 from autofit.export.common import ExportRun, comment_block
 from autofit.export.script import (
     EMULATE,
-    LOAD_DATA,
-    TEXT_SPLITS,
     THROUGHPUT,
     arguments,
     decided,
     dict_block,
     header,
-    text_mode,
 )
 from autofit.export.winner import Winner
 
@@ -40,7 +37,14 @@ assert THROUGHPUT_DOC in THROUGHPUT
 PAIRS_CHECK = '''    if not len(data) or not {"chosen", "rejected"} <= set(data.column_names):
         parser.error(f"--dataset: {a.dataset} has no preference pairs (rows with 'chosen' and 'rejected')")
 '''
-MAIN = arguments("preference pairs: JSONL/JSON/parquet/folder", PAIRS_CHECK)
+MAIN = arguments("preference pairs: a JSONL file or a JSON array, whatever its name", PAIRS_CHECK)
+LOAD_PAIRS = '''
+
+def load_data(path):
+    """Preference rows of a JSONL file or a JSON array, whatever the file's name, as the search read them."""
+    return load_dataset("json", data_files=path, split="train")
+'''
+"""The DPO recipe's reader: the search's (`data.preference`) reads JSON rows whatever the file's name."""
 
 
 def dpo_fields(w: Winner) -> dict[str, object]:
@@ -64,14 +68,14 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
     copy = w.config.dpo_reference == "copy"
     lines = header(r, w, "trl", "train_dpo.py")
     lines[-2] = lines[-2].replace("TRL's SFTTrainer", "TRL's DPOTrainer, on preference pairs")
-    stdlib = ["argparse", "gc", "json", "os", "time"] + (["re"] if text_mode(w) == "paragraphs" else [])
+    stdlib = ["argparse", "gc", "json", "os", "time"]
     lines += [f"import {m}" for m in stdlib] + [""]
     lines += [f"os.environ.setdefault({k!r}, {v!r})  # before torch starts: as measured" for k, v in
               w.environment.items()] + ([""] if w.environment else [])
     peft = (["LoraConfig"] if w.lora else []) + (["prepare_model_for_kbit_training"] if w.kbit else [])
     tf = ["AutoModelForCausalLM", "AutoTokenizer", "TrainerCallback"] + (["BitsAndBytesConfig"] if w.quantization
                                                                           else [])
-    lines += ["import torch", "from datasets import Dataset, load_dataset, load_from_disk"]
+    lines += ["import torch", "from datasets import load_dataset"]
     lines += [f"from peft import {', '.join(peft)}"] if peft else []
     lines += [f"from transformers import {', '.join(sorted(tf))}", "from trl import DPOConfig, DPOTrainer"]
     lines += [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
@@ -82,13 +86,11 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
                 if w.config.precompute_ref_log_probs else f"the reference: {reference}",
                 "max_length": "prompt + completion, truncated keeping the start (TRL's only mode)"}
     lines += dict_block("TRAINING_ARGS", training(w), comments)
-    said, split = TEXT_SPLITS[text_mode(w)]
     helpers = THROUGHPUT.replace(SFT_COUNT, PAIR_COUNT).replace("@TOKENS@", "        self.tokens.append(self.seen)\n")
     helpers = helpers.replace(THROUGHPUT_DOC, PAIRS_DOC).replace("@GROUP@", PAIRS).replace(
         "@PRINT@", '        print("recipe-summary " + json.dumps(summary), flush=True)')
-    helpers += LOAD_DATA.replace("@SAID@", said).replace("@SPLIT@", split).replace(
-        "@NEWLINE@", ', newline=""' if text_mode(w) == "whole" else "")
-    body = ["    tokenizer = AutoTokenizer.from_pretrained(a.model)"]
+    helpers += LOAD_PAIRS
+    body = []
     load = "AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPE, attn_implementation=ATTENTION"
     if w.quantization:
         load += (', quantization_config=QUANTIZATION,\n        device_map={"": "cuda:0" if torch.cuda.is_available() '

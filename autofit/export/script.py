@@ -16,6 +16,9 @@ How each batching strategy is spelled (TRL 1.16, transformers 5.25):
 - packed: TRL's best-fit-decreasing packing (`packing_strategy="bfd"`, padding-free rows of MAX_LENGTH), at the
   accumulation the probe's plan gave (`data.batching.step_shape`); hf-trainer packs with TRL's `pack_dataset`.
 Samples longer than MAX_LENGTH are cut (TRL's `max_length`, the tokenizer's `truncation`), as the probe did.
+The file is read with the `datasets` loader of the format autofit's reader found (DATA_FORMAT: JSONL rows in a
+.txt are JSON, a folder of parquet files is read down its subfolders), whatever the file's name; a chat run reads
+each row as the reader does, its chat where it has one, else its text (`TOKENIZED`).
 Text rows get the tokenizer's special tokens and, through TRL, an end-of-sequence token; chats (`messages`
 of {role, content}, ShareGPT's {from, value}) the tokenizer's chat template, or autofit's plain rendering
 where it has none.
@@ -28,7 +31,6 @@ from collections.abc import Iterable
 
 from autofit.config import distributed
 from autofit.config.recipe import Arguments
-from autofit.data import DatasetRef
 from autofit.data.tokenizer import PLAIN_CHAT
 from autofit.export.common import DataForm, ExportRun, comment_block, data_form
 from autofit.export.winner import Winner
@@ -151,7 +153,7 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         lines.insert(len(lines) - 1, f"os.environ.setdefault({key!r}, {value!r})  # before torch starts: as measured")
     if w.environment:
         lines.append("")
-    lines += ["import torch", "from datasets import Dataset, load_dataset, load_from_disk"]
+    lines += ["import torch", datasets_import(form)]
     peft = (["LoraConfig"] if w.lora else []) + (["get_peft_model"] if w.lora and fmt == "hf-trainer" else []) \
         + (["prepare_model_for_kbit_training"] if w.kbit else [])
     if peft:
@@ -168,6 +170,12 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     elif w.batching == "packed":  # TRL's best-fit-decreasing packing and its collator of packed rows
         lines.append("from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, pack_dataset")
     return lines
+
+
+def datasets_import(form: DataForm | None) -> str:
+    """What `load_data` takes of `datasets`: `Dataset` holds a text file's samples (the format's or the name's)."""
+    text = form is None or form.format == "text"
+    return f"from datasets import {'Dataset, ' if text else ''}load_dataset"
 
 
 def hf_collator_class(w: Winner) -> str:
@@ -194,7 +202,8 @@ def decided(w: Winner, default_dataset: str, data_lines: list[str]) -> list[str]
 
 
 def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
-    data = [f"TEXT_FIELD = {text_field(w)!r}"]
+    data = [format_line(form.format)] if form is not None else []
+    data.append(f"TEXT_FIELD = {text_field(w)!r}")
     if form is not None and form.chat:
         data.append(f"MESSAGES_FIELD = {w.dataset.messages_field if w.dataset else 'messages'!r}")
         data.append(f"PLAIN_CHAT = {PLAIN_CHAT_TEMPLATE!r}  # autofit's rendering where a tokenizer has no template")
@@ -203,6 +212,11 @@ def constants(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     if fmt == "trl":
         fields = {**fields, **sft_fields(w)}
     return [*lines, *dict_block("TRAINING_ARGS", fields, comments(w, fmt))]
+
+
+def format_line(loader: str) -> str:
+    """DATA_FORMAT: how the search read the dataset, so that the recipe reads it (and a --dataset) so too."""
+    return f"DATA_FORMAT = {loader!r}  # as the search read DATASET, whatever its name; a --dataset too"
 
 
 def text_mode(w: Winner) -> str:
@@ -267,19 +281,35 @@ def throughput(w: Winner) -> str:
     return THROUGHPUT.replace("@TOKENS@", tokens).replace("@GROUP@", group).replace("@PRINT@", printed)
 
 
-LOAD_DATA = '''
+BY_NAME = ('{".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(\n'
+           '        os.path.splitext(path)[1].lower(), "arrow" if os.path.isdir(path) else "text")')
+"""The loader of a file by its name: a run searched without --dataset measured no file to know it by."""
+TSV = ', **({"sep": "\\t"} if path.endswith(".tsv") else {})'
+"""A .tsv file is read tab-separated (as autofit's reader reads it)."""
 
-def load_data(path):
-    """The rows of a JSONL/JSON/CSV/TSV/parquet file (by its extension), a `save_to_disk` folder, or a text file."""
-    if os.path.isdir(path):
-        return load_from_disk(path)
-    ext = os.path.splitext(path)[1].lower()
-    kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(ext, "text")
-    if kind == "text":  # @SAID@, as the search read it
-        with open(path, encoding="utf-8-sig"@NEWLINE@) as f:
-            return Dataset.from_dict({"text": [t for t in @SPLIT@ if t.strip()]})
-    return load_dataset(kind, data_files=path, split="train", **({"sep": "\\t"} if ext == ".tsv" else {}))
-'''
+
+def load_data(kind: str | None, mode: str) -> str:
+    """The recipe's `load_data`: the file read with the `datasets` loader the search's reader read it as
+    (DATA_FORMAT, whatever the file's name), in that loader's lines only; `kind` None: a loader by the file's name
+    (a run searched without --dataset). `mode`: how a text file is split (`TEXT_SPLITS`)."""
+    said, split = TEXT_SPLITS[mode]
+    name = "kind" if kind is None else "DATA_FORMAT"
+    newline = ', newline=""' if mode == "whole" else ""
+    text = [f'with open(path, encoding="utf-8-sig"{newline}) as f:  # {said}, as the search read it',
+            f"    return Dataset.from_dict({{TEXT_FIELD: [t for t in {split} if t.strip()]}})"]
+    files_of = f".{kind}" if kind else ".parquet or .arrow"
+    folder = [f"if os.path.isdir(path):  # its {files_of} files, in every subfolder (a DatasetDict: its train split)",
+              '    split = "train" if os.path.isfile(os.path.join(path, "dataset_dict.json")) else ""',
+              f'    path = os.path.join(path, split, "**", f"*.{{{name}}}")']
+    files = f'return load_dataset({name}, data_files=path, split="train"{TSV if kind in (None, "csv") else ""})'
+    if kind is None:
+        doc = "The rows of a JSONL/JSON/CSV/TSV/parquet file (by its name), a `save_to_disk` folder or a text file."
+        body = [f"kind = {BY_NAME}", 'if kind == "text":', *("    " + line for line in text), *folder, files]
+    else:
+        doc = "The rows of a file as the search read DATASET: as DATA_FORMAT, whatever the file's name."
+        body = text if kind == "text" else [*(folder if kind in ("parquet", "arrow") else []), files]
+    return "\n\ndef load_data(path):\n" + "".join(f"    {line}\n" for line in [f'"""{doc}"""', *body])
+
 
 TEXT_SPLITS = {
     "lines": ("one sample a line, blank lines skipped", "f.read().splitlines()"),
@@ -304,17 +334,17 @@ def blocks(data, tokenizer):
     return data.map(cut, batched=True, remove_columns=data.column_names)
 '''
 
-def helpers(w: Winner, fmt: str) -> str:
+def helpers(w: Winner, fmt: str, form: DataForm | None) -> str:
     parts = [throughput(w)]
     if distributed.launched(w.config):
         from autofit.export.multi_gpu import RANK_HELPERS
 
         parts.append(RANK_HELPERS)
-    said, split = TEXT_SPLITS[text_mode(w)]
-    newline = ', newline=""' if text_mode(w) == "whole" else ""
-    parts.append(LOAD_DATA.replace("@SAID@", said).replace("@SPLIT@", split).replace("@NEWLINE@", newline))
+    parts.append(load_data(form.format if form is not None else None, text_mode(w)))
     if fmt == "hf-trainer" and w.batching == "blocks":
         parts.append(HF_BLOCKS)
+    if form is not None and form.chat:
+        parts.append(TOKENIZED)
     if w.config.engine == "fsdp2":
         parts.append("\n\n" + inspect.getsource(distributed.fsdp_on_cpu))
     return "".join(parts)
@@ -342,14 +372,29 @@ def main():
         parser.error(f"--dataset: cannot read {a.dataset}: not a file or a folder")
     try:
         data = load_data(a.dataset)
-    except Exception as e:  # datasets' own error, in one line
-        parser.error(f"--dataset: cannot read {a.dataset} ({type(e).__name__}: {str(e).strip()[:300]})")
-@DATA_CHECK@'''
-"""A recipe's main() up to its data: its flags and their checks (one line and exit 2 each), the data read
-with `datasets`; `@DATASET_HELP@` and `@DATA_CHECK@` are the SFT or DPO recipe's (`arguments`)."""
-SFT_DATA_CHECK = '''    if not len(data) or not {TEXT_FIELD, @CHATS@} & set(data.column_names):
-        parser.error(f"--dataset: {a.dataset} has no rows with a {TEXT_FIELD!r} field@CHATS_SAID@")
+    except Exception as e:  # datasets' own error in one line: its cause's (the row it stopped at); none: no rows
+        why = " ".join(str(e.__cause__ or e).split())[:300] or "it has no rows"
+        parser.error(f"--dataset: cannot read {a.dataset} ({why}); `autofit data {a.dataset}` lists its bad rows")
+@DATA_CHECK@    try:
+        tokenizer = AutoTokenizer.from_pretrained(a.model)
+    except OSError as e:  # neither a folder nor a hub id this machine has or can download
+        parser.error(f"--model: cannot load {a.model} ({' '.join(str(e).split())[:300]}); give the model's folder")
 '''
+"""A recipe's main() up to its data and tokenizer: its flags and their checks (one line and exit 2 each), the
+data read with `datasets`; `@DATASET_HELP@` and `@DATA_CHECK@` are the SFT or DPO recipe's (`arguments`)."""
+TEXT_CHECK = '''    texts = data[TEXT_FIELD] if TEXT_FIELD in data.column_names else []
+    if not texts or not all(isinstance(t, str) for t in texts):
+        parser.error(f"--dataset: {a.dataset} has {'rows without' if texts else 'no rows with'} a {TEXT_FIELD!r} field")
+'''
+CHAT_CHECK = '''    if not len(data):
+        parser.error(f"--dataset: {a.dataset} has no rows")
+    column = lambda name: data[name] if name in data.column_names else [None] * len(data)
+    if not all(isinstance(t, str) or m for t, m in zip(column(TEXT_FIELD), column(MESSAGES_FIELD))):
+        parser.error(f"--dataset: {a.dataset} has rows with neither a {MESSAGES_FIELD!r} chat nor a {TEXT_FIELD!r} "
+                     f"string; `autofit data {a.dataset}` lists them")
+'''
+"""What an SFT recipe trains: a text in every row (a text run), or a chat or a text (each row as the reader reads
+it: its chat where it has one)."""
 
 
 def arguments(dataset_help: str, data_check: str) -> str:
@@ -372,15 +417,16 @@ EMULATE = '''    if a.emulate_memory_gib and torch.cuda.is_available():  # a sma
 def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     """main() after the argument checks: the data, the model, the trainer."""
     chat = form is not None and form.chat
-    out = ["    tokenizer = AutoTokenizer.from_pretrained(a.model)"]
-    if chat and form is not None:
-        out += chat_lines(form, fmt, w.dataset)
+    out = chat_lines(form, w.dataset.messages_field) if chat and form is not None and w.dataset else []
+    if chat and fmt == "trl":
+        out += ['    if {TEXT_FIELD, "messages"} <= set(data.column_names):  # text rows beside chats',
+                "        data = tokenized(data, tokenizer)"]
     if fmt == "hf-trainer":
         out.append("    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token")
         if w.batching == "blocks":
             out.append("    data = blocks(data, tokenizer)")
         else:
-            out += hf_tokenize(chat)
+            out += ["    data = tokenized(data, tokenizer)"] if chat else hf_tokenize()
         if w.batching == "packed":
             out.append('    data = pack_dataset(data, MAX_LENGTH, strategy="bfd")  # best-fit decreasing, as measured')
     zero3 = w.config.engine == "zero3"
@@ -418,17 +464,30 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     return out
 
 
-def hf_tokenize(chat: bool) -> list[str]:
-    """Each row's token ids, cut to MAX_LENGTH, as TRL's SFTTrainer (and the probe) tokenizes it: a text with one
-    end-of-sequence token after it and the tokenizer's special tokens; a chat through the tokenizer's template,
-    which writes its own (`apply_chat_template(tokenize=True)` adds none)."""
-    text = ('lambda row: tokenizer.apply_chat_template(row["messages"], tokenize=False)' if chat
-            else "lambda row: row[TEXT_FIELD].removesuffix(tokenizer.eos_token) + tokenizer.eos_token  # as TRL")
-    special = "add_special_tokens=False, " if chat else ""
-    return [f"    text = {text}",
-            f'    data = data.map(lambda row: {{"input_ids": tokenizer(text(row), {special}truncation=True, '
-            'max_length=MAX_LENGTH)["input_ids"]},',
-            "                    remove_columns=data.column_names)"]
+def hf_tokenize() -> list[str]:
+    """Each text row's token ids, cut to MAX_LENGTH, as TRL's SFTTrainer (and the probe) tokenizes it: the text with
+    one end-of-sequence token after it, and the tokenizer's special tokens."""
+    return ["    text = lambda row: row[TEXT_FIELD].removesuffix(tokenizer.eos_token) + tokenizer.eos_token  # as TRL",
+            '    data = data.map(lambda row: {"input_ids": tokenizer(text(row), truncation=True, '
+            'max_length=MAX_LENGTH)["input_ids"]},', "                    remove_columns=data.column_names)"]
+
+
+TOKENIZED = '''
+
+def tokenized(data, tokenizer):
+    """Each row's token ids as the search counted them (as TRL's SFTTrainer tokenizes), cut to MAX_LENGTH: its chat
+    where it has one, through the chat template (which writes the special tokens), else its text and an EOS token."""
+    def ids(row):
+        if row.get("messages"):
+            text, special = tokenizer.apply_chat_template(row["messages"], tokenize=False), False
+        else:
+            text, special = row[TEXT_FIELD].removesuffix(tokenizer.eos_token) + tokenizer.eos_token, True
+        return tokenizer(text, add_special_tokens=special, truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    return data.map(lambda row: {"input_ids": ids(row)}, remove_columns=data.column_names)
+'''
+"""A chat run's rows tokenized one by one, as autofit's reader reads them (a chat, else a text): the hf-trainer
+recipe's tokenization, and the trl recipe's where text rows sit beside chats (TRL reads one kind a dataset, its
+first row's: a text first crashes on the chats, a chat first trains the texts without their EOS token)."""
 
 
 def hf_collator(w: Winner) -> str:
@@ -442,21 +501,26 @@ def hf_collator(w: Winner) -> str:
     return f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad})"
 
 
-def chat_lines(form: DataForm, fmt: str, dataset: DatasetRef | None) -> list[str]:
-    """Chats in the form the libraries read: a `messages` column of {role, content} (TRL converts ShareGPT's
-    `conversations` of {from, value} itself); autofit's plain rendering where the tokenizer has no template."""
+SHAREGPT = '''        role = {"human": "user", "gpt": "assistant"}  # ShareGPT's {from, value}, as the search read it
+        data = data.map(lambda row: {"messages": [{"role": role.get(m["from"], m["from"]), "content": m["value"]}
+                                                  for m in row[MESSAGES_FIELD] or []]},
+                        remove_columns=[MESSAGES_FIELD])'''
+"""ShareGPT's chats as {role, content} messages (human -> user, gpt -> assistant, as autofit's reader maps them);
+a text row beside them gets none."""
+
+
+def chat_lines(form: DataForm, messages_field: str) -> list[str]:
+    """Chats in the form both libraries read, a `messages` column of {role, content} (where the file holds them
+    under another name, or as ShareGPT's {from, value}), and autofit's plain rendering where the tokenizer has no
+    template."""
     lines = ["    tokenizer.chat_template = tokenizer.chat_template or PLAIN_CHAT"]
-    sharegpt = (form.role, form.content) == ("from", "value")
-    if sharegpt and fmt == "trl":
-        if dataset is not None and dataset.messages_field != "conversations":
-            lines.insert(0, '    data = data.rename_column(MESSAGES_FIELD, "conversations")')
-    elif sharegpt:
-        lines.insert(0, "    data = data.map(lambda row: {\"messages\": [{\"role\": {\"human\": \"user\", \"gpt\": "
-                        "\"assistant\"}.get(m[\"from\"], m[\"from\"]), \"content\": m[\"value\"]} for m in "
-                        "row[MESSAGES_FIELD]]})")
-    elif dataset is not None and dataset.messages_field != "messages":
-        lines.insert(0, '    data = data.rename_column(MESSAGES_FIELD, "messages")')
-    return lines
+    if (form.role, form.content) == ("from", "value"):
+        convert = SHAREGPT
+    elif messages_field != "messages":
+        convert = '        data = data.rename_column(MESSAGES_FIELD, "messages")'
+    else:
+        return lines
+    return ["    if MESSAGES_FIELD in data.column_names:  # a file of text rows alone has none", convert, *lines]
 
 
 def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[str] | None = None) -> str:
@@ -464,10 +528,9 @@ def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[st
     trains otherwise than the probe, said in comments above the constants."""
     form = data_form(w.dataset) if w.dataset is not None else None
     chats = form is not None and form.chat
-    main = arguments("JSONL/JSON/CSV/parquet/text file or save_to_disk folder", SFT_DATA_CHECK)
-    main = main.replace("@CHATS@", 'MESSAGES_FIELD, "conversations"' if chats else '"messages"')
-    main = main.replace("@CHATS_SAID@", " or {MESSAGES_FIELD!r} chats" if chats else "")
-    body = main + (LIGER if w.config.liger else "") + EMULATE
+    read = "JSONL/JSON/CSV/parquet/text file or save_to_disk folder" if form is None else \
+        "a file (or folder) of DATASET's format, DATA_FORMAT"
+    body = arguments(read, CHAT_CHECK if chats else TEXT_CHECK) + (LIGER if w.config.liger else "") + EMULATE
     said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
     lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]
-    return "\n".join(lines) + helpers(w, fmt) + body + "\n".join(main_body(w, fmt, form)) + "\n"
+    return "\n".join(lines) + helpers(w, fmt, form) + body + "\n".join(main_body(w, fmt, form)) + "\n"

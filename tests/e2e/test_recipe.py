@@ -8,8 +8,11 @@ tiny-llama's shape saved once with a tokenizer, as a user's model folder is."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,10 @@ import pytest
 from recipes import imports_of, save_tiny_model, training_args
 
 from autofit.config.spec import BATCHINGS
+from autofit.data import load_samples
+from autofit.data.tokenizer import model_tokenizer
 from autofit.export import export_run
-from runs import data_run
+from runs import CHAT, D1, PREFS, data_run, dpo_run
 
 GUARD = ("import sys; sys.modules['autofit'] = None; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
          "exec(compile(open(script).read(), script, 'exec'))")
@@ -43,8 +48,8 @@ def run_recipe(script: Path, model: Path, *args: str) -> tuple[subprocess.Comple
     return proc, json.loads(lines[0].split(" ", 1)[1])
 
 
-def exported(tmp_path: Path, strategy: str, fmt: str) -> tuple[Path, str]:
-    run = data_run(tmp_path, strategy)
+def exported(tmp_path: Path, strategy: str, fmt: str, data: Path = D1) -> tuple[Path, str]:
+    run = data_run(tmp_path, strategy, data)
     script = tmp_path / ("train_trl.py" if fmt == "trl" else "train.py")
     script.write_text(export_run(run, fmt).text)
     assert "autofit" not in imports_of(script)
@@ -86,3 +91,89 @@ def test_the_hf_trainer_recipe_trains_three_steps(model: Path, tmp_path: Path, s
         assert 4 * 60 < summary["steady_tokens"] <= 4 * 95  # full rows, not one sample a row
     else:  # one step: 2 micro-batches of 2 samples, each cut to 96
         assert "DataCollatorWithFlattening()" in text and 0 < summary["steady_tokens"] <= 4 * 95
+
+
+def recipe_module(script: Path) -> dict[str, Any]:
+    """The recipe's names (load_data, its constants, its helpers), its main() not run."""
+    namespace: dict[str, Any] = {"__name__": "recipe"}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)
+    return namespace
+
+
+def test_the_recipe_reads_the_file_as_the_search_read_it(tmp_path: Path) -> None:
+    """JSONL rows in a .txt file are JSON rows (read as text lines they trained on the braces); a folder of parquet
+    files is read down every subfolder (load_from_disk refused it); preference rows in a .txt are JSON too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    named = tmp_path / "rows.txt"
+    shutil.copy(D1, named)
+    parts = tmp_path / "parts"
+    (parts / "more").mkdir(parents=True)
+    rows = [json.loads(line) for line in D1.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows[:10]), parts / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[10:25]), parts / "more" / "b.parquet")
+    for data in (named, parts):
+        script, _ = exported(tmp_path / f"run-of-{data.name}", "pad_longest", "trl", data)
+        recipe = recipe_module(script)
+        assert recipe["DATA_FORMAT"] == ("json" if data == named else "parquet")
+        read = recipe["load_data"](str(data))
+        assert list(read["text"]) == [s.text for s in load_samples(data).samples], data
+    pairs = tmp_path / "pairs.txt"
+    shutil.copy(PREFS, pairs)
+    script = tmp_path / "train_dpo.py"
+    script.write_text(export_run(dpo_run(tmp_path, pairs), "trl").text)
+    read = recipe_module(script)["load_data"](str(pairs))
+    assert len(read) == len(PREFS.read_text().splitlines()) and {"chosen", "rejected"} <= set(read.column_names)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("bos-model"), bos=True)
+
+
+def test_text_rows_beside_chats_train_as_the_search_read_them(bos_model: Path, tmp_path: Path) -> None:
+    """A file of text rows and chats: each row is tokenized as the probe counted it (a chat through the template,
+    a text with its EOS and BOS), where TRL crashed on the first row's kind (None text) and hf-trainer on
+    messages=None; the trl recipe trains 3 steps on it."""
+    from transformers import AutoTokenizer
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(a + b for a, b in zip(D1.read_text().splitlines(True)[:8],
+                                                      CHAT.read_text().splitlines(True)[:8], strict=True)))
+    script, _ = exported(tmp_path / "hf", "pad_longest", "hf-trainer", mixed)
+    recipe = recipe_module(script)
+    ids = recipe["tokenized"](recipe["load_data"](str(mixed)), AutoTokenizer.from_pretrained(bos_model))
+    probe = model_tokenizer(str(bos_model)).encode(load_samples(mixed).samples)
+    assert list(ids["input_ids"]) == [row[:96] for row in probe]
+    script, _ = exported(tmp_path / "trl", "packed", "trl", mixed)
+    _, summary = run_recipe(script, bos_model)
+    assert summary["steps"] == 3
+
+
+def test_the_recipe_says_in_one_line_what_its_data_or_model_lacks(model: Path, tmp_path: Path) -> None:
+    """A text run's recipe given chats (a KeyError or TRL's ValueError), an empty file (StopIteration), a line that
+    is not JSON (datasets' 'An error occurred while generating the dataset') or a model that is nowhere (a
+    huggingface_hub traceback): exit 2 and one line naming the file or the model."""
+    script, _ = exported(tmp_path, "pad_longest", "trl")
+    shutil.copy(CHAT, tmp_path / "chats.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text(D1.read_text().splitlines()[0] + "\nnot json\n")
+    cases = {"--dataset: chats.jsonl has no rows with a 'text' field": ["--dataset", "chats.jsonl"],
+             "--dataset: cannot read empty.jsonl (it has no rows)": ["--dataset", "empty.jsonl"],
+             "--dataset: cannot read bad.jsonl (JSON parse error": ["--dataset", "bad.jsonl"],
+             "--model: cannot load no-such-model (": ["--model", "no-such-model"]}
+
+    def run(args: list[str]) -> subprocess.CompletedProcess[str]:
+        model_args = [] if "--model" in args else ["--model", str(model)]
+        return subprocess.run([sys.executable, str(script), *model_args, *args], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        said = dict(zip(cases, pool.map(run, cases.values()), strict=True))
+    for expected, proc in said.items():
+        errors = [x for x in proc.stderr.splitlines() if x.startswith(f"{script.name}: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and expected in errors[0], (expected, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+    bad_lines = said["--dataset: cannot read bad.jsonl (JSON parse error"].stderr
+    assert "; `autofit data bad.jsonl` lists its bad rows" in bad_lines

@@ -248,3 +248,23 @@ def test_the_recipes_follow_the_probes_step_rule_on_data(tmp_path: Path) -> None
     assert (trl["per_device_train_batch_size"], trl["padding_free"], trl["gradient_accumulation_steps"]) == (3, True, 6)
     hf = export_run(flat, "hf-trainer").text
     assert "data_collator=DataCollatorWithFlattening()" in hf and training_args(hf)["per_device_train_batch_size"] == 3
+
+
+def test_rows_the_search_skipped_are_said_at_export(tmp_path: Path) -> None:
+    """The search measured the good rows; a recipe's `datasets` skips none (it stops at a line that is not JSON):
+    export says how many the search skipped and why, for every format, from the run's data.json."""
+    from autofit.data import summarize
+    from runs import D1, data_run
+
+    data = tmp_path / "some-bad.jsonl"
+    data.write_text(DATA.read_text() + "not json\n" + json.dumps({"title": "no text"}) + "\n")
+    run = data_run(tmp_path, "pad_longest", data)
+    summarize(data, resolve_model("tiny-llama"), run / "data")
+    said = ("2 rows of " + str(data) + " were skipped by the search (1 not JSON, 1 missing 'text'); the recipe's "
+            "`datasets` loader skips none")
+    for fmt in FORMATS:
+        notes = export_run(run, fmt).notes
+        assert any(said in n and f"`autofit data {data}` lists their lines" in n for n in notes), (fmt, notes)
+    clean = data_run(tmp_path / "clean", "pad_longest")
+    summarize(D1, resolve_model("tiny-llama"), clean / "data")
+    assert not any("skipped" in n for n in export_run(clean, "trl").notes)
