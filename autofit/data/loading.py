@@ -109,7 +109,8 @@ class _BadCollector:
 def load_samples(path: str | Path, text_field: str = "text", messages_field: str = "messages",
                  text_mode: TextMode = TextMode.AUTO, flag: str = "--dataset") -> SampleSet:
     """Read `path` into samples, or raise a UsageError that names the flag and the file and says what
-    to do. The reading itself is `reader.read_dataset`, which exported recipes carry too."""
+    to do. The reading itself is `reader.read_dataset` (an exported recipe reads the file with `datasets` in
+    the format it found)."""
     try:
         source = reader.read_dataset(path, text_field, messages_field, text_mode.value)
     except reader.NoUsableRows as e:

@@ -1,9 +1,9 @@
-"""Reading a dataset file into samples: the one reader of the search and of every exported recipe.
+"""Reading a dataset file into samples: the reader of the search, `autofit data` and export.
 
-An exported recipe carries this module's source (`export/data_script.py`), so the samples it trains on
-are the ones the search measured. That is why it imports the standard library only (pyarrow lazily, for
-parquet and `datasets.save_to_disk` folders) and why its errors name the file but no flag: the caller
-adds its own.
+An exported recipe reads the same file with `datasets`, in the format this reader found (`source_kind` and the
+JSONL sniffing below; export writes it as the recipe's DATA_FORMAT), and its rows as this reader reads them
+(a row's chat, else its text). This module imports the standard library only (pyarrow lazily, for parquet and
+`datasets.save_to_disk` folders), and its errors name the file but no flag: the caller adds its own.
 
 Sources: JSONL (one object a line; a file that is one JSON array gives its items), CSV/TSV with a header
 row, parquet, a save_to_disk folder (a DatasetDict: its train split), and plain text. A text file whose
