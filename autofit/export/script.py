@@ -375,7 +375,7 @@ def main():
     except Exception as e:  # datasets' own error in one line: its cause's (the row it stopped at); none: no rows
         why = " ".join(str(e.__cause__ or e).split())[:300] or "it has no rows"
         parser.error(f"--dataset: cannot read {a.dataset} ({why}); `autofit data {a.dataset}` lists its bad rows")
-@DATA_CHECK@    try:
+@DATA_CHECK@@BEFORE_MODEL@    try:
         tokenizer = AutoTokenizer.from_pretrained(a.model)
     except OSError as e:  # neither a folder nor a hub id this machine has or can download
         parser.error(f"--model: cannot load {a.model} ({' '.join(str(e).split())[:300]}); give the model's folder")
@@ -397,9 +397,11 @@ CHAT_CHECK = '''    if not len(data):
 it: its chat where it has one)."""
 
 
-def arguments(dataset_help: str, data_check: str) -> str:
-    """ARGUMENTS with the recipe's --dataset help and its check of what the data holds."""
-    return ARGUMENTS.replace("@DATASET_HELP@", dataset_help).replace("@DATA_CHECK@", data_check)
+def arguments(dataset_help: str, data_check: str, before_model: str = "") -> str:
+    """ARGUMENTS with the recipe's --dataset help, its check of what the data holds, and checks that come before
+    the model is loaded (what this machine cannot run: Liger)."""
+    return (ARGUMENTS.replace("@DATASET_HELP@", dataset_help).replace("@DATA_CHECK@", data_check)
+            .replace("@BEFORE_MODEL@", before_model))
 
 LIGER = '''    if importlib.util.find_spec("liger_kernel") is None or not torch.cuda.is_available():
         parser.error("this recipe uses Liger's kernels (use_liger_kernel=True): pip install 'liger-kernel>=0.8.5' "
@@ -530,7 +532,7 @@ def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[st
     chats = form is not None and form.chat
     read = "JSONL/JSON/CSV/parquet/text file or save_to_disk folder" if form is None else \
         "a file (or folder) of DATASET's format, DATA_FORMAT"
-    body = arguments(read, CHAT_CHECK if chats else TEXT_CHECK) + (LIGER if w.config.liger else "") + EMULATE
+    body = arguments(read, CHAT_CHECK if chats else TEXT_CHECK, LIGER if w.config.liger else "") + EMULATE
     said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
     lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]
     return "\n".join(lines) + helpers(w, fmt, form) + body + "\n".join(main_body(w, fmt, form)) + "\n"
