@@ -48,6 +48,7 @@ def main() -> int:
 
         code = cli_main()  # which says more of an interruption while a command runs
     except KeyboardInterrupt:
+        _ignore_stops()  # said once: a second signal while it is said would end the process by SIGINT (-2)
         try:
             print("\nautofit: interrupted", file=sys.stderr)
         except OSError:  # a terminal that closed (SIGHUP): nowhere to say it
@@ -56,6 +57,11 @@ def main() -> int:
     # The command has ended: a signal from now on, while the interpreter shuts down (its threads, its atexit
     # handlers; Python puts the default actions back as it finalizes, except where a signal is ignored),
     # would only replace the command's exit code with the signal's (129, 143).
-    for signum in (signal.SIGINT, *STOPS):
-        signal.signal(signum, signal.SIG_IGN)
+    _ignore_stops()
     return code
+
+
+def _ignore_stops() -> None:
+    for signum in (signal.SIGINT, *STOPS):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_IGN)
