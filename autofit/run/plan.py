@@ -121,8 +121,7 @@ def forecast(model: ModelSource, space: Space, limit: int, headroom: float = HEA
     for cfg in candidates:
         peak = know.memory.predict(cfg)
         mu, _ = expected_speed([], cfg, shapes)
-        p_fit = fit_probability(know, cfg) if usable > 0 else 0.0  # the policy reads a usable of 0 as no limit
-        out.append(Forecast(cfg, peak, int(peak * know.memory.margin(cfg)), p_fit,
+        out.append(Forecast(cfg, peak, int(peak * know.memory.margin(cfg)), fit_probability(know, cfg),
                             mu / forum if forum > 0 else 0.0, prior(cfg, shape), step_of(cfg, shapes)))
     # the search's objective: the longest length at which something fits, then the fastest there
     ranked = sorted(out, key=lambda f: (not f.fits, -f.cfg.max_length if f.fits else 0,

@@ -327,14 +327,14 @@ def _lengths_with_pairs(space: Space, stats: PreferenceStats,
     if not empty:
         return {}, ()
     kept = [n for n in space.lengths if n not in empty]
+    asked = "--max-length " + ",".join(map(str, sorted(empty, reverse=True)))
     prompt = stats.percentiles["prompt"]
     if not kept:
-        raise UsageError(f"--max-length {','.join(map(str, sorted(empty, reverse=True)))}: every pair's prompt "
-                         f"fills it, so TRL's DPOTrainer drops all {stats.count} pairs of {dataset} (prompts: median "
-                         f"{prompt[50.0]:.0f}, longest {prompt[100.0]:.0f} tokens); give a longer --max-length "
-                         f"(`autofit data {dataset}` shows what each length keeps).")
-    return {"max_length": kept}, (f"--max-length {','.join(map(str, sorted(empty, reverse=True)))} left out: every "
-                                  f"pair's prompt fills it (TRL's DPOTrainer would drop all {stats.count} pairs)",)
+        raise UsageError(f"{asked}: every pair's prompt fills it, so TRL's DPOTrainer drops all {stats.count} pairs "
+                         f"of {dataset} (prompts: median {prompt[50.0]:.0f}, longest {prompt[100.0]:.0f} tokens); "
+                         f"give a longer --max-length (`autofit data {dataset}` shows what each length keeps).")
+    return {"max_length": kept}, (f"{asked} left out: every pair's prompt fills it (TRL's DPOTrainer would drop "
+                                  f"all {stats.count} pairs)",)
 
 
 def check_dataset(ref: DatasetRef, flag: str) -> None:
