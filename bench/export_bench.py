@@ -3,6 +3,8 @@
 Exports RUN's winner (hf-trainer; a DPO run's as TRL's DPOTrainer script, `trl`), runs the script for --steps
 optimizer steps under the same memory limit (the script's --emulate-memory-gib), and compares its speed
 (tokens/s; a DPO run's pairs/s) and peak memory with the probe's. Targets: no OOM, speed within 5%, peak within 3%.
+The recipe runs through `bench/recipe_steps.py` (its own main(), its callback also printing each step), so the
+speed is compared twice: the recipe's own figure (every step after two warm-ups) and its run's second half.
 
 A recipe loads a model folder with its tokenizer (`--model`). A run measured on a shape preset (random
 weights, no tokenizer) gets one made here (`model_folder`): the preset's random weights, and the tokenizer
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +57,12 @@ def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>").save_pretrained(folder)
     config = AutoConfig.for_model(**model["config"])
-    AutoModelForCausalLM.from_config(config, dtype="bfloat16").save_pretrained(folder)  # random weights, as probed
+    import torch  # random weights, as probed: drawn on the GPU where there is one (a 7B on the CPU takes minutes)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        standin_model = AutoModelForCausalLM.from_config(config, dtype="bfloat16")
+    standin_model.save_pretrained(folder)
+    del standin_model
+    torch.cuda.empty_cache()
     return folder
 
 
@@ -91,7 +99,9 @@ def main() -> None:
     if dpo and not a.dataset:
         sys.exit("export_bench: a DPO run trains on its preference pairs: give the file with --dataset")
     speed = "pairs_per_s" if dpo else "tokens_per_s"  # what the search maximised, probe and recipe alike
-    work = Path(tempfile.mkdtemp())
+    shm = Path("/dev/shm")  # the stand-in model's 13 GiB written and read back from memory, where there is room
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 40 * GIB
+    work = Path(tempfile.mkdtemp(dir=shm if roomy else None))
     script = work / "train.py"
     subprocess.run([sys.executable, "-m", "autofit", "export", str(run), "--format", "trl" if dpo else "hf-trainer",
                     "-o", str(script)], check=True)
@@ -103,7 +113,8 @@ def main() -> None:
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(180))}) + "\n")
     limit = best["target"].get("memory_limit_bytes")
     data = Path(a.dataset) if a.dataset else work / "data.jsonl"
-    cmd = [sys.executable, str(script), "--dataset", str(data), "--output-dir", str(work / "out"),
+    runner = Path(__file__).with_name("recipe_steps.py")  # the recipe's main(), each step printed too
+    cmd = [sys.executable, str(runner), str(script), "--dataset", str(data), "--output-dir", str(work / "out"),
            "--max-steps", str(a.steps)]
     model = model_folder(run, work, data)
     if model is not None:
@@ -115,6 +126,11 @@ def main() -> None:
     wall = time.monotonic() - t0
     lines = [x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+    steps = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("recipe-steps ")]
+    late = None
+    if steps and steps[-1]["seconds"]:  # the run's second half: past its first steps' allocations, as a long run
+        half = len(steps[-1]["seconds"]) // 2
+        late = sum(steps[-1]["tokens"][half:]) / sum(steps[-1]["seconds"][half:])
     oom = "out of memory" in (proc.stderr + proc.stdout).lower()
     recipe_peak = None
     if "max_memory_reserved" in summary:
@@ -127,6 +143,11 @@ def main() -> None:
         "run_id": best["run_id"], "config": best["config"], "steps": a.steps, "rc": proc.returncode, "oom": oom,
         "recipe_wall_seconds": wall, "recipe_summary": summary, "speed": speed,
         "probe_tokens_per_s": best["tokens_per_s"], "recipe_tokens_per_s": summary.get("tokens_per_s"),
+        "probe_tokens_per_s_range": [best.get("tokens_per_s_min"), best.get("tokens_per_s_max")],
+        "probe_step": best.get("step"), "recipe_steps": steps[-1] if steps else None,
+        "recipe_late_tokens_per_s": late if not dpo else None,
+        "late_tokens_per_s_ratio": late / best["tokens_per_s"] if late and not dpo and best.get("tokens_per_s")
+        else None,
         **({"probe_pairs_per_s": best.get("pairs_per_s"), "recipe_pairs_per_s": summary.get("pairs_per_s")}
            if dpo else {}),
         "tokens_per_s_ratio" if not dpo else "pairs_per_s_ratio": tps_ratio, "target_speed_within": 0.05,

@@ -12,3 +12,7 @@ done
 export PYTHONPATH="$site/.gpu-site:$site/.data-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 python3 -c "import optuna, bitsandbytes, trl, datasets" || echo "gpu_env: a carried package is missing (above)" >&2
+# The carried transformers must accept the machine's huggingface_hub (1.33 on the lent image: transformers 5.25
+# wants >= 2.4, 5.24 does not); a mismatch makes every probe exit 1 at `import transformers`.
+python3 -c "import transformers" 2>/dev/null || echo "gpu_env: the carried transformers does not import here;" \
+  "repack .gpu-site.tgz with a transformers this image's huggingface_hub satisfies (5.24.0)" >&2
