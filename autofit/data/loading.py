@@ -115,7 +115,7 @@ def load_samples(path: str | Path, text_field: str = "text", messages_field: str
         source = reader.read_dataset(path, text_field, messages_field, text_mode.value)
     except reader.NoUsableRows as e:
         raise UsageError(_no_usable_rows(Path(path).expanduser(), flag, _collect(e.bad), text_field,
-                                         messages_field)) from None
+                                         messages_field, e.fields)) from None
     except reader.DatasetError as e:
         raise UsageError(f"{flag}: {e}") from None
     kind = SourceKind(source.kind)
@@ -136,7 +136,19 @@ def _collect(bad: list[tuple[str, int]]) -> BadRows:
     return rows.freeze()
 
 
-def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_field: str) -> str:
+def _other_fields(fields: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
+    """What the rows hold instead, as the flag that reads it (ShareGPT's 'conversations', for one)."""
+    chats, texts = fields
+    if chats:
+        return f" Its rows have a chat list {chats[0]!r}: give --messages-field {chats[0]}."
+    if texts:
+        named = ", ".join(repr(t) for t in texts[:5])
+        return f" Its rows' text fields: {named}: give --text-field with the one to train on."
+    return ""
+
+
+def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_field: str,
+                    fields: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
     if set(bad.counts) == {reader.not_messages(messages_field)}:
         hint = f"To read it as plain text, give --text-field {messages_field} without --messages-field."
         return (f"{flag}: {p}: every row's '{messages_field}' is a string, not a chat (a list of "
@@ -145,4 +157,4 @@ def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_
              "read too)"
              if messages_field else " (--text-field alone: chats are not read)")
     return (f"{flag}: {p} has no usable row ({bad.summary()}). Each row needs a non-empty '{text_field}' "
-            f"string{chats}; name the fields with --text-field / --messages-field.")
+            f"string{chats}; name the fields with --text-field / --messages-field.{_other_fields(fields)}")

@@ -58,9 +58,21 @@ class DatasetError(ValueError):
 class NoUsableRows(DatasetError):
     """Rows were read but none gives a sample: `bad` says why, by reason."""
 
-    def __init__(self, message: str, bad: list[tuple[str, int]]) -> None:
+    def __init__(self, message: str, bad: list[tuple[str, int]],
+                 fields: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> None:
         super().__init__(message)
         self.bad = bad
+        self.fields = fields
+        """The first row's fields that could be read instead: (chat lists, non-empty strings)."""
+
+
+def row_fields(row: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A row's fields that hold a chat (a non-empty list of dicts) and those that hold a non-empty string."""
+    if not isinstance(row, dict):
+        return (), ()
+    chats = tuple(k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v))
+    texts = tuple(k for k, v in row.items() if isinstance(v, str) and v.strip())
+    return chats, texts
 
 
 class DatasetSource:
@@ -112,10 +124,12 @@ def read_dataset(path: str | os.PathLike[str], text_field: str = "text", message
     bad: list[tuple[str, int]] = []
     chat_keys: tuple[str, str] | None = None
     roles: set[str] = set()
+    fields: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     for n, row in rows:
         sample, reason = row_sample(row, text_field, messages_field)
         if sample is None:
             bad.append((reason, n))
+            fields = fields or row_fields(row)
             continue
         sample["line"] = n
         samples.append(sample)
@@ -124,7 +138,7 @@ def read_dataset(path: str | os.PathLike[str], text_field: str = "text", message
             chat_keys = chat_keys or (("role", "content") if "role" in first else ("from", "value"))
             roles.update(m.get(chat_keys[0]) for m in row[messages_field])
     if not samples:
-        raise NoUsableRows(f"{path} has no usable row", bad)
+        raise NoUsableRows(f"{path} has no usable row", bad, fields or ((), ()))
     return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
 
 

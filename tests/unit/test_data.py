@@ -85,6 +85,11 @@ def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -
     ("latin.txt", "caf\xe9".encode("latin-1"), r"latin\.txt is not UTF-8"),
     ("bad.jsonl", "{nope\n[also not\n", r"bad\.jsonl has no usable row \(2 rows skipped: 2 not JSON"),
     ("field.jsonl", '{"prompt": "x"}\n', r"no usable row .*missing 'text'.*--text-field"),
+    # what the rows hold instead, as the flag that reads it: ShareGPT's conversations, Alpaca's fields
+    ("sharegpt.jsonl", '{"id": "1", "conversations": [{"from": "human", "value": "hi"}]}\n',
+     r"missing 'text'.* Its rows have a chat list 'conversations': give --messages-field conversations\.$"),
+    ("alpaca.jsonl", '{"instruction": "a", "input": "", "output": "b"}\n',
+     r"Its rows' text fields: 'instruction', 'output': give --text-field with the one to train on\.$"),
 ])
 def test_unusable_files_are_usage_errors_naming_the_file(tmp_path: Path, name: str, content: str | bytes,
                                                          match: str) -> None:
