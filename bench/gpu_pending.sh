@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures still to measure, one call of under 10 minutes each, in order of what they settle:
 #   bash bench/gpu_pending.sh N        (on the GPU machine, from the repository root)
+# .gpu-site.tgz must hold transformers 5.24.0 (TRANSFORMERS_VERSION=5.24.0 when packing it): the lent image's
+# huggingface_hub 1.33 refuses 5.25, and every probe then exits 1 at `import transformers` (gpu_env.sh says so).
+# A fresh machine's first imports take a minute or two longer: the timeouts below leave room for it.
 # Carry .gpu-site.tgz and .whl/data-site.txz (calls 12-13: .whl/unsloth-site.tgz instead: the three with the
 # tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
