@@ -66,12 +66,14 @@ class NoUsableRows(DatasetError):
         """The first row's fields that could be read instead: (chat lists, non-empty strings)."""
 
 
-def row_fields(row: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """A row's fields that hold a chat (a non-empty list of dicts) and those that hold a non-empty string."""
+def row_fields(row: object, asked: tuple[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A row's fields, other than the `asked` ones, that hold a chat (a non-empty list of dicts) and those that
+    hold a non-empty string."""
     if not isinstance(row, dict):
         return (), ()
-    chats = tuple(k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v))
-    texts = tuple(k for k, v in row.items() if isinstance(v, str) and v.strip())
+    other = {k: v for k, v in row.items() if k not in asked}
+    chats = tuple(k for k, v in other.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v))
+    texts = tuple(k for k, v in other.items() if isinstance(v, str) and v.strip())
     return chats, texts
 
 
@@ -129,7 +131,8 @@ def read_dataset(path: str | os.PathLike[str], text_field: str = "text", message
         sample, reason = row_sample(row, text_field, messages_field)
         if sample is None:
             bad.append((reason, n))
-            fields = fields or row_fields(row)
+            if not any(fields or ()):  # the first bad row that holds something else
+                fields = row_fields(row, (text_field, messages_field))
             continue
         sample["line"] = n
         samples.append(sample)

@@ -90,6 +90,9 @@ def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -
      r"missing 'text'.* Its rows have a chat list 'conversations': give --messages-field conversations\.$"),
     ("alpaca.jsonl", '{"instruction": "a", "input": "", "output": "b"}\n',
      r"Its rows' text fields: 'instruction', 'output': give --text-field with the one to train on\.$"),
+    # a malformed chat under the asked name is not offered back as the fix
+    ("chat.jsonl", '{"messages": [{"speaker": "u", "text": "hi"}], "source": "web"}\n',
+     r"malformed 'messages'.*--messages-field\. Its rows' text fields: 'source': give --text-field"),
 ])
 def test_unusable_files_are_usage_errors_naming_the_file(tmp_path: Path, name: str, content: str | bytes,
                                                          match: str) -> None:
