@@ -174,17 +174,12 @@ def card_line(plan: Plan) -> str:
         batch = "" if f.step.keeps_global_batch else f"; {f.step.describe(unit(f.cfg))}"
         return (f"{name:<16} {format_size(plan.usable):>9}  fits: {brief(f.cfg)}  "
                 f"(peak {format_size(f.peak)}, {f.speed:.2f}x the forum recipe{batch})")
-    return f"{name:<16} {format_size(plan.usable):>9}  does not fit: {smallest_saving(plan)}"
-
-
-def smallest_saving(plan: Plan) -> str:
-    """What would bring the space under the card, the cheapest first: a shorter length, offloaded
-    checkpointing, a 4-bit base, more GPUs, a smaller model, a larger card."""
-    return next_step(plan).saving
+    return f"{name:<16} {format_size(plan.usable):>9}  does not fit: {next_step(plan).saving}"
 
 
 SAVINGS = ("LENGTH", "OFFLOAD", "QUANTIZE", "GPUS", "MODEL", "CARD")
-"""The savings a plan proposes where nothing fits, the cheapest first."""
+"""The savings a plan proposes where nothing fits, the cheapest first: a shorter length, offloaded checkpointing,
+a 4-bit base, more GPUs, a smaller model, a larger card."""
 QLORA = "qlora"
 """The shipped space of LoRA on a 4-bit base (supervised samples)."""
 

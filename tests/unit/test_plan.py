@@ -18,7 +18,7 @@ from autofit.core.errors import UsageError
 from autofit.core.units import parse_size
 from autofit.data.shapes import PairShapes
 from autofit.protocol.result import ProbeResult
-from autofit.run.plan import Calls, check_calls, forecast, next_step, smallest_saving, spearman
+from autofit.run.plan import Calls, check_calls, forecast, next_step, spearman
 from autofit.search.knowledge import Knowledge
 from autofit.search.policy import fit_probability
 from autofit.search.replay import Landscape
@@ -72,9 +72,9 @@ def plan_shape(model):  # type: ignore[no-untyped-def]
 
 def test_a_card_too_small_names_the_cheapest_saving_that_fits() -> None:
     t4 = forecast(resolve_model("llama2-7b"), load_space("lora"), cards("T4")[0].total_bytes)
-    assert t4.best is None and smallest_saving(t4).startswith("a 4-bit base")  # not a length of a few tokens
+    assert t4.best is None and next_step(t4).saving.startswith("a 4-bit base")  # not a length of a few tokens
     qlora = forecast(resolve_model("llama2-7b"), load_space("qlora").replaced(max_length=[4096]), 6 * GIB)
-    assert qlora.best is None and smallest_saving(qlora).startswith("--max-length ")
+    assert qlora.best is None and next_step(qlora).saving.startswith("--max-length ")
     roomy = forecast(resolve_model("llama2-7b"), load_space("lora"), cards("H100")[0].total_bytes)
     assert roomy.best is not None and roomy.longest_length == 2048 and roomy.largest_micro_batch["on"]
 
@@ -115,7 +115,7 @@ def test_the_longest_length_shown_is_a_length_of_the_space() -> None:
     space = Space("one", {"method": "lora", "max_length": 2048}, {})
     plan = forecast(resolve_model("llama2-7b"), space, cards("RTX 4090")[0].total_bytes)
     assert plan.best is None and plan.longest_length is None
-    assert next_step(plan).flags == {"--max-length": smallest_saving(plan).split()[1]}
+    assert next_step(plan).flags == {"--max-length": next_step(plan).saving.split()[1]}
 
 
 def test_where_nothing_fits_the_next_search_is_the_smallest_saving() -> None:
