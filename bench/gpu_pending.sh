@@ -13,11 +13,8 @@ call=${1:?"which call: 1-13 (bench/gpu_pending.sh's list)"}
 case "$call" in
   1)  # issue 31 and issue 29's anomaly: measured on 2026-12-05 (plan-live-s5.json, data-anomaly-s2-d1.json)
       echo "gpu_pending: call 1 is measured (bench/results/plan-live-s5.json, data-anomaly-s2-d1.json)" ;;
-  2)  # issue 33: S1/D2's packed recipe against a probe made now, with the run's second half (late_tokens_per_s);
-      # padding-free met its targets on 2026-12-05. A freshly started machine needs ~4 minutes for this.
-      python3 bench/data/make_corpus.py --out /tmp/corpus >/dev/null
-      timeout 540 python3 bench/export_bench.py --search bench/spaces/s1-d2-packed.yaml --dataset /tmp/corpus/d2.jsonl \
-        --steps 120 --name export-fidelity-s1-d2-packed-120 ;;
+  2)  # issue 33: measured on 2026-12-05 (export-fidelity-s1-d2-packed-120.json: second half 0.965 of the probe)
+      echo "gpu_pending: call 2 is measured (bench/results/export-fidelity-s1-d2-packed-120.json)" ;;
   3)  timeout 570 python3 bench/dpo_bench.py --stage search --budget 4m ;;   # issue 32, S7
   4)  timeout 570 python3 bench/dpo_bench.py --stage grid ;;
   5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
