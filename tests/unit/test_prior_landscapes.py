@@ -1,5 +1,5 @@
-"""The memory prior, before any probe, against every peak the committed H200 landscapes measured: a change
-to the prior that loses its accuracy fails here, not on a user's card.
+"""The memory prior, before any probe, against every peak the committed landscapes measured (H200; S7 on an H100):
+a change to the prior that loses its accuracy fails here, not on a user's card.
 
 Fits: |predicted - measured| / measured, median and worst per landscape. Out-of-memory points: only a lower
 bound of the peak is known, and the prior must not predict under it by much (a config called hopeless from
@@ -19,7 +19,10 @@ from autofit.search.replay import Landscape
 
 # (median, worst) |error| of the fits the prior must keep: the figures it reached (S1 2.4%/3.9%, S2 1.5/2.7,
 # S4 2.8/8.5, S5 2.7/6.8 since the nf4 terms (21.5/27.0 before), S6 1.2/1.5) with a little room
-BOUNDS = {"s1": (0.03, 0.05), "s2": (0.02, 0.035), "s4": (0.035, 0.09), "s5": (0.05, 0.08), "s6": (0.02, 0.02)}
+# S7 (DPO, an H100, 2026-12-05): 9.6% / 11.0%, every fit over: the reference's forward and the log-prob tile are
+# counted whole on top of the backward's working set (an upper bound; the fits correct it)
+BOUNDS = {"s1": (0.03, 0.05), "s2": (0.02, 0.035), "s4": (0.035, 0.09), "s5": (0.05, 0.08), "s6": (0.02, 0.02),
+          "s7": (0.10, 0.12)}
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
