@@ -336,10 +336,13 @@ class TrialConfig:
         allowed=TRAINERS, late=True, label=lambda c: c.trainer if c.trainer != "sft" else None, label_at=19)
     precompute_ref_log_probs: bool = dim(
         False, "trainer=dpo: the reference log-probabilities computed once over the data before training "
-        "(DPOConfig precompute_ref_log_probs): no reference forward in a step, that pass paid once per epoch",
-        late=True,
-        # a step without the reference forward: ~1 forward of ~4 (forward + 2x backward + reference forward)
-        speed={False: 1.0, True: 1.3}, fixed_cost=True, training_argument="precompute_ref_log_probs",
+        "(DPOConfig precompute_ref_log_probs): no reference forward in a step, that pass paid before training "
+        "(counted for one epoch)", late=True,
+        # No faster by itself over one epoch: the pass is the same reference forward moved before training, at
+        # TRL's default batch (the micro-batch). S7 on an H100 (bench/results/dpo-bench-s7.json): 0.86x at
+        # micro-batch 1 (0.116 s a pair in the pass against ~0.06 s in the step). What it buys is memory: a step
+        # without the reference's working set, which can let a larger micro-batch fit.
+        speed={False: 1.0, True: 1.0}, fixed_cost=True, training_argument="precompute_ref_log_probs",
         kept_by=("trl",), label=lambda c: "precompute_ref" if c.precompute_ref_log_probs else None, label_at=20)
     dpo_reference: str = dim(
         "shared", "trainer=dpo: the reference model: shared (no second copy: LoRA disables the adapter, TRL's "

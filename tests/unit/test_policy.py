@@ -498,3 +498,21 @@ def test_the_longest_length_that_fits_is_bisected_to_the_edge() -> None:
         return min(prior(c.replace(max_length=length), SHAPE).total() for c in space.candidates())
 
     assert 8 <= n < 4096 and least(n) <= usable < least(n + 8)
+
+
+def test_a_precomputed_reference_alone_is_expected_no_faster_and_a_larger_micro_batch_is() -> None:
+    """Over one epoch the precomputed pass is the step's reference forward moved before training (S7 on an H100
+    measured it 0.86x at micro-batch 1, its pass at TRL's default batch): the policy expects nothing from it
+    alone, where it expected 1.3x and spent S7's second probe on it, and looks to a larger micro-batch first."""
+    dpo = load_space(ROOT / "search_spaces" / "dpo.yaml").replaced(max_length=[2048], batching=["pad_longest"])
+    forum = dpo.config({**dpo.seed(), "micro_batch_size": 1, "gradient_checkpointing": "on"})
+    measured_fit = ProbeResult(Outcome.FIT, forum.to_dict(), tokens_per_s=1695.0, pairs_per_s=1.84,
+                               peak_memory_bytes=int(15.95 * GIB), memory_limit_bytes=LIMIT, wall_seconds=55.0,
+                               train_seconds=38.0)
+    k = Knowledge.build([probe_trial(dpo.dimensions, measured_fit, 0)], SHAPE, on_gpu=True, usable=USABLE)
+    fits = [(r.config, r.tokens_per_s or 0.0) for r in k.fits()]
+    precomputed, _ = expected_speed(fits, forum.replace(precompute_ref_log_probs=True), k.shapes, k.half_tokens)
+    mb2 = dpo.config({**dpo.seed(), "micro_batch_size": 2, "gradient_checkpointing": "on"})
+    larger, _ = expected_speed(fits, mb2, k.shapes, k.half_tokens)
+    assert precomputed == pytest.approx(1695.0)
+    assert larger > precomputed * 1.03
