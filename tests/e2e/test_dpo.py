@@ -87,3 +87,27 @@ def test_a_probe_trains_dpo_on_the_pairs_of_a_file(tmp_path: Path) -> None:
     assert res["extra"]["mean_micro_batch_tensor_tokens"] < res["extra"]["heaviest_tensor_tokens"]
     assert 0 < res["extra"]["tokens_per_pair"] < 2 * 128 and res["pairs_per_s"]
     assert "rewards/margins" in res["extra"]["dpo_last_log"]
+
+
+def test_a_precomputed_pass_is_counted_per_pair_past_its_first_batches_and_the_hash_over_the_file(
+        tmp_path: Path) -> None:
+    """The pass runs in DPOTrainer's constructor: each batch timed, the first two (the process's first forwards)
+    left out of its cost a pair, and TRL's hash of the weights (its cache key, paid once a run) spread over the
+    file's pairs; the figure adds that cost to each pair's step time."""
+    proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(DATA / "prefs.jsonl"),
+                   "--set", "trainer=dpo", "--set", "max_length=128", "--set", "micro_batch_size=2", "--set",
+                   "global_batch=4", "--set", "batching=pad_longest", "--set", "optimizer=adamw_torch", "--set",
+                   "precompute_ref_log_probs=true", "--set", "lora_r=8", "--set", "lora_alpha=16", "--log-dir",
+                   str(tmp_path / "logs"), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    extra = res["extra"]
+    assert res["outcome"] == "fit", res["reason"]
+    batches = extra["precompute_batches"]
+    assert [n for n, _ in batches] == [2] * len(batches) and 2 * len(batches) == extra["precompute_pairs"]
+    steady = batches[2:]
+    expected = (sum(t for _, t in steady) / sum(n for n, _ in steady)
+                + extra["precompute_hash_seconds"] / (40 - extra["pairs_dropped"]))  # prefs.jsonl: 40 pairs
+    assert extra["precompute_hash_seconds"] > 0 and extra["precompute_s_per_pair"] == pytest.approx(expected, 1e-3)
+    assert extra["precompute_seconds"] >= sum(t for _, t in batches)  # the batches are inside the pass
+    assert 1 / res["pairs_per_s"] > extra["precompute_s_per_pair"]  # the step's own time on top of it

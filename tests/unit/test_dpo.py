@@ -186,3 +186,17 @@ def test_pairs_per_s_is_tokens_per_s_over_the_tokens_of_a_pair() -> None:
     res = ProbeResult(Outcome.FIT, DPO, tokens_per_s=1000.0, extra={"tokens_per_pair": 250.0})
     assert pairs_per_s(res) == 4.0
     assert pairs_per_s(ProbeResult(Outcome.FIT, TrialConfig(), tokens_per_s=1000.0)) is None
+
+
+def test_the_precomputed_pass_costs_its_batches_past_the_first_two_per_pair() -> None:
+    """S7's probe spread its first forwards (~2.5 s over 48 pairs) over each pair; a run's pass over its whole
+    dataset pays them once. Only a pass of two batches or fewer counts them all."""
+    from autofit.probe.child.dpo import Timed
+
+    timed = Timed()
+    timed.batches = [(1, 2.0), (1, 0.5), (2, 0.2), (2, 0.2), (1, 0.1)]
+    assert timed.seconds_per_pair() == pytest.approx(0.5 / 5)
+    timed.batches = [(2, 1.0), (2, 0.6)]
+    assert timed.seconds_per_pair() == pytest.approx(1.6 / 4)
+    timed.batches = []
+    assert timed.seconds_per_pair() == 0.0

@@ -15,7 +15,8 @@ layer, the same outcomes. What differs is what DPO trains:
 - the figures: trained preference pairs per second, with the tokens/s of the two rows beside it (non-pad
   tokens of prompt + chosen and prompt + rejected), each brought to the data's mean micro-batch by a fixed
   cost per micro-batch plus a cost per token (`effects.HALF_TOKENS`, as the spread rule counts a step's work).
-  A precomputed reference pass is paid once per epoch: its seconds per pair are added to each pair's time.
+  A precomputed reference pass is paid once, before training: its seconds per pair are added to each pair's
+  time, as over one epoch (TRL keeps the log-probabilities for later epochs).
 
 The pairs reach DPOTrainer tokenized (`prompt_ids`, `chosen_ids`, `rejected_ids`): the subclass passes such
 a dataset through instead of tokenizing text again (TRL's `_prepare_dataset` tokenizes text rows only), so
@@ -24,11 +25,12 @@ the search, `autofit data` and the probe count the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,8 @@ class Pairs:
     """The data's mean micro-batch: non-pad tokens of both rows."""
     dropped: int = 0
     """Pairs of the data TRL would drop at this max_length (the prompt fills it): never drawn, counted."""
+    epoch_pairs: int = 0
+    """The dataset's pairs TRL trains on (one epoch; 0: random pairs, no dataset)."""
 
     def lengths(self, k: int) -> PairLengths:
         p, c, r = self.ids[k]
@@ -194,7 +198,7 @@ def data_pairs(req: ProbeRequest, n: int) -> Pairs:
     real, tensor = micro_batch_means(pair_lengths(every), cfg.max_length, mb, pad_max, req.data_seed)
     drawn = [order[k % len(order)] for k in range(max(n - mb, 0))]
     ids = [kept[k] for k in (longest[:mb] + drawn)]
-    return Pairs(ids, tok.pad_id, cfg.max_length, pad_max, tensor, real, len(every) - len(kept))
+    return Pairs(ids, tok.pad_id, cfg.max_length, pad_max, tensor, real, len(every) - len(kept), len(kept))
 
 
 def _dataset(pairs: Pairs) -> Dataset:
@@ -214,15 +218,44 @@ def pad_tokenizer(pad_id: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>")
 
 
-class Timed:
-    """The seconds of the precomputed reference pass (TRL runs it inside DPOTrainer's constructor)."""
+PASS_WARMUP_BATCHES = 2
+"""Batches of the precomputed pass left out of its cost per pair: the process's first forwards (the BLAS
+handles, each new shape's kernels), which a pass over a whole dataset pays once and the probe's few pairs
+would spread over each pair (S7: 0.116 s a pair over 48 pairs, ~0.06 s in a step)."""
 
-    precompute_seconds = 0.0
+
+class Timed:
+    """The precomputed reference pass as TRL runs it inside DPOTrainer's constructor: the model's hash (its cache
+    key, over every weight: paid once a run) and each batch of the pass (the pairs in it, its seconds)."""
+
+    def __init__(self) -> None:
+        self.precompute_seconds = 0.0
+        self.hash_seconds = 0.0
+        self.batches: list[tuple[int, float]] = []
+        self._inside = False
+        self._last: tuple[int, float] | None = None
+
+    def batch_started(self, pairs: int) -> None:
+        now = time.perf_counter()
+        if self._inside:
+            self._close(now)
+            self._last = (pairs, now)
+
+    def _close(self, now: float) -> None:
+        if self._last is not None:
+            self.batches.append((self._last[0], now - self._last[1]))
+        self._last = None
+
+    def seconds_per_pair(self) -> float:
+        """The pass's seconds per pair past its first batches (all of them where there are no more)."""
+        steady = self.batches[PASS_WARMUP_BATCHES:] if len(self.batches) > PASS_WARMUP_BATCHES else self.batches
+        pairs = sum(n for n, _ in steady)
+        return sum(t for _, t in steady) / pairs if pairs else 0.0
 
 
 def trainer_class(timed: Timed) -> Any:
     """DPOTrainer, passing tokenized pairs through (`_prepare_dataset` tokenizes text rows only) and timing
-    the precomputed reference pass into `timed`."""
+    the precomputed reference pass, batch by batch, into `timed`."""
     from trl.trainer.dpo_trainer import DPOTrainer
 
     class ProbeDPOTrainer(DPOTrainer):
@@ -234,11 +267,56 @@ def trainer_class(timed: Timed) -> Any:
 
         def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
             t0 = time.perf_counter()
-            out = super()._precompute_ref_logps(dataset, name, batch_size)
+            timed._inside = True
+            try:
+                out = super()._precompute_ref_logps(dataset, name, batch_size)
+            finally:
+                timed._close(time.perf_counter())  # the last batch ends with the pass's own gathering
+                timed._inside = False
             timed.precompute_seconds = time.perf_counter() - t0
             return out
 
+        def compute_ref_log_probs(self, model: Any, inputs: Any) -> Any:
+            timed.batch_started(int(inputs["input_ids"].shape[0]) // 2)  # chosen and rejected rows
+            return super().compute_ref_log_probs(model, inputs)  # type: ignore[no-untyped-call]
+
     return ProbeDPOTrainer
+
+
+@contextlib.contextmanager
+def held(announce: Callable[[str], None], timing: bool) -> Iterator[None]:
+    """While `timing`: the runner told that a timed phase runs (it holds standbys still importing), then told it
+    ended; as the timing callback does around the timed steps."""
+    if timing:
+        announce("start")
+    try:
+        yield
+    finally:
+        if timing:
+            announce("end")
+
+
+@contextlib.contextmanager
+def timed_model_hash(timed: Timed) -> Iterator[None]:
+    """TRL hashes every weight of the reference (`hash_module`, the key of its on-disk cache of the pass) in
+    DPOTrainer's constructor when it precomputes: seconds a run pays once, timed into `timed`."""
+    import trl.trainer.dpo_trainer as dpo_trainer
+
+    names = vars(dpo_trainer)  # the name DPOTrainer's constructor calls it by
+    original = names["hash_module"]
+
+    def hashed(module: Any) -> str:
+        t0 = time.perf_counter()
+        try:
+            return str(original(module))
+        finally:
+            timed.hash_seconds += time.perf_counter() - t0
+
+    names["hash_module"] = hashed
+    try:
+        yield
+    finally:
+        names["hash_module"] = original
 
 
 def dpo_arguments(req: ProbeRequest, out: str, steps: int, pairs: Pairs) -> dict[str, Any]:
@@ -277,8 +355,11 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(**dpo_arguments(req, out, plan.most_steps, pairs))
         timed = Timed()
-        trainer = trainer_class(timed)(model=policy, ref_model=reference, args=args, train_dataset=_dataset(pairs),
-                      processing_class=pad_tokenizer(pairs.pad_id), peft_config=peft_config, callbacks=[cb])
+        # the pass and the hash run in the constructor: timed as the steps are, other probes' imports held
+        with timed_model_hash(timed), held(announce, cfg.precompute_ref_log_probs):
+            trainer = trainer_class(timed)(model=policy, ref_model=reference, args=args,
+                                           train_dataset=_dataset(pairs), processing_class=pad_tokenizer(pairs.pad_id),
+                                           peft_config=peft_config, callbacks=[cb])
         state.stage = "check"
         gate = run_dpo_gate(req, state, trainer, pairs.ids[0], pairs.pad_id)
         if gate is not None and not gate.ok:
@@ -295,8 +376,14 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
     cb.stop_timing()
     sync()
     state.mem.stop()
+    # the pass's cost per trained pair over one epoch: its steady seconds a pair, and the model's hash once over
+    # the dataset's pairs (without a dataset the run's length is unknown: the hash is reported, not counted)
+    pass_s = timed.seconds_per_pair() + (timed.hash_seconds / pairs.epoch_pairs if pairs.epoch_pairs else 0.0)
     extra: dict[str, Any] = {"precompute_seconds": round(timed.precompute_seconds, 4),
                                 "precompute_pairs": len(pairs.ids) if cfg.precompute_ref_log_probs else 0,
+                                "precompute_hash_seconds": round(timed.hash_seconds, 4),
+                                "precompute_batches": [(n, round(t, 5)) for n, t in timed.batches],
+                                "precompute_s_per_pair": round(pass_s, 6) if cfg.precompute_ref_log_probs else 0.0,
                                 "reference": "separate model" if reference is not None else (
                                     "precomputed" if cfg.precompute_ref_log_probs else "adapter disabled"),
                                 "dpo_last_log": {k: v for k, v in (logged[-1] if logged else {}).items()
@@ -311,14 +398,14 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
 def dpo_figures(req: ProbeRequest, state: ProbeState, trained: Trained, pairs: Pairs,
                 extra: dict[str, Any]) -> ProbeResult:
     """The SFT probe's figures (memory, steps, stability), with DPO's speed: pairs/s and tokens/s of both
-    rows at the data's mean micro-batch, a precomputed reference pass paid once per epoch."""
+    rows at the data's mean micro-batch, a precomputed reference pass paid once (over one epoch)."""
     cfg, cb = req.config, state.callback
     assert cb is not None
     res = figures(req, state, trained)
     real = cb.real_seconds()[-req.timed_steps:]
     first = len(cb.steps) - len(real)
     per_step = req.probe_accumulation * cfg.micro_batch_size
-    pre = float(extra["precompute_seconds"]) / max(int(extra["precompute_pairs"]) or 1, 1)  # seconds a pair
+    pre = float(extra["precompute_s_per_pair"])  # the pass's seconds a pair, over one epoch
     pairs_s, tokens_s = [], []
     for k, t in enumerate(real):
         step = first + k
