@@ -3,16 +3,18 @@ preference set with a realistic length spread (deterministic: every stage and ma
 
 Three stages, each one GPU call of under 10 minutes; each adds its figures to the same JSON (read back from
 $OUT or bench/results/, where the previous call's file was copied):
-- `search`: `autofit search --dataset prefs.jsonl` as a user runs it, then the exported TRL recipe of its winner
-  trained for a few steps beside the probe's figure (bench/export_bench.py: pairs/s within 5%, peak within 3%);
-  the run folder comes back as a tarball.
+- `search`: `autofit search --dataset prefs.jsonl` as a user runs it (7 minutes: on 2026-12-05 a 4-minute budget
+  made 3 probes, all at micro-batch 1); the run folder comes back as a tarball.
+- `export`: the exported TRL recipe of the search's winner (the tarball of the `search` call) trained for a few
+  steps beside the probe's figure (bench/export_bench.py: pairs/s within 5%, peak within 3%).
 - `grid`: a small grid (bench/spaces/s7-grid.yaml: micro-batch 1, 2, 4 x checkpointing off/on, the rest at the
   DPO space's first values), once each, recorded as the landscape s7.json (to copy to bench/landscapes/, which
   `search/replay.py` and the replay tests read) so the replay tests cover DPO; its best is the grid's best.
 - `compare`: the search's winner, the forum recipe (micro-batch 1, checkpointing on) and the grid's best, each the
   median of 3 fresh processes measured alternately (`common.interleaved`), pairs/s and tokens/s; ratios of medians.
 
-    python bench/dpo_bench.py --stage search --budget 4m     # on the GPU machine, one call each (~8, ~5, ~8 min)
+    python bench/dpo_bench.py --stage search --budget 7m     # on the GPU machine, one call each (~9, ~5, ~5, ~8 min)
+    python bench/dpo_bench.py --stage export
     python bench/dpo_bench.py --stage grid
     python bench/dpo_bench.py --stage compare --runs 3
     python bench/dpo_bench.py --small                        # every stage on the CPU with tiny-llama
@@ -82,8 +84,8 @@ def preference_set(path: Path, n: int, longest: int, seed: int = 7) -> Path:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny-llama on the CPU, short rows (a dry run)")
-    p.add_argument("--stage", choices=("search", "grid", "compare", "all"), default="all")
-    p.add_argument("--budget", default=None, help="the search's budget (default 4m; --small 60s)")
+    p.add_argument("--stage", choices=("search", "export", "grid", "compare", "all"), default="all")
+    p.add_argument("--budget", default=None, help="the search's budget (default 7m; --small 60s)")
     p.add_argument("--runs", type=int, default=3, help="fresh processes per compared config")
     p.add_argument("--export-steps", type=int, default=None, help="optimizer steps of the exported recipe "
                                                                   "(default 20; --small 3)")
@@ -98,7 +100,7 @@ def scenario(a: argparse.Namespace) -> dict[str, Any]:
                 "space": HERE.parent / "tests" / "data" / "dpo-space.yaml", "budget": a.budget or "60s",
                 "name": a.name or "dpo-bench-small", "steps": a.export_steps or 3}
     return {"model": "llama2-7b", "device": None, "limit": "24GiB", "length": 2048, "pairs": 600,
-            "space": HERE.parent / "search_spaces" / "dpo.yaml", "budget": a.budget or "4m",
+            "space": HERE.parent / "search_spaces" / "dpo.yaml", "budget": a.budget or "7m",
             "name": a.name or "dpo-bench-s7", "steps": a.export_steps or 20, "grid": HERE / "spaces" / "s7-grid.yaml"}
 
 
@@ -114,6 +116,15 @@ def grid_space(sc: dict[str, Any], space: Space) -> tuple[Space, dict[str, Any]]
     return grid, grid.to_dict()
 
 
+def rel(path: Path) -> str:
+    """`path` relative to the working directory where it is under it (the bench runs from the repository root):
+    the commands the results record, and the space's source the run folder keeps, name no machine's folders."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def previous(name: str) -> dict[str, Any]:
     """What earlier stages saved: $OUT's file (this call's), else bench/results/'s (an earlier call's)."""
     for folder in (out_dir(), HERE / "results"):
@@ -124,9 +135,9 @@ def previous(name: str) -> dict[str, Any]:
 
 
 def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any]) -> None:
-    """`autofit search` on the pairs, then the exported recipe's fidelity; the run folder kept as a tarball."""
+    """`autofit search` on the pairs; the run folder kept as a tarball (its probes' logs left out)."""
     runs = work / "runs"
-    cmd = ["search", "--model", sc["model"], "--space", str(sc["space"]), "--dataset", str(data), "--max-length",
+    cmd = ["search", "--model", sc["model"], "--space", rel(sc["space"]), "--dataset", str(data), "--max-length",
            str(sc["length"]), "--memory-limit", sc["limit"], "--budget", sc["budget"], "--out", str(runs), "--json"]
     proc = autofit_cli(*cmd, *(["--device", sc["device"]] if sc["device"] else []), timeout=3600)
     print(proc.stderr[-3000:], flush=True)
@@ -141,14 +152,27 @@ def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
     save(sc["name"], figures)
     if run is None or best is None:
         return
-    with tarfile.open(out_dir() / f"{sc['name']}-run.tar.gz", "w:gz") as tar:  # its probes' logs left out
+    with tarfile.open(out_dir() / f"{sc['name']}-run.tar.gz", "w:gz") as tar:
         tar.add(run, arcname=run.name, filter=lambda m: None if m.name.endswith(".log") else m)
+
+
+def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any]) -> None:
+    """The search's winner exported and trained (bench/export_bench.py), from the `search` call's tarball."""
+    tarball = next((f / f"{sc['name']}-run.tar.gz" for f in (out_dir(), HERE / "results")
+                    if (f / f"{sc['name']}-run.tar.gz").is_file()), None)
+    if tarball is None:
+        sys.exit(f"dpo_bench: no {sc['name']}-run.tar.gz: run --stage search first (and copy its $OUT here)")
+    with tarfile.open(tarball) as tar:
+        tar.extractall(work / "runs", filter="data")
+    run = next((work / "runs").iterdir())
     export = f"{sc['name']}-export"
-    proc = subprocess.run([sys.executable, str(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data),
+    proc = subprocess.run([sys.executable, rel(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data),
                            "--steps", str(sc["steps"]), "--name", export], capture_output=True, text=True,
                           env=bench_env(), check=False, timeout=1800)
     print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
-    figures["export"] = previous(export) or {"rc": proc.returncode, "stderr_tail": proc.stderr[-1500:]}
+    written = out_dir() / f"{export}.json"  # this call's, never an earlier call's copy under bench/results/
+    figures["export"] = (json.loads(written.read_text()) if written.is_file()
+                         else {"rc": proc.returncode, "stderr_tail": proc.stderr[-1500:]})
     save(sc["name"], figures)
 
 
@@ -224,6 +248,8 @@ def main() -> None:
                                "max_length": sc["length"], "pairs": len(prefs), "content_hash": prefs.content_hash}
     if a.stage in ("search", "all"):
         stage_search(sc, data, work, figures)
+    if a.stage in ("export", "all"):
+        stage_export(sc, data, work, figures)
     if a.stage in ("grid", "all"):
         stage_grid(sc, a, space, target, model, dataset, work, figures)
     if a.stage in ("compare", "all"):

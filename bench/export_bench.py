@@ -5,6 +5,8 @@ optimizer steps under the same memory limit (the script's --emulate-memory-gib),
 (tokens/s; a DPO run's pairs/s) and peak memory with the probe's. Targets: no OOM, speed within 5%, peak within 3%.
 The recipe runs through `bench/recipe_steps.py` (its own main(), its callback also printing each step), so the
 speed is compared twice: the recipe's own figure (every step after two warm-ups) and its run's second half.
+A DPO run with precomputed log-probabilities is compared with TRL's pass counted on both sides (its seconds per
+pair added to the steps' time, as the probe's figure counts it), and the steps' own rates beside it.
 
 A recipe loads a model folder with its tokenizer (`--model`). A run measured on a shape preset (random
 weights, no tokenizer) gets one made here (`model_folder`): the preset's random weights, and the tokenizer
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 from common import GIB, autofit_cli, save
@@ -41,7 +44,7 @@ def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
     if model.get("kind") not in ("preset", "config"):
         return None
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder = work / "model"
     standin = sorted((run / "data").glob("standin-bpe-*.json")) if (run / "data").is_dir() else []
@@ -56,14 +59,27 @@ def model_folder(run: Path, work: Path, texts: Path) -> Path | None:
             vocab_size=int(model["config"].get("vocab_size", 32000)), special_tokens=["<pad>", "<eos>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>").save_pretrained(folder)
-    config = AutoConfig.for_model(**model["config"])
-    import torch  # random weights, as probed: drawn on the GPU where there is one (a 7B on the CPU takes minutes)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        standin_model = AutoModelForCausalLM.from_config(config, dtype="bfloat16")
-    standin_model.save_pretrained(folder)
-    del standin_model
-    torch.cuda.empty_cache()
+    save_random_model(model["config"], folder)
     return folder
+
+
+RANDOM_MODEL = """
+import json, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+config = AutoConfig.for_model(**json.loads(sys.argv[1]))
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(config, dtype="bfloat16")
+model.save_pretrained(sys.argv[2])
+"""
+
+
+def save_random_model(config: dict[str, object], folder: Path) -> None:
+    """The preset's random weights, as probed, saved in `folder` by a child process: drawn on the GPU where there is
+    one (a 7B on the CPU takes minutes), and the child's CUDA context gone before the recipe runs. The recipe's peak
+    counts the whole device's used memory: a context left in this process (about 0.5 GiB) was counted as the
+    recipe's until 2026-12-05."""
+    subprocess.run([sys.executable, "-c", RANDOM_MODEL, json.dumps(config), str(folder)], check=True)
 
 
 def searched(a: argparse.Namespace) -> Path:
@@ -77,6 +93,36 @@ def searched(a: argparse.Namespace) -> Path:
     if not folders or not (folders[-1] / "best.json").is_file():
         sys.exit(f"export_bench: the search found no fit (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return folders[-1]
+
+
+def printed(stdout: str, tag: str) -> list[dict[str, Any]]:
+    """The JSON of each `tag {...}` line bench/recipe_steps.py printed, in order."""
+    return [json.loads(x.split(" ", 1)[1]) for x in stdout.splitlines() if x.startswith(tag + " ")]
+
+
+def dpo_pairs(best: dict[str, Any], summary: dict[str, Any], passes: list[dict[str, Any]],
+              hashes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A DPO run's pairs/s, probe and recipe alike: the steps' own rate and, with precomputed log-probabilities,
+    the rate with the pass's seconds per pair added (the probe's figure counts it over one epoch, the weights'
+    hash once over the dataset's pairs; the recipe's Throughput times its steps only, and bench/recipe_steps.py
+    times TRL's pass and hash). Empty without a figure."""
+    probe, recipe = best.get("pairs_per_s"), summary.get("pairs_per_s")
+    if not (probe and recipe):
+        return {}
+    extra = best.get("extra") or {}
+    probe_pass = extra.get("precompute_s_per_pair")
+    if probe_pass is None:  # a probe before the pass was timed batch by batch: its whole pass over its pairs
+        probe_pass = (extra.get("precompute_seconds") or 0.0) / max(extra.get("precompute_pairs") or 0, 1)
+    train = [p for p in passes if p.get("name") == "train"] or passes
+    hashed = sum(h["seconds"] for h in hashes)
+    recipe_pass = (train[-1]["seconds"] + hashed) / max(train[-1]["pairs"], 1) if train else 0.0
+    with_pass = 1 / (1 / recipe + recipe_pass)
+    return {"probe_pass_s_per_pair": probe_pass, "recipe_pass_s_per_pair": recipe_pass,
+            "recipe_pass": train[-1] if train else None,
+            "probe_step_pairs_per_s": 1 / (1 / probe - probe_pass) if probe_pass else probe,
+            "recipe_step_pairs_per_s": recipe, "recipe_pairs_per_s_with_pass": with_pass,
+            "step_pairs_per_s_ratio": recipe / (1 / (1 / probe - probe_pass)) if probe_pass else recipe / probe,
+            "pairs_per_s_ratio": with_pass / probe}
 
 
 def main() -> None:
@@ -126,11 +172,12 @@ def main() -> None:
     wall = time.monotonic() - t0
     lines = [x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.startswith("recipe-summary ")]
     summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
-    steps = [json.loads(x.split(" ", 1)[1]) for x in proc.stdout.splitlines() if x.startswith("recipe-steps ")]
+    steps = printed(proc.stdout, "recipe-steps")
     late = None
     if steps and steps[-1]["seconds"]:  # the run's second half: past its first steps' allocations, as a long run
         half = len(steps[-1]["seconds"]) // 2
         late = sum(steps[-1]["tokens"][half:]) / sum(steps[-1]["seconds"][half:])
+    allocator = printed(proc.stdout, "recipe-allocator")
     oom = "out of memory" in (proc.stderr + proc.stdout).lower()
     recipe_peak = None
     if "max_memory_reserved" in summary:
@@ -138,6 +185,10 @@ def main() -> None:
         outside = summary["device_used"] - summary["memory_reserved_now"]
         recipe_peak = summary["max_memory_reserved"] + max(outside, 0)
     tps_ratio = summary.get(speed, 0) / best[speed] if summary and best.get(speed) else None
+    pairs = dpo_pairs(best, summary, printed(proc.stdout, "recipe-precompute"),
+                      printed(proc.stdout, "recipe-precompute-hash")) if dpo else {}
+    if pairs.get("pairs_per_s_ratio") is not None:  # like for like: the precomputed pass counted on both sides
+        tps_ratio = pairs["pairs_per_s_ratio"]
     peak_ratio = recipe_peak / best["peak_memory_bytes"] if recipe_peak else None
     figures = {
         "run_id": best["run_id"], "config": best["config"], "steps": a.steps, "rc": proc.returncode, "oom": oom,
@@ -148,10 +199,13 @@ def main() -> None:
         "recipe_late_tokens_per_s": late if not dpo else None,
         "late_tokens_per_s_ratio": late / best["tokens_per_s"] if late and not dpo and best.get("tokens_per_s")
         else None,
-        **({"probe_pairs_per_s": best.get("pairs_per_s"), "recipe_pairs_per_s": summary.get("pairs_per_s")}
+        **({"probe_pairs_per_s": best.get("pairs_per_s"), "recipe_pairs_per_s": summary.get("pairs_per_s"), **pairs}
            if dpo else {}),
         "tokens_per_s_ratio" if not dpo else "pairs_per_s_ratio": tps_ratio, "target_speed_within": 0.05,
         "probe_peak_bytes": best["peak_memory_bytes"], "recipe_peak_bytes": recipe_peak,
+        "probe_allocator": {k: best.get(k) for k in ("max_memory_allocated", "max_memory_reserved",
+                                                      "memory_outside_allocator")},
+        "recipe_allocator": allocator[-1] if allocator else None,
         "peak_ratio": peak_ratio, "target_peak_within": 0.03,
         "meets_targets": bool(proc.returncode == 0 and not oom and tps_ratio and abs(tps_ratio - 1) <= 0.05
                               and peak_ratio and abs(peak_ratio - 1) <= 0.03),
