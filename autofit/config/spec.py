@@ -338,11 +338,13 @@ class TrialConfig:
         False, "trainer=dpo: the reference log-probabilities computed once over the data before training "
         "(DPOConfig precompute_ref_log_probs): no reference forward in a step, that pass paid before training "
         "(counted for one epoch)", late=True,
-        # No faster by itself over one epoch: the pass is the same reference forward moved before training, at
-        # TRL's default batch (the micro-batch). S7 on an H100 (bench/results/dpo-bench-s7.json): 0.86x at
-        # micro-batch 1 (0.116 s a pair in the pass against ~0.06 s in the step). What it buys is memory: a step
-        # without the reference's working set, which can let a larger micro-batch fit.
-        speed={False: 1.0, True: 1.0}, fixed_cost=True, training_argument="precompute_ref_log_probs",
+        # Slower by itself over one epoch: the pass is the same reference forward moved before training, at
+        # TRL's default batch (the micro-batch), where one pair's forward is host-bound, and TRL hashes every
+        # weight first. S7 on an H100 at micro-batch 1 (bench/results/dpo-bench-s7.json,
+        # dpo-probe-s7-precompute.json): 0.86x the live reference; the pass 0.19 s a pair against ~0.06 s in
+        # the step, the hash 54 s. What it buys is memory: a step without the reference's working set, which
+        # can let a larger micro-batch fit.
+        speed={False: 1.0, True: 0.8}, fixed_cost=True, training_argument="precompute_ref_log_probs",
         kept_by=("trl",), label=lambda c: "precompute_ref" if c.precompute_ref_log_probs else None, label_at=20)
     dpo_reference: str = dim(
         "shared", "trainer=dpo: the reference model: shared (no second copy: LoRA disables the adapter, TRL's "
