@@ -87,6 +87,8 @@ def test_a_probe_trains_dpo_on_the_pairs_of_a_file(tmp_path: Path) -> None:
     assert res["extra"]["mean_micro_batch_tensor_tokens"] < res["extra"]["heaviest_tensor_tokens"]
     assert 0 < res["extra"]["tokens_per_pair"] < 2 * 128 and res["pairs_per_s"]
     assert "rewards/margins" in res["extra"]["dpo_last_log"]
+    model = res["extra"]["time_model"]  # the window's own fixed cost and cost per token brought it to the mean
+    assert model["seconds_per_micro_batch"] >= 0 and model["seconds_per_tensor_token"] > 0
 
 
 def test_a_precomputed_pass_is_counted_per_pair_past_its_first_batches_and_the_hash_over_the_file(

@@ -200,3 +200,24 @@ def test_the_precomputed_pass_costs_its_batches_past_the_first_two_per_pair() ->
     assert timed.seconds_per_pair() == pytest.approx(1.6 / 4)
     timed.batches = []
     assert timed.seconds_per_pair() == 0.0
+
+
+def test_a_dpo_window_is_brought_to_the_mean_pair_by_its_own_time_model() -> None:
+    """S7's forum recipe on an H100 (bench/results/dpo-bench-s7.json, its third fresh process): the last five
+    steps' mean micro-batch (tensor tokens of a pair's two rows) and seconds per micro-batch. A DPO micro-step
+    of a 7B at micro-batch 1 is mostly fixed cost; scaled by HALF_TOKENS' shape (512 tokens of it) the steps
+    spread 1.43x, where the window's own fit leaves them within 1.10x of each other."""
+    from autofit.estimate.effects import HALF_TOKENS
+    from autofit.probe.child.timing import micro_batch_time_model
+
+    xs = [832.0, 1471.0, 1381.5, 1773.5, 1002.5]
+    us = [0.40937, 0.42505, 0.42499, 0.48752, 0.39308]
+    mean = 1178.63
+    a, b = micro_batch_time_model(xs, us)
+    assert a / b > 4 * HALF_TOKENS  # the fixed cost of a micro-step, in tokens' worth
+    fitted = [u - b * (x - mean) for x, u in zip(xs, us, strict=True)]
+    shaped = [u * (mean + HALF_TOKENS) / (x + HALF_TOKENS) for x, u in zip(xs, us, strict=True)]
+    assert max(fitted) / min(fitted) < 1.10 < 1.40 < max(shaped) / min(shaped)
+    # steps of one length (random pairs at max_length): nothing to fit, HALF_TOKENS' shape through the mean
+    a, b = micro_batch_time_model([4096.0] * 5, [0.5] * 5)
+    assert b == pytest.approx(0.5 / (4096 + HALF_TOKENS)) and a == pytest.approx(b * HALF_TOKENS)

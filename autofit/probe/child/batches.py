@@ -42,6 +42,7 @@ from autofit.data.stats import cut
 from autofit.probe.child.boundaries import boundary_batch, check_batch
 from autofit.probe.child.build import Model
 from autofit.probe.child.errors import Unsupported
+from autofit.probe.child.timing import micro_batch_time_model
 from autofit.protocol.request import ProbeRequest
 from autofit.protocol.result import Outcome, ProbeResult
 
@@ -129,23 +130,10 @@ class RealBatches:
 
     def time_model(self, seconds: Sequence[float], first_step: int, accumulation: int,
                    config_accumulation: int) -> tuple[float, float]:
-        """(a, b): seconds per micro-batch = a + b x tensor tokens, fitted over the timed steps (least
-        squares, each step one point: its mean micro-batch and time). Where the steps' content barely
-        varies or the fit is not physical (a or b negative), effects.HALF_TOKENS' shape through the
-        window's mean: a = b x HALF_TOKENS."""
-        from autofit.estimate.effects import HALF_TOKENS
-
+        """(a, b): seconds per micro-batch = a + b x tensor tokens, fitted over the timed steps
+        (`timing.micro_batch_time_model`)."""
         xs = [self._mean_tensor(first_step + k, accumulation) for k in range(len(seconds))]
-        us = [t / config_accumulation for t in seconds]
-        mx, mu = sum(xs) / len(xs), sum(us) / len(us)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > (0.05 * mx) ** 2 * len(xs):
-            b = sum((x - mx) * (u - mu) for x, u in zip(xs, us, strict=True)) / var
-            a = mu - b * mx
-            if a >= 0 and b >= 0:
-                return a, b
-        b = mu / (mx + HALF_TOKENS)
-        return b * HALF_TOKENS, b
+        return micro_batch_time_model(xs, [t / config_accumulation for t in seconds])
 
     def figures(self, seconds: Sequence[float], first_step: int, accumulation: int,
                 config_accumulation: int) -> dict[str, object]:

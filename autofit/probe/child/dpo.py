@@ -13,8 +13,9 @@ layer, the same outcomes. What differs is what DPO trains:
   tokenized as `data/preference.py` counts them; the heaviest micro-batch (the longest pairs) first, then a
   seeded draw of the data's;
 - the figures: trained preference pairs per second, with the tokens/s of the two rows beside it (non-pad
-  tokens of prompt + chosen and prompt + rejected), each brought to the data's mean micro-batch by a fixed
-  cost per micro-batch plus a cost per token (`effects.HALF_TOKENS`, as the spread rule counts a step's work).
+  tokens of prompt + chosen and prompt + rejected), each step brought to the data's mean micro-batch by the
+  window's own time model (`timing.micro_batch_time_model`: a fixed cost per micro-batch plus a cost per tensor
+  token, fitted over the timed steps, as an SFT probe on data does).
   A precomputed reference pass is paid once, before training: its seconds per pair are added to each pair's
   time, as over one epoch (TRL keeps the log-probabilities for later epochs).
 
@@ -69,7 +70,7 @@ from autofit.probe.child.measure import (
 )
 from autofit.probe.child.sampler import Memory
 from autofit.probe.child.state import ProbeState
-from autofit.probe.child.timing import TimingPlan, make_callback, spread
+from autofit.probe.child.timing import TimingPlan, make_callback, micro_batch_time_model, spread
 from autofit.protocol.request import SPREAD_BOUND, ProbeRequest
 from autofit.protocol.result import ProbeResult
 
@@ -406,14 +407,18 @@ def dpo_figures(req: ProbeRequest, state: ProbeState, trained: Trained, pairs: P
     first = len(cb.steps) - len(real)
     per_step = req.probe_accumulation * cfg.micro_batch_size
     pre = float(extra["precompute_s_per_pair"])  # the pass's seconds a pair, over one epoch
+    # each step's mean micro-batch (tensor tokens) and its seconds per micro-batch at the config's accumulation
+    xs = [statistics.fmean(pairs.micro_batch_tensor((first + k) * per_step + m * cfg.micro_batch_size,
+                                                    cfg.micro_batch_size) for m in range(req.probe_accumulation))
+          for k in range(len(real))]
+    us = [t / req.config_accumulation for t in real]
+    a, b = micro_batch_time_model(xs, us)
     pairs_s, tokens_s = [], []
-    for k, t in enumerate(real):
-        step = first + k
-        probed = statistics.fmean(pairs.micro_batch_tensor(step * per_step + m * cfg.micro_batch_size,
-                                                           cfg.micro_batch_size) + HALF_TOKENS
-                                  for m in range(req.probe_accumulation))
-        # seconds of the data's mean micro-batch: this step's time per micro-batch, scaled by cost
-        mean_s = t / req.config_accumulation * (pairs.mean_tensor + HALF_TOKENS) / probed
+    for x, u in zip(xs, us, strict=True):
+        # seconds of the data's mean micro-batch: this step's, brought there by the window's own time model
+        mean_s = u - b * (x - pairs.mean_tensor)
+        if mean_s <= 0:
+            mean_s = a + b * pairs.mean_tensor
         pair_s = mean_s / cfg.micro_batch_size + pre
         pairs_s.append(1 / pair_s)
         tokens_s.append(pairs.mean_real / cfg.micro_batch_size / pair_s)
@@ -424,5 +429,6 @@ def dpo_figures(req: ProbeRequest, state: ProbeState, trained: Trained, pairs: P
     res.extra.update(extra, trainer="dpo", pairs_per_s=res.pairs_per_s,
                      tokens_per_pair=round(pairs.mean_real / cfg.micro_batch_size, 2),
                      mean_micro_batch_tensor_tokens=round(pairs.mean_tensor, 2), pairs_dropped=pairs.dropped,
-                     heaviest_tensor_tokens=pairs.micro_batch_tensor(0, cfg.micro_batch_size))
+                     heaviest_tensor_tokens=pairs.micro_batch_tensor(0, cfg.micro_batch_size),
+                     time_model={"seconds_per_micro_batch": a, "seconds_per_tensor_token": b})
     return res
