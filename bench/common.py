@@ -233,11 +233,14 @@ def run_brief(res: Any) -> dict[str, Any]:
             "host": host_share(extra.get("host_per_step") or {})}
 
 
-def host_share(host: dict[str, list[Any]]) -> dict[str, float | None]:
+def host_share(host: dict[str, list[Any]]) -> dict[str, Any]:
     """Medians over a probe's timed steps: all threads' CPU time over the step's wall time (near 1: some
     thread was on a CPU the whole step) and the GPU's power; a launch-bound step draws less power."""
     steps, cpu, power = host.get("step_s") or [], host.get("process_cpu_s") or [], host.get("power_w") or []
     shares = [c / t for c, t in zip(cpu, steps, strict=False) if c is not None and t]
     watts = [w for w in power if w is not None]
     return {"process_cpu_over_step": round(statistics.median(shares), 3) if shares else None,
-            "power_w": round(statistics.median(watts), 1) if watts else None}
+            "power_w": round(statistics.median(watts), 1) if watts else None,
+            # where the training thread ended its steps: a slow process and a fast one told apart by place
+            "cpus": sorted({c for c in host.get("cpu") or [] if c is not None}),
+            "numa_nodes": sorted({n for n in host.get("numa_node") or [] if n is not None})}

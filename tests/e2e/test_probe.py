@@ -44,8 +44,8 @@ def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
     """Beside each timed step's time, the training thread's CPU time, its wait for a CPU and the
     hypervisor's steal (Linux counters): what tells a busy host from a slow config."""
     host, times = short_fit["extra"]["host_per_step"], short_fit["step_times"]
-    assert set(host) == {"step_s", "thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s", "sm_clock_mhz",
-                         "power_w", "clock_events"}
+    assert set(host) == {"step_s", "thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s", "cpu", "numa_node",
+                         "sm_clock_mhz", "power_w", "clock_events"}
     assert all(len(v) == len(times) for v in host.values())
     assert host["sm_clock_mhz"] == host["power_w"] == [None] * len(times)  # no GPU, no NVML figures
     assert all(0 < ran <= t for ran, t in zip(host["step_s"], times, strict=True))  # extended, never shortened
@@ -57,6 +57,9 @@ def test_each_timed_step_reports_the_hosts_share(short_fit: dict) -> None:
         assert 0 < cpu <= ran + 0.01 and cpu <= proc + 0.01 and wait >= 0
     assert sum(host["thread_cpu_s"]) + sum(host["run_wait_s"]) > 0.5 * sum(host["step_s"])
     assert all(w is not None and w >= 0 for w in host["steal_cpu_s"])
+    # where the training thread ended each step: one of the CPUs this machine has, on a NUMA node of its own
+    assert all(c is not None and 0 <= c < (os.cpu_count() or 1) for c in host["cpu"])
+    assert all(n is None or n >= 0 for n in host["numa_node"])
 
 
 def test_tiny_limit_is_an_oom(tmp_path: Path) -> None:

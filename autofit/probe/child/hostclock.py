@@ -16,7 +16,9 @@ does not show it. Four counters, per step:
 - `steal_cpu_s`: CPU time the hypervisor gave to other guests, summed over the machine's CPUs
   (`/proc/stat`'s steal column): a shared host.
 
-Linux only; elsewhere the last two are None.
+Linux only; elsewhere the last two are None. Beside them, where the training thread was when the step ended:
+`cpu` (the CPU it last ran on) and `numa_node` (that CPU's node): fresh processes of one config that differ
+by a third in speed, each steady within itself (S7 on an H100), are told apart by where they ran.
 
 Beside them, from the memory sampler's NVML thread (sampler.Memory.device_window), the device's side:
 `sm_clock_mhz` and `power_w` (means over the step's samples) and `clock_events`, the reasons NVML gave
@@ -27,6 +29,7 @@ while the GPU draws less power and holds its clock had less work each second: it
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -54,16 +57,20 @@ class HostClock:
     run_wait: dict[str, float] | None
     """Seconds each of the process's threads (by id) has waited on a run queue."""
     steal: float | None
+    cpu: int | None = None
+    """The CPU the reading thread last ran on."""
 
     def until(self, later: HostClock) -> dict[str, float | None]:
-        """What each counter added between this reading and a later one, in seconds."""
+        """What each counter added between this reading and a later one, in seconds; where the later one
+        was read (its CPU and that CPU's NUMA node)."""
         def diff(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round(b - a, 5)
 
         return {"thread_cpu_s": diff(self.thread_cpu, later.thread_cpu),
                 "process_cpu_s": diff(self.process_cpu, later.process_cpu),
                 "run_wait_s": _waited(self.run_wait, later.run_wait),
-                "steal_cpu_s": diff(self.steal, later.steal)}
+                "steal_cpu_s": diff(self.steal, later.steal),
+                "cpu": later.cpu, "numa_node": numa_node(later.cpu)}
 
 
 def _waited(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
@@ -76,7 +83,25 @@ def _waited(before: dict[str, float] | None, after: dict[str, float] | None) -> 
 
 def read() -> HostClock:
     """The counters now, from the calling thread (the training loop's callbacks run on its thread)."""
-    return HostClock(time.thread_time(), time.process_time(), _run_wait(), _steal())
+    return HostClock(time.thread_time(), time.process_time(), _run_wait(), _steal(), _cpu())
+
+
+def _cpu() -> int | None:
+    """The CPU the calling thread last ran on (/proc/thread-self/stat: the 39th field, the 37th after the
+    command's closing parenthesis)."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@functools.cache
+def numa_node(cpu: int | None) -> int | None:
+    """The NUMA node of `cpu` (sysfs: its `nodeN` entry), None where unknown."""
+    if cpu is None:
+        return None
+    nodes = sorted((SYSFS_CPU / f"cpu{cpu}").glob("node[0-9]*"))
+    return int(nodes[0].name[4:]) if nodes else None
 
 
 def _run_wait() -> dict[str, float] | None:
@@ -108,8 +133,9 @@ def per_step(steps: Sequence[Timed]) -> dict[str, list[float | list[str] | None]
     return {"step_s": step_s, **out}
 
 
-COUNTERS = ("thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s")
-"""The host's counters, seconds per step."""
+COUNTERS = ("thread_cpu_s", "process_cpu_s", "run_wait_s", "steal_cpu_s", "cpu", "numa_node")
+"""The host's counters, seconds per step, and where the training thread ended the step."""
+SYSFS_CPU = Path("/sys/devices/system/cpu")
 DEVICE = ("sm_clock_mhz", "power_w", "clock_events")
 """The GPU's figures per step (None or absent without NVML)."""
 
