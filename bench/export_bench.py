@@ -117,11 +117,11 @@ def dpo_pairs(best: dict[str, Any], summary: dict[str, Any], passes: list[dict[s
     hashed = sum(h["seconds"] for h in hashes)
     recipe_pass = (train[-1]["seconds"] + hashed) / max(train[-1]["pairs"], 1) if train else 0.0
     with_pass = 1 / (1 / recipe + recipe_pass)
+    probe_step = 1 / (1 / probe - probe_pass)
     return {"probe_pass_s_per_pair": probe_pass, "recipe_pass_s_per_pair": recipe_pass,
             "recipe_pass": train[-1] if train else None,
-            "probe_step_pairs_per_s": 1 / (1 / probe - probe_pass) if probe_pass else probe,
-            "recipe_step_pairs_per_s": recipe, "recipe_pairs_per_s_with_pass": with_pass,
-            "step_pairs_per_s_ratio": recipe / (1 / (1 / probe - probe_pass)) if probe_pass else recipe / probe,
+            "probe_step_pairs_per_s": probe_step, "recipe_step_pairs_per_s": recipe,
+            "recipe_pairs_per_s_with_pass": with_pass, "step_pairs_per_s_ratio": recipe / probe_step,
             "pairs_per_s_ratio": with_pass / probe}
 
 
@@ -170,8 +170,7 @@ def main() -> None:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     wall = time.monotonic() - t0
-    lines = [x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.startswith("recipe-summary ")]
-    summary = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+    summary = (printed(proc.stdout + "\n" + proc.stderr, "recipe-summary") or [{}])[-1]
     steps = printed(proc.stdout, "recipe-steps")
     late = None
     if steps and steps[-1]["seconds"]:  # the run's second half: past its first steps' allocations, as a long run

@@ -236,11 +236,21 @@ class Timed:
         self._inside = False
         self._last: tuple[int, float] | None = None
 
+    def pass_started(self) -> None:
+        self._inside = True
+
     def batch_started(self, pairs: int) -> None:
+        """A batch of the pass begins: the one before it ends now."""
         now = time.perf_counter()
         if self._inside:
             self._close(now)
             self._last = (pairs, now)
+
+    def pass_ended(self, seconds: float) -> None:
+        """The pass is over (its last batch ends with the pass's own gathering), after `seconds` in all."""
+        self._close(time.perf_counter())
+        self._inside = False
+        self.precompute_seconds = seconds
 
     def _close(self, now: float) -> None:
         if self._last is not None:
@@ -268,14 +278,11 @@ def trainer_class(timed: Timed) -> Any:
 
         def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
             t0 = time.perf_counter()
-            timed._inside = True
+            timed.pass_started()
             try:
-                out = super()._precompute_ref_logps(dataset, name, batch_size)
+                return super()._precompute_ref_logps(dataset, name, batch_size)
             finally:
-                timed._close(time.perf_counter())  # the last batch ends with the pass's own gathering
-                timed._inside = False
-            timed.precompute_seconds = time.perf_counter() - t0
-            return out
+                timed.pass_ended(time.perf_counter() - t0)
 
         def compute_ref_log_probs(self, model: Any, inputs: Any) -> Any:
             timed.batch_started(int(inputs["input_ids"].shape[0]) // 2)  # chosen and rejected rows

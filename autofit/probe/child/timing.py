@@ -31,7 +31,8 @@ def micro_batch_time_model(xs: Sequence[float], us: Sequence[float]) -> tuple[fl
     A probe on data draws micro-batches of varying length, so a step's time mostly says which it drew; brought
     to the data's mean micro-batch by this model, the steps' spread is the timing's. The fixed cost is the
     window's own: S7's DPO micro-steps (a 7B, micro-batch 1 and 2) fitted 1,400-7,200 tokens' worth of it, where
-    HALF_TOKENS says 512, and the fixed shape left them spread 1.17-1.92x, the fit 1.03-1.50x."""
+    HALF_TOKENS says 512, and over the last five steps the fixed shape left them spread 1.07-1.69x, the fit
+    1.03-1.21x."""
     from autofit.estimate.effects import HALF_TOKENS
 
     mx, mu = sum(xs) / len(xs), sum(us) / len(us)
