@@ -11,6 +11,10 @@ rules of `config.spec`).
 
 from __future__ import annotations
 
+import inspect
+import re
+
+from autofit.config import dpo
 from autofit.export.common import ExportRun, comment_block
 from autofit.export.script import (
     EMULATE,
@@ -90,6 +94,9 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
     helpers = helpers.replace(THROUGHPUT_DOC, PAIRS_DOC).replace("@GROUP@", PAIRS).replace(
         "@PRINT@", '        print("recipe-summary " + json.dumps(summary), flush=True)')
     helpers += LOAD_PAIRS
+    kept = dpo.needs_checkpointing_kept(w.config)
+    if kept:  # the probe's own fix, as source (the annotation's type-checker comment is the project's, not yours)
+        helpers += "\n\n" + re.sub(r"  # type: ignore\[[^]]*\]", "", inspect.getsource(dpo.keep_checkpointing_as_asked))
     body = []
     load = "AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPE, attn_implementation=ATTENTION"
     if w.quantization:
@@ -100,6 +107,8 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
         body.append("    model = prepare_model_for_kbit_training(model, **KBIT_PREPARATION)")
     if copy:
         body.append(f"    reference = {load})  # the reference: a separate copy (dpo_reference=copy)")
+    if kept:
+        body.append("    keep_checkpointing_as_asked()  # as measured: TRL's reference forward keeps the checkpointing")
     body.append('    args = DPOConfig(output_dir=a.output_dir, **{**TRAINING_ARGS, "max_steps": a.max_steps})')
     ref = "reference" if copy else "None"
     with_lora = ", peft_config=LORA" if w.lora else ""

@@ -75,13 +75,17 @@ def test_autofit_data_shows_the_pairs_lengths(tmp_path: Path) -> None:
 
 
 def test_a_probe_trains_dpo_on_the_pairs_of_a_file(tmp_path: Path) -> None:
+    """Every second layer checkpointed: so it stays through the reference's forwards (TRL's own turns every layer
+    back on), and the probe checks the layers again when training ends."""
     proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(DATA / "prefs.jsonl"),
                    "--set", "trainer=dpo", "--set", "max_length=128", "--set", "micro_batch_size=2", "--set",
                    "global_batch=4", "--set", "batching=pad_longest", "--set", "optimizer=adamw_torch", "--set",
-                   "lora_r=8", "--set", "lora_alpha=16", "--log-dir", str(tmp_path / "logs"), "--json", cwd=tmp_path)
+                   "lora_r=8", "--set", "lora_alpha=16", "--set", "gradient_checkpointing=every_2", "--log-dir",
+                   str(tmp_path / "logs"), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert res["outcome"] == "fit", res["reason"]
+    assert res["checkpointed_layers"] == [0, 2]  # tiny-llama: 4 layers
     # the longest pairs first: the heaviest micro-batch is two pairs padded to the longest of them, 2 rows each
     assert res["extra"]["heaviest_tensor_tokens"] == 2 * 2 * 128  # prefs.jsonl's two longest pairs are cut at 128
     assert res["extra"]["mean_micro_batch_tensor_tokens"] < res["extra"]["heaviest_tensor_tokens"]

@@ -36,13 +36,18 @@ def dpo_run(tmp: Path, **settings: object) -> Path:
 
 
 def test_the_trl_dpo_recipe_trains_three_steps_and_hf_trainer_refuses(tmp_path: Path) -> None:
-    run, script = dpo_run(tmp_path, precompute_ref_log_probs=True), tmp_path / "train_dpo.py"
+    run = dpo_run(tmp_path, precompute_ref_log_probs=True, gradient_checkpointing="every_2")
+    script = tmp_path / "train_dpo.py"
     assert run_cli("export", str(run), "--format", "trl", "-o", str(script)).returncode == 0
     text = script.read_text()
     fields = training_args(text)
     assert "autofit" not in imports_of(script) and "DPOTrainer(model=model, ref_model=None" in text
     assert (fields["max_length"], fields["precompute_ref_log_probs"], fields["gradient_checkpointing"]) == (128, True,
-                                                                                                           False)
+                                                                                                           True)
+    assert fields["activation_checkpointing_kwargs"]["every_n_layers"] == 2
+    # the probe's fix to TRL's reference forward, called before the trainer is built; no type-checker comments
+    assert "def keep_checkpointing_as_asked" in text and "    keep_checkpointing_as_asked()" in text
+    assert text.index("keep_checkpointing_as_asked()  #") < text.index("DPOTrainer(") and "type: ignore" not in text
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", GUARD, str(script), "--model", str(save_tiny_model(tmp_path / "m")),
                            "--output-dir", str(out), "--max-steps", "3"], check=False, capture_output=True, text=True,

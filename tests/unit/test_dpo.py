@@ -221,3 +221,41 @@ def test_a_dpo_window_is_brought_to_the_mean_pair_by_its_own_time_model() -> Non
     # steps of one length (random pairs at max_length): nothing to fit, HALF_TOKENS' shape through the mean
     a, b = micro_batch_time_model([4096.0] * 5, [0.5] * 5)
     assert b == pytest.approx(0.5 / (4096 + HALF_TOKENS)) and a == pytest.approx(b * HALF_TOKENS)
+
+
+def test_trl_s_reference_forward_leaves_the_checkpointing_it_found() -> None:
+    """DPOTrainer runs the reference's forward inside `disable_gradient_checkpointing` (TRL 1.16 turns it back on
+    with every layer checkpointed and none offloaded); with `keep_checkpointing_as_asked` it comes back with the
+    layers and the host offload that were asked for, as Trainer turned them on."""
+    import torch
+    import trl.trainer.dpo_trainer as dpo_trainer
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autofit.config.dpo import keep_checkpointing_as_asked, needs_checkpointing_kept
+    from autofit.config.recipe import training_arguments
+    from autofit.probe.child.build import checkpointed_layers, decoder_layers
+
+    cfg = TrialConfig(trainer="dpo", gradient_checkpointing="every_2+offload")
+    assert needs_checkpointing_kept(cfg) and not needs_checkpointing_kept(TrialConfig(trainer="dpo"))
+    kwargs = training_arguments(cfg, on_cpu=True, max_steps=1)["activation_checkpointing_kwargs"]
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**resolve_model("tiny-llama").config))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    asked = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    model.gradient_checkpointing_enable(asked, every_n_layers=kwargs["every_n_layers"], offload=kwargs["offload"])
+
+    def state() -> tuple[list[int], list[bool]]:  # the layers, and whether each saves its inputs on the host
+        return checkpointed_layers(model), [layer._gradient_checkpointing_func.func is not torch.utils.checkpoint
+                                            .checkpoint for layer in decoder_layers(model)]
+
+    before = state()
+    assert before == ([0, 2], [True] * 4)
+    original = dpo_trainer.disable_gradient_checkpointing
+    try:
+        keep_checkpointing_as_asked()
+        with torch.no_grad(), dpo_trainer.disable_gradient_checkpointing(model, kwargs):
+            assert checkpointed_layers(model) == []  # the reference's forward runs without checkpointing
+            model(input_ids=torch.ones(1, 8, dtype=torch.long))
+        assert state() == before
+    finally:
+        dpo_trainer.disable_gradient_checkpointing = original

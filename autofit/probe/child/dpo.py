@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import recipe
+from autofit.config.dpo import keep_checkpointing_as_asked
 from autofit.data.preference import (
     PairLengths,
     epoch_order,
@@ -360,6 +361,7 @@ def train_dpo(req: ProbeRequest, state: ProbeState, policy: Model, reference: Mo
     cb.step_cost = lambda step: float(sum(
         pairs.micro_batch_tensor(step * per_step + m * cfg.micro_batch_size, cfg.micro_batch_size) + HALF_TOKENS
         for m in range(ga)))
+    keep_checkpointing_as_asked()  # TRL's reference forward would leave every layer checkpointed, none offloaded
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(**dpo_arguments(req, out, plan.most_steps, pairs))
         timed = Timed()

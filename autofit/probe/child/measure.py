@@ -294,11 +294,18 @@ def describe_optimizer(opt: torch.optim.Optimizer | None) -> dict[str, object]:
 
 
 def verify_checkpointing(req: ProbeRequest, cb: ProbeCallback | None, n_layers: int) -> None:
+    """The layers the config asks to checkpoint are those that were, when training began and when it ended."""
     expected = expected_checkpointed(req.config, n_layers)
     checkpointed = cb.checkpointed if cb is not None else None
     if checkpointed != expected:
         raise RuntimeError(
             f"autofit: checkpointing is on layers {checkpointed}, but the config asks for {expected}"
+        )
+    at_end = cb.checkpointed_at_end if cb is not None else None
+    if at_end is not None and at_end != expected:
+        raise RuntimeError(
+            f"autofit: checkpointing was on layers {expected} when training began and on {at_end} when it "
+            "ended: the timed steps did not train the config"
         )
 
 

@@ -99,6 +99,9 @@ class ProbeCallback:
         self.losses: list[float] = []
         self.skipped_steps = 0
         self.checkpointed: list[int] | None = None
+        self.checkpointed_at_end: list[int] | None = None
+        """The layers checkpointed when training began and when it ended: a library that turns checkpointing off
+        and on again inside a step (TRL's reference forward) may leave other layers than it found."""
         self.trainer: Trainer | None = None
         self.timing = False
         self._t0 = self._opt0 = self._opt = 0.0
@@ -199,8 +202,11 @@ class ProbeCallback:
             self.stop_timing()
             control.should_training_stop = True
 
-    def on_train_end(self, *a: object, **kw: object) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     model: Model = None, **kw: object) -> None:
         self.stop_timing()
+        if model is not None:
+            self.checkpointed_at_end = checkpointed_layers(model)
 
     def _start_timing(self) -> None:
         self.plan.announce("start")
