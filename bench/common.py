@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,10 +94,21 @@ def bench_env(gpu: int | None = None) -> dict[str, str]:
     return env
 
 
-def autofit_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m autofit ARGS` as a user runs it, output captured."""
-    return subprocess.run([sys.executable, "-m", "autofit", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=bench_env())
+def autofit_cli(*args: str, timeout: float, interrupt_after: float | None = None) -> subprocess.CompletedProcess:
+    """`python -m autofit ARGS` as a user runs it, output captured. With `interrupt_after` (seconds), a command
+    still running then gets SIGINT, as Ctrl-C sends it (a search saves its study and writes its outputs), and
+    `timeout` counts from there."""
+    cmd = [sys.executable, "-m", "autofit", *args]
+    if interrupt_after is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=bench_env())
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bench_env()) as proc:
+        try:
+            out, err = proc.communicate(timeout=max(interrupt_after, 1))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=timeout)
+            err += f"\n(bench: interrupted after {interrupt_after:.0f} s)"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def out_dir() -> Path:

@@ -13,8 +13,8 @@ $OUT or bench/results/, where the previous call's file was copied):
 - `compare`: the search's winner, the forum recipe (micro-batch 1, checkpointing on) and the grid's best, each the
   median of 3 fresh processes measured alternately (`common.interleaved`), pairs/s and tokens/s; ratios of medians.
 
-    python bench/dpo_bench.py --stage search --budget 7m     # on the GPU machine, one call each (~9, ~5, ~5, ~8 min)
-    python bench/dpo_bench.py --stage export
+    python bench/dpo_bench.py --stage search --budget 7m --deadline 510   # on the GPU machine, one call each
+    python bench/dpo_bench.py --stage export --deadline 500                # (~9, ~6, ~5, ~8 min)
     python bench/dpo_bench.py --stage grid
     python bench/dpo_bench.py --stage compare --runs 3
     python bench/dpo_bench.py --small                        # every stage on the CPU with tiny-llama
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ from autofit.probe.runner import Runner
 from autofit.search.replay import Landscape
 
 HERE = Path(__file__).resolve().parent
+STARTED = time.monotonic()
+STALE = ("export", "rows", "same_as", "compared_search", "winner_over_forum_pairs", "winner_over_forum_tokens",
+         "grid_best_over_forum_pairs", "grid_best_over_forum_tokens")
+"""What a new search makes stale: its winner's export and the compare (the grid is the search's own business)."""
 WORDS = ("the of and to a in is that for it as with was on be by this are or from at which an not have has but "
          "model memory token batch length gradient answer question explain because example step").split()
 
@@ -87,6 +92,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stage", choices=("search", "export", "grid", "compare", "all"), default="all")
     p.add_argument("--budget", default=None, help="the search's budget (default 7m; --small 60s)")
     p.add_argument("--runs", type=int, default=3, help="fresh processes per compared config")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds from this bench's start by which a search or export stage ends with what it has "
+                        "(the search interrupted as by Ctrl-C, the recipe stopped at a step's end): a GPU call's "
+                        "limit kept, what was measured saved; default none")
     p.add_argument("--export-steps", type=int, default=None, help="optimizer steps of the exported recipe "
                                                                   "(default 20; --small 3)")
     p.add_argument("--name", default=None, help="the result file's name (default dpo-bench-s7; --small "
@@ -134,18 +143,30 @@ def previous(name: str) -> dict[str, Any]:
     return {}
 
 
-def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any]) -> None:
-    """`autofit search` on the pairs; the run folder kept as a tarball (its probes' logs left out)."""
+def left(deadline: float | None, margin: float) -> float | None:
+    """Seconds until `margin` before the deadline (from the bench's start); None without one."""
+    return None if deadline is None else max(deadline - margin - (time.monotonic() - STARTED), 30.0)
+
+
+def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any],
+                 deadline: float | None) -> None:
+    """`autofit search` on the pairs; the run folder kept as a tarball (its probes' logs left out). A search still
+    running 40 s before the deadline is interrupted: it saves its study and writes best.json of what it measured."""
+    for key in STALE:
+        figures.pop(key, None)
     runs = work / "runs"
     cmd = ["search", "--model", sc["model"], "--space", rel(sc["space"]), "--dataset", str(data), "--max-length",
            str(sc["length"]), "--memory-limit", sc["limit"], "--budget", sc["budget"], "--out", str(runs), "--json"]
-    proc = autofit_cli(*cmd, *(["--device", sc["device"]] if sc["device"] else []), timeout=3600)
+    proc = autofit_cli(*cmd, *(["--device", sc["device"]] if sc["device"] else []), timeout=3600,
+                       interrupt_after=left(deadline, 40))
     print(proc.stderr[-3000:], flush=True)
     folders = sorted(runs.iterdir()) if runs.is_dir() else []
     run = folders[-1] if folders else None
     best = json.loads((run / "best.json").read_text()) if run and (run / "best.json").is_file() else None
+    trials = run / "trials.jsonl" if run else None
     figures["search"] = {"rc": proc.returncode, "command": "autofit " + " ".join(cmd), "run_id": run and run.name,
-                         "probes": len((run / "trials.jsonl").read_text().splitlines()) if run else 0,
+                         "interrupted": proc.returncode == 130,
+                         "probes": len(trials.read_text().splitlines()) if trials and trials.is_file() else 0,
                          "winner": best and best["config"], "pairs_per_s": best and best.get("pairs_per_s"),
                          "tokens_per_s": best and best.get("tokens_per_s"),
                          "peak_gib": best and round(best["peak_memory_bytes"] / GIB, 2)}
@@ -156,8 +177,10 @@ def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
         tar.add(run, arcname=run.name, filter=lambda m: None if m.name.endswith(".log") else m)
 
 
-def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any]) -> None:
-    """The search's winner exported and trained (bench/export_bench.py), from the `search` call's tarball."""
+def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any],
+                 deadline: float | None) -> None:
+    """The search's winner exported and trained (bench/export_bench.py), from the `search` call's tarball: the
+    run the JSON's search names, else nothing. Before a deadline the recipe stops at a step's end 60 s before it."""
     tarball = next((f / f"{sc['name']}-run.tar.gz" for f in (out_dir(), HERE / "results")
                     if (f / f"{sc['name']}-run.tar.gz").is_file()), None)
     if tarball is None:
@@ -165,10 +188,19 @@ def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
     with tarfile.open(tarball) as tar:
         tar.extractall(work / "runs", filter="data")
     run = next((work / "runs").iterdir())
+    searched = (figures.get("search") or {}).get("run_id")
+    if run.name != searched:
+        sys.exit(f"dpo_bench: {tarball} holds run {run.name}, but {sc['name']}.json's search is {searched}: copy "
+                 "the search call's $OUT (both files) here first")
     export = f"{sc['name']}-export"
-    proc = subprocess.run([sys.executable, rel(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data),
-                           "--steps", str(sc["steps"]), "--name", export], capture_output=True, text=True,
-                          env=bench_env(), check=False, timeout=1800)
+    stop = left(deadline, 60)
+    cmd = [sys.executable, rel(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data), "--steps",
+           str(sc["steps"]), "--name", export, *(["--stop-after", f"{stop - 120:.0f}"] if stop else [])]
+    limit = stop or 1800.0
+    try:  # the recipe's stop leaves 120 s for the export and the stand-in model's draw before it
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(), check=False, timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess(cmd, 124, "", f"dpo_bench: export_bench still ran after {limit:.0f} s")
     print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
     written = out_dir() / f"{export}.json"  # this call's, never an earlier call's copy under bench/results/
     figures["export"] = (json.loads(written.read_text()) if written.is_file()
@@ -217,21 +249,22 @@ def stage_compare(sc: dict[str, Any], a: argparse.Namespace, space: Space, targe
                                                             if c == TrialConfig.from_dict(cfg))
     rows = {label: figure_row(cfg.to_dict()) for label, cfg in configs.items()}
     figures["rows"] = rows
+    figures["compared_search"] = (figures.get("search") or {}).get("run_id")  # whose winner the rows measure
 
-    def keep(label: str, res: Any) -> None:
+    def keep(label: str, res: Any) -> None:  # the ratios after every run: a call cut short keeps its figures
         keep_run(rows[label], res)
         rows[label]["pairs"] = spread_figure([r["pairs_per_s"] for r in rows[label]["runs"]
                                               if r["outcome"] == "fit" and r.get("pairs_per_s")], digits=3)
+        for over in ("winner", "grid_best"):
+            row = rows.get(over) or rows.get((figures.get("same_as") or {}).get(over, ""))
+            if row is not None:
+                figures[f"{over}_over_forum_pairs"] = ratio_of_medians(row.get("pairs") or {},
+                                                                      rows["forum"].get("pairs") or {})
+                figures[f"{over}_over_forum_tokens"] = ratio_of_medians(row["figure"], rows["forum"]["figure"])
         save(sc["name"], figures)
 
     interleaved(target, model, configs, a.runs, keep, max_acc=4, dataset=dataset, data_cache=work / "cache",
                 prefix="s7")
-    for label in ("winner", "grid_best"):
-        row = rows.get(label) or rows.get((figures.get("same_as") or {}).get(label, ""))
-        if row is not None:
-            figures[f"{label}_over_forum_pairs"] = ratio_of_medians(row["pairs"], rows["forum"]["pairs"])
-            figures[f"{label}_over_forum_tokens"] = ratio_of_medians(row["figure"], rows["forum"]["figure"])
-    save(sc["name"], figures)
 
 
 def main() -> None:
@@ -247,9 +280,9 @@ def main() -> None:
     figures: dict[str, Any] = {**previous(sc["name"]), "scenario": "S7", "model": sc["model"], "limit": sc["limit"],
                                "max_length": sc["length"], "pairs": len(prefs), "content_hash": prefs.content_hash}
     if a.stage in ("search", "all"):
-        stage_search(sc, data, work, figures)
+        stage_search(sc, data, work, figures, a.deadline)
     if a.stage in ("export", "all"):
-        stage_export(sc, data, work, figures)
+        stage_export(sc, data, work, figures, a.deadline)
     if a.stage in ("grid", "all"):
         stage_grid(sc, a, space, target, model, dataset, work, figures)
     if a.stage in ("compare", "all"):

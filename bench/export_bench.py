@@ -117,7 +117,8 @@ def dpo_pairs(best: dict[str, Any], summary: dict[str, Any], passes: list[dict[s
     hashed = sum(h["seconds"] for h in hashes)
     recipe_pass = (train[-1]["seconds"] + hashed) / max(train[-1]["pairs"], 1) if train else 0.0
     with_pass = 1 / (1 / recipe + recipe_pass)
-    probe_step = 1 / (1 / probe - probe_pass)
+    # the probe's steps alone: its figure less the pass (kept where an older probe's pass figure exceeds it)
+    probe_step = 1 / (1 / probe - probe_pass) if 0 <= probe_pass < 1 / probe else probe
     return {"probe_pass_s_per_pair": probe_pass, "recipe_pass_s_per_pair": recipe_pass,
             "recipe_pass": train[-1] if train else None,
             "probe_step_pairs_per_s": probe_step, "recipe_step_pairs_per_s": recipe,
@@ -138,6 +139,9 @@ def main() -> None:
     p.add_argument("--name", default="export-fidelity-s1")
     p.add_argument("--dataset", help="the dataset RUN was searched on (default: the bench's random words; a DPO "
                                      "run's preference file is needed)")
+    p.add_argument("--stop-after", type=float, help="seconds from the recipe's start after which it ends at its next "
+                                                    "step (fewer than --steps: the figures say how many ran), and "
+                                                    "is killed 4 minutes later; default: no limit")
     a = p.parse_args()
     run = Path(a.run) if a.run else searched(a)
     best = json.loads((run / "best.json").read_text())
@@ -167,8 +171,14 @@ def main() -> None:
         cmd += ["--model", str(model)]
     if limit:
         cmd += ["--emulate-memory-gib", str(limit / GIB)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"RECIPE_STOP_AFTER": str(a.stop_after)} if a.stop_after else {}))
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=a.stop_after + 240 if a.stop_after else None)
+    except subprocess.TimeoutExpired as e:  # what it printed before, and an exit status that says so
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+        proc = subprocess.CompletedProcess(cmd, 124, text[0], text[1] + "\nexport_bench: the recipe was killed")
     wall = time.monotonic() - t0
     summary = (printed(proc.stdout + "\n" + proc.stderr, "recipe-summary") or [{}])[-1]
     steps = printed(proc.stdout, "recipe-steps")
@@ -191,6 +201,7 @@ def main() -> None:
     peak_ratio = recipe_peak / best["peak_memory_bytes"] if recipe_peak else None
     figures = {
         "run_id": best["run_id"], "config": best["config"], "steps": a.steps, "rc": proc.returncode, "oom": oom,
+        "recipe_stopped": (printed(proc.stdout, "recipe-stopped") or [None])[-1],
         "recipe_wall_seconds": wall, "recipe_summary": summary, "speed": speed,
         "probe_tokens_per_s": best["tokens_per_s"], "recipe_tokens_per_s": summary.get("tokens_per_s"),
         "probe_tokens_per_s_range": [best.get("tokens_per_s_min"), best.get("tokens_per_s_max")],

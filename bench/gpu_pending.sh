@@ -18,9 +18,10 @@ case "$call" in
   # issue 32, S7. Measured on 2026-12-05 (H100): a 4-minute search (3 probes, all micro-batch 1, its winner the
   # precomputed reference that the policy then expected 1.3x of), the grid (s7.json) and the compare (winner 0.86x
   # the forum recipe, grid best 1.09x). The search again, at 7 minutes with the corrected expectation, its export,
-  # and the compare (the grid's best read from bench/results/dpo-bench-s7.json):
-  3)  timeout 590 python3 bench/dpo_bench.py --stage search --budget 7m ;;
-  4)  timeout 570 python3 bench/dpo_bench.py --stage export ;;   # reads call 3's dpo-bench-s7-run.tar.gz
+  # and the compare (the grid's best read from bench/results/dpo-bench-s7.json). --deadline: the search is interrupted
+  # (and the recipe stopped at a step) in time to save what it measured within the call's 600 s, gpu_env.sh included:
+  3)  timeout 590 python3 bench/dpo_bench.py --stage search --budget 7m --deadline 510 ;;
+  4)  timeout 570 python3 bench/dpo_bench.py --stage export --deadline 500 ;;   # call 3's dpo-bench-s7-run.tar.gz
   5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
   6)  timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;   # issue 29: the headline
   7)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D1 --budget 100s --name data-bench-s1-d1 ;;

@@ -92,6 +92,22 @@ def searched_winner(sc: dict[str, Any], budget: str, device: list[str], work: Pa
              "measurements": (best.get("extra") or {}).get("measurements"), "stderr_tail": proc.stderr[-800:]})
 
 
+def ratios(rows: dict[str, Any]) -> dict[str, Any]:
+    """Medians over medians of the runs so far; the stock recipe at the kernel winner's config said not to fit
+    where its first run did not."""
+    figs = {label: row["figure"] for label, row in rows.items()}
+    stock_first = (rows.get("stock_at_kernel_config", {}).get("runs") or [{}])[0]
+    return {
+        "winner_over_forum": ratio_of_medians(figs["winner"], figs["forum"]),
+        **({"kernel_winner_over_winner": ratio_of_medians(figs["kernel_winner"], figs["winner"]),
+            "kernel_winner_over_stock_at_kernel_config": ratio_of_medians(figs["kernel_winner"],
+                                                                          figs["stock_at_kernel_config"])
+            if stock_first.get("outcome") == "fit" else
+            f"the stock recipe at the kernel winner's config does not fit the cap: {stock_first.get('outcome')}"
+            f" (short by {stock_first.get('oom_shortfall_gib')} GiB)"}
+           if "kernel_winner" in figs else {})}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", default="S1", choices=sorted(SCENARIOS))
@@ -120,8 +136,9 @@ def main() -> None:
     for label, cfg in configs.items():
         figures["configs"][label] = figure_row(cfg.to_dict())
 
-    def keep(label: str, res: ProbeResult) -> None:
+    def keep(label: str, res: ProbeResult) -> None:  # the ratios after every run: a call cut short keeps them
         keep_run(figures["configs"][label], res)
+        figures["ratios"] = ratios(figures["configs"])
         save(name, figures)
 
     measured = dict(configs)
@@ -133,18 +150,6 @@ def main() -> None:
         if figures["configs"]["stock_at_kernel_config"]["runs"][0]["outcome"] == "fit":
             measured["stock_at_kernel_config"] = stock
     interleaved(target, model, measured, a.repeats, keep, max_acc=MAX_PROBE_ACCUMULATION, prefix="repeat")
-    figs = {label: row["figure"] for label, row in figures["configs"].items()}
-    stock_first = figures["configs"].get("stock_at_kernel_config", {}).get("runs", [{}])[0]
-    figures["ratios"] = {
-        "winner_over_forum": ratio_of_medians(figs["winner"], figs["forum"]),
-        **({"kernel_winner_over_winner": ratio_of_medians(figs["kernel_winner"], figs["winner"]),
-            "kernel_winner_over_stock_at_kernel_config": ratio_of_medians(figs["kernel_winner"],
-                                                                          figs["stock_at_kernel_config"])
-            if stock_first.get("outcome") == "fit" else
-            f"the stock recipe at the kernel winner's config does not fit the cap: {stock_first.get('outcome')}"
-            f" (short by {stock_first.get('oom_shortfall_gib')} GiB)"}
-           if "kernel_winner" in figs else {})}
-    save(name, figures)
     print(json.dumps({"ratios": figures["ratios"], **{k: v["figure"] for k, v in figures["configs"].items()}},
                      indent=1))
 

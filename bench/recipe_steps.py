@@ -5,15 +5,21 @@ precomputes the reference's log-probabilities, TRL's pass is timed too (`recipe-
 and pairs; `recipe-precompute-hash {...}`: the hash of the weights that keys its cache), so that its cost per pair
 is compared as the probe counts it. At the end, the allocator's own peaks
 (`recipe-allocator {...}`: allocated and reserved), which tell fragmentation from what the run held.
+With RECIPE_STOP_AFTER=SECONDS set, training stops at the first step's end past that many seconds from this
+process's start, as at --max-steps (the figures then cover the steps run): a GPU call's time limit kept.
 
     python bench/recipe_steps.py train.py --dataset DATA --max-steps 120 ...   # the recipe's own arguments
 """
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from typing import Any
+
+STARTED = time.monotonic()
+STOP_AFTER = float(os.environ.get("RECIPE_STOP_AFTER") or 0)
 
 script = sys.argv[1]
 sys.argv = [script, *sys.argv[2:]]
@@ -27,6 +33,13 @@ Throughput: Any = recipe.__dict__["Throughput"]
 
 
 class Steps(Throughput):  # type: ignore[misc]
+    def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        super().on_step_end(args, state, control, **kw)
+        if STOP_AFTER and time.monotonic() - STARTED > STOP_AFTER and not control.should_training_stop:
+            control.should_training_stop = True
+            print("recipe-stopped " + json.dumps({"after_steps": state.global_step, "stop_after_s": STOP_AFTER}),
+                  flush=True)
+
     def on_train_end(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
         super().on_train_end(args, state, control, model=model, **kw)
         print("recipe-steps " + json.dumps({"tokens": self.tokens, "seconds": self.times}), flush=True)
