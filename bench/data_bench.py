@@ -233,6 +233,9 @@ def pair(s: dict[str, Any], a: argparse.Namespace, spaces: dict[str, Path], file
         print(key, label, (entry[label].get("winner") or {}).get("brief"),
               (entry[label].get("winner") or {}).get("tokens_per_s"), flush=True)
         book.save()
+    if runs:  # the run folders kept now: a call cut short in its repeats still leaves them (data_parity reads them)
+        with book.lock:
+            keep_runs(work / "runs", out_dir() / f"{book.name}-runs")
     if runs.get("searched"):
         data = json.loads((runs["searched"] / "data" / "data.json").read_text())
         entry.update(mean_sample=data["mean"], percentiles=data["percentiles"], approximate=data["approximate"])
@@ -240,11 +243,14 @@ def pair(s: dict[str, Any], a: argparse.Namespace, spaces: dict[str, Path], file
     where = Where.of(s, spaces["searched"], files[name], limit, gpu, cache)
     if runs and s["repeats"]:
         entry["repeats"] = {}
-        measure(where, winners(runs), s["repeats"], entry["repeats"], book.save)
-        figs = {k: v["figure"] for k, v in entry["repeats"].items()}
-        entry["ratio_of_medians"] = ratio_of_medians(figs["searched"], figs["baseline"]) \
-            if "searched" in figs and "baseline" in figs else (1.0 if len(figs) == 1 and len(runs) == 2 else None)
-        book.save()
+
+        def ratio_then_save() -> None:  # after every run: a call cut short keeps the ratio of what it measured
+            figs = {k: v["figure"] for k, v in entry["repeats"].items()}
+            entry["ratio_of_medians"] = ratio_of_medians(figs["searched"], figs["baseline"]) \
+                if "searched" in figs and "baseline" in figs else (1.0 if len(figs) == 1 and len(runs) == 2 else None)
+            book.save()
+
+        measure(where, winners(runs), s["repeats"], entry["repeats"], ratio_then_save)
     if a.anomaly:
         entry["anomaly"] = {"config": ANOMALY, "measured": {}}
         measure(where, anomaly_configs(where.space), a.anomaly, entry["anomaly"]["measured"], book.save)

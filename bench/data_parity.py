@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,18 @@ PARITY = {**STOCK, "gradient_checkpointing": "on"}
 """Every parity recipe: stock kernels, checkpointing on (the loss is the same, the memory smaller)."""
 TOLERANCE = 0.01
 SMALL_SPACE = SMALL_FIXED + """\n  micro_batch_size: [2]\n  batching: [pad_longest, padding_free, packed]\n"""
+
+
+def run_folder(path: Path) -> Path:
+    """`path` if it is a run folder; in a data_bench archive's folder (`<limit>-D2/searched/<run>/`), the data-aware
+    search's run."""
+    if (path / "best.json").is_file() or (path / "spec.yaml").is_file():
+        return path
+    found = sorted({*path.glob("searched/*/spec.yaml"), *path.glob("*/searched/*/spec.yaml")})
+    if len(found) != 1:
+        raise SystemExit(f"data_parity: --run {path} is neither a run folder nor a data_bench folder with one "
+                         f"searched run ({len(found)} found); give the run folder itself")
+    return found[0].parent
 
 
 def configs(run: Path) -> dict[str, dict[str, Any]]:
@@ -115,7 +128,7 @@ def main() -> None:
     elif not a.run:
         p.error("--run RUN_D2 is required (a D2 run folder of data_bench.py); or --small")
     else:
-        run = Path(a.run).resolve()
+        run = run_folder(Path(a.run).resolve())
         data = Path(a.dataset).resolve() if a.dataset else make_d2(work)
     warm_steps = a.warm_steps or (3 if a.small else 30)
     steps = a.steps or (10 if a.small else 30)
@@ -131,17 +144,28 @@ def main() -> None:
     if base is None:
         raise SystemExit(f"data_parity: the trained base failed: {figures['warm_start'].get('error')}")
 
-    def one(batching: str) -> dict[str, Any]:
-        folder = work / batching
+    recipes: dict[str, dict[str, Any]] = {}
+    figures["recipes"] = {}
+    lock = threading.Lock()
+
+    def one(batching: str, attempt: str = "") -> None:  # each recipe's figures saved as it ends
+        folder = work / f"{batching}{attempt}"
         folder.mkdir()
-        copy = with_step(variant_copy(run, work, batching, chosen[batching]), shape[batching])
-        return run_recipe(copy, folder, steps, None, None, base, data)
+        copy = with_step(variant_copy(run, work / f"copy{attempt}", batching, chosen[batching]), shape[batching])
+        result = run_recipe(copy, folder, steps, None, None, base, data)
+        with lock:
+            recipes[batching] = result
+            figures["recipes"][batching] = {k: result.get(k) for k in ("rc", "losses", "tokens_per_s",
+                                                                       "wall_seconds", "error", "stderr_tail")}
+            figures["recipes"][batching]["together"] = bool(a.together and not attempt)
+            save(name, figures)
 
     with ThreadPoolExecutor(len(STRATEGIES) if a.together else 1) as pool:
-        recipes = dict(zip(STRATEGIES, pool.map(one, STRATEGIES), strict=True))
+        list(pool.map(one, STRATEGIES))
+    # three 7B recipes at once may not fit one card (an 80 GiB H100): those that ran out of memory run again alone
+    for b in [b for b, r in recipes.items() if a.together and "out of memory" in str(r.get("stderr_tail")).lower()]:
+        one(b, "-alone")
     ref = recipes["pad_longest"]
-    figures["recipes"] = {b: {k: r.get(k) for k in ("rc", "losses", "tokens_per_s", "wall_seconds", "error",
-                                                     "stderr_tail")} for b, r in recipes.items()}
     figures["max_rel_diff_vs_pad_longest"] = {b: curve_diff(recipes[b], ref) for b in STRATEGIES[1:]}
     figures["within_tolerance"] = {b: d is not None and d <= TOLERANCE
                                    for b, d in figures["max_rel_diff_vs_pad_longest"].items()}

@@ -28,9 +28,10 @@ case "$call" in
   8)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D2 --budget 100s --name data-bench-s1-d2 ;;
   9)  timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D1 --budget 100s --name data-bench-s2-d1 ;;
   10) timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D2 --budget 100s --name data-bench-s2-d2 ;;
-  11) # issue 29: loss parity at equal samples per step, on call 8's S1/D2 run folder
-      mkdir -p /tmp/r && tar xzf bench/results/data-bench-s1-d2-runs.tar.gz -C /tmp/r
-      timeout 570 python3 bench/data_parity.py --run "$(ls -d /tmp/r/*/ | head -1)" --together --name data-parity-d2 ;;
+  11) # issue 29: loss parity at equal samples per step, on call 8's S1/D2 data-aware search (data_parity finds it
+      # in the archive's 40GiB-D2/searched/<run>/)
+      rm -rf /tmp/r && mkdir -p /tmp/r && tar xzf bench/results/data-bench-s1-d2-runs.tar.gz -C /tmp/r
+      timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
   12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
   13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
   *)  echo "gpu_pending: no call $call (1-13)" >&2; exit 2 ;;

@@ -33,6 +33,7 @@ from common import REPO, SMALL_FIXED, autofit_cli, figure_row, interleaved, keep
 from autofit.config.models import resolve_model
 from autofit.config.spec import TrialConfig
 from autofit.config.target import resolve_targets
+from autofit.core.units import parse_duration
 from autofit.protocol.request import MAX_PROBE_ACCUMULATION
 from autofit.protocol.result import ProbeResult
 from autofit.run.report.lines import config_brief
@@ -73,7 +74,8 @@ def searched_winner(sc: dict[str, Any], budget: str, device: list[str], work: Pa
     t0 = time.monotonic()
     proc = autofit_cli("search", "--model", sc["model"], "--space", str(REPO / space) if sc["space"] else space,
                        "--budget", budget, "--out", str(work / "runs"), "--json", *device,
-                       *(["--memory-limit", sc["limit"]] if sc["limit"] else []), timeout=3600)
+                       *(["--memory-limit", sc["limit"]] if sc["limit"] else []), timeout=600,
+                       interrupt_after=parse_duration(budget) + 90)  # a search that overran stops, saving its best
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError:

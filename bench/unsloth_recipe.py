@@ -160,6 +160,9 @@ def train(a: argparse.Namespace) -> None:
     free, total = torch.cuda.mem_get_info()
     reserved_now = torch.cuda.memory_reserved()
     summary = {"steps": len(clock.times), **clock.steady(), "load_seconds": round(load_s, 1),
+               # what Unsloth loaded: it falls back to 16 bits, saying so once, where it finds bitsandbytes unusable
+               "loaded_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False)),
+               "linear_4bit_modules": sum(type(m).__name__ == "Linear4bit" for m in model.modules()),
                "micro_batch_size": mb, "gradient_accumulation_steps": acc, "checkpointing": a.checkpointing,
                "max_memory_reserved": torch.cuda.max_memory_reserved(),
                "max_memory_allocated": torch.cuda.max_memory_allocated(),
@@ -294,10 +297,10 @@ def compare(name: str, sc: dict[str, Any], repeats: int, folder: Path, work: Pat
             if tps:
                 good[who].append(tps)
             out[who]["figure"] = spread_figure(good[who])
+            # after every run: a call cut short at its time limit keeps the ratio of what it measured
+            out["autofit_over_unsloth"] = ratio_of_medians(out["autofit"]["figure"], out["unsloth"]["figure"])
             print(f"{name} {who} {i}: {tps or 0:,.0f} tokens/s", flush=True)
             keep()
-    out["autofit_over_unsloth"] = ratio_of_medians(out["autofit"]["figure"], out["unsloth"]["figure"])
-    keep()
 
 
 def main() -> None:
