@@ -195,7 +195,7 @@ def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
     export = f"{sc['name']}-export"
     stop = left(deadline, 60)
     cmd = [sys.executable, rel(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data), "--steps",
-           str(sc["steps"]), "--name", export, *(["--stop-after", f"{stop - 120:.0f}"] if stop else [])]
+           str(sc["steps"]), "--name", export, *(["--stop-after", f"{max(stop - 120, 30):.0f}"] if stop else [])]
     limit = stop or 1800.0
     try:  # the recipe's stop leaves 120 s for the export and the stand-in model's draw before it
         proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(), check=False, timeout=limit)
