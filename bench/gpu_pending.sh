@@ -15,15 +15,16 @@ case "$call" in
       echo "gpu_pending: call 1 is measured (bench/results/plan-live-s5.json, data-anomaly-s2-d1.json)" ;;
   2)  # issue 33: measured on 2026-12-05 (export-fidelity-s1-d2-packed-120.json: second half 0.965 of the probe)
       echo "gpu_pending: call 2 is measured (bench/results/export-fidelity-s1-d2-packed-120.json)" ;;
-  # issue 32, S7. Measured on 2026-12-05 (H100): a 4-minute search (3 probes, all micro-batch 1, its winner the
-  # precomputed reference that the policy then expected 1.3x of), the grid (s7.json) and the compare (winner 0.86x
-  # the forum recipe, grid best 1.09x). The search again, at 7 minutes with the corrected expectation, its export,
-  # and the compare (the grid's best read from bench/results/dpo-bench-s7.json). --deadline: the search is interrupted
-  # (and the recipe stopped at a step) in time to save what it measured within the call's 600 s, gpu_env.sh included:
+  # issue 32, S7: measured on 2026-12-05 (H100), second run: a 7-minute search (14 probes; winner micro-batch 2,
+  # checkpointing = the grid's best), the compare (1.24x the forum recipe, medians of 3), the export (pairs/s
+  # 1.027, peak 1.117: the allocator's cache; allocated 1.006). The same calls again, if needed (--deadline: the
+  # search interrupted and the recipe stopped in time to save what they measured within the call's 600 s):
   3)  timeout 590 python3 bench/dpo_bench.py --stage search --budget 7m --deadline 510 ;;
   4)  timeout 570 python3 bench/dpo_bench.py --stage export --deadline 500 ;;   # call 3's dpo-bench-s7-run.tar.gz
   5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
-  6)  timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;   # issue 29: the headline
+  6)  # issue 29's headline: measured on 2026-12-05 (H100, headline-s1.json: winner 1.40x the forum recipe, Liger
+      # winner 1.39x the winner, medians of 3 in one call); again with:
+      timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;
   7)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D1 --budget 100s --name data-bench-s1-d1 ;;
   8)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D2 --budget 100s --name data-bench-s1-d2 ;;
   9)  timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D1 --budget 100s --name data-bench-s2-d1 ;;
