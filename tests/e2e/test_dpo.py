@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -74,16 +75,22 @@ def test_autofit_data_shows_the_pairs_lengths(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--max-length: max_length 100000 is longer than" in proc.stderr, proc.stderr
 
 
+def probe_on_prefs(tmp_path: Path, setting: str) -> dict[str, Any]:
+    """`autofit probe` of a small LoRA DPO config on prefs.jsonl with one more `--set`: its JSON result."""
+    sets = ["trainer=dpo", "max_length=128", "micro_batch_size=2", "global_batch=4", "batching=pad_longest",
+            "optimizer=adamw_torch", "lora_r=8", "lora_alpha=16", setting]
+    proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(DATA / "prefs.jsonl"),
+                   *[x for v in sets for x in ("--set", v)], "--log-dir", str(tmp_path / "logs"), "--json",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
 def test_a_probe_trains_dpo_on_the_pairs_of_a_file(tmp_path: Path) -> None:
     """Every second layer checkpointed: so it stays through the reference's forwards (TRL's own turns every layer
     back on), and the probe checks the layers again when training ends."""
-    proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(DATA / "prefs.jsonl"),
-                   "--set", "trainer=dpo", "--set", "max_length=128", "--set", "micro_batch_size=2", "--set",
-                   "global_batch=4", "--set", "batching=pad_longest", "--set", "optimizer=adamw_torch", "--set",
-                   "lora_r=8", "--set", "lora_alpha=16", "--set", "gradient_checkpointing=every_2", "--log-dir",
-                   str(tmp_path / "logs"), "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    res = json.loads(proc.stdout)
+    res = probe_on_prefs(tmp_path, "gradient_checkpointing=every_2")
     assert res["outcome"] == "fit", res["reason"]
     assert res["checkpointed_layers"] == [0, 2]  # tiny-llama: 4 layers
     # the longest pairs first: the heaviest micro-batch is two pairs padded to the longest of them, 2 rows each
@@ -100,13 +107,7 @@ def test_a_precomputed_pass_is_counted_per_pair_past_its_first_batches_and_the_h
     """The pass runs in DPOTrainer's constructor: each batch timed, the first two (the process's first forwards)
     left out of its cost a pair, and TRL's hash of the weights (its cache key, paid once a run) spread over the
     file's pairs; the figure adds that cost to each pair's step time."""
-    proc = run_cli("probe", "--model", "tiny-llama", "--device", "cpu", "--dataset", str(DATA / "prefs.jsonl"),
-                   "--set", "trainer=dpo", "--set", "max_length=128", "--set", "micro_batch_size=2", "--set",
-                   "global_batch=4", "--set", "batching=pad_longest", "--set", "optimizer=adamw_torch", "--set",
-                   "precompute_ref_log_probs=true", "--set", "lora_r=8", "--set", "lora_alpha=16", "--log-dir",
-                   str(tmp_path / "logs"), "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    res = json.loads(proc.stdout)
+    res = probe_on_prefs(tmp_path, "precompute_ref_log_probs=true")
     extra = res["extra"]
     assert res["outcome"] == "fit", res["reason"]
     batches = extra["precompute_batches"]
