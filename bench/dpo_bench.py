@@ -246,7 +246,8 @@ def stage_grid(sc: dict[str, Any], a: argparse.Namespace, space: Space, target: 
 def stage_compare(sc: dict[str, Any], a: argparse.Namespace, space: Space, target: Any, model: Any,
                   dataset: dict[str, Any], work: Path, figures: dict[str, Any]) -> None:
     """Winner, forum recipe and the grid's best: medians of fresh processes, alternately."""
-    forum = space.config({**space.seed(), "micro_batch_size": 1, "gradient_checkpointing": "on"})
+    forum = space.config({**space.seed(), "micro_batch_size": 1, "gradient_checkpointing": "on",
+                          "expandable_segments": False})  # the stock allocator: the forum recipe sets none
     configs = {"forum": forum}
     for label, cfg in (("winner", (figures.get("search") or {}).get("winner")),
                        ("grid_best", (figures.get("grid") or {}).get("best"))):

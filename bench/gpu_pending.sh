@@ -9,7 +9,7 @@
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
 set -u
 source bench/gpu_env.sh
-call=${1:?"which call: 1-14 (bench/gpu_pending.sh's list)"}
+call=${1:?"which call: 1-16 (bench/gpu_pending.sh's list)"}
 case "$call" in
   1)  # issue 31 and issue 29's anomaly: measured on 2026-12-05 (plan-live-s5.json, data-anomaly-s2-d1.json)
       echo "gpu_pending: call 1 is measured (bench/results/plan-live-s5.json, data-anomaly-s2-d1.json)" ;;
@@ -22,6 +22,10 @@ case "$call" in
   3)  timeout 590 python3 bench/dpo_bench.py --stage search --budget 7m --deadline 510 ;;
   4)  timeout 570 python3 bench/dpo_bench.py --stage export --deadline 500 ;;   # call 3's dpo-bench-s7-run.tar.gz
   5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
+  16) # issue 32 after the allocator fix (probes now run the config's expandable_segments; dpo.yaml searches with
+      # expandable segments only): call 3's new search first, then its winner's export and the compare, one call
+      timeout 270 python3 bench/dpo_bench.py --stage export --deadline 250
+      timeout 300 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
   14) # issue 32, first in the next session: the S7 export again with expandable segments (the recipe's peak was
       # 1.117 of the probe's, its allocated peak 1.006: is the gap the allocator's cache on pairs of many lengths?)
       timeout 400 python3 bench/dpo_bench.py --stage export --export-allocator expandable --deadline 330 ;;
@@ -38,5 +42,5 @@ case "$call" in
       timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
   12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
   13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
-  *)  echo "gpu_pending: no call $call (1-14)" >&2; exit 2 ;;
+  *)  echo "gpu_pending: no call $call (1-16)" >&2; exit 2 ;;
 esac

@@ -76,3 +76,47 @@ def test_every_optimizer_name_is_a_transformers_optim() -> None:
 
     names = {o.value for o in OptimizerNames}
     assert set(OPTIMIZERS) <= names, set(OPTIMIZERS) - names
+
+
+ALLOCATOR_CHILD = """
+import os, sys, torch
+from autofit.config.models import resolve_model
+from autofit.config.spec import TrialConfig
+from autofit.probe.child import allocator
+from autofit.protocol.request import ProbeRequest
+
+req = ProbeRequest(TrialConfig(expandable_segments=True), resolve_model("tiny-llama"), "r.json")
+allocator.settings_now()  # the allocator reads its variables now, as a CUDA build's does before a request comes
+os.environ.update({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})  # after the import: too late
+print(repr(allocator.settings_now()))
+try:
+    allocator.verify(req)
+except RuntimeError as e:
+    print(e)
+allocator.apply(req)
+print(allocator.verify(req))
+"""
+
+
+def test_the_allocator_check_fails_where_only_the_environment_was_set() -> None:
+    """What the probe did before: the variable set after the allocator had read its settings (a CUDA build reads
+    them before the request comes); the allocator never saw it, and the check says so. Then the setting given
+    to torch itself holds, over what the process inherited."""
+    import subprocess
+    import sys
+
+    from autofit.probe.child.allocator import expandable_in, settings_for
+
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parents[2]), env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", ALLOCATOR_CHILD], capture_output=True, text=True, env=env,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out[0] == "'max_split_size_mb:64'"  # what torch parsed at import: the variable set later is not in it
+    assert out[1].startswith("autofit: the allocator ran with expandable_segments=False, but the config asks for True")
+    assert out[2] == ("{'allocator_settings': 'max_split_size_mb:64,expandable_segments:True', "
+                      "'expandable_segments_ran': True}")
+    # the last key holds, as the allocator reads them
+    assert settings_for(False, " expandable_segments:True,") == "expandable_segments:True,expandable_segments:False"
+    assert expandable_in("expandable_segments:True,expandable_segments:False") is False
+    assert expandable_in("roundup_power2_divisions:[256:1,512:2], expandable_segments:True") is True
+    assert expandable_in("") is False

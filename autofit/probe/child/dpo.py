@@ -27,7 +27,6 @@ the search, `autofit data` and the probe count the same tokens.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import tempfile
 import time
@@ -47,6 +46,7 @@ from autofit.data.preference import (
     token_pairs,
 )
 from autofit.estimate.effects import HALF_TOKENS
+from autofit.probe.child import allocator
 from autofit.probe.child.build import Model, decoder_layers
 from autofit.probe.child.errors import Unsupported
 from autofit.probe.child.gate import (
@@ -112,8 +112,7 @@ class Pairs:
 
 def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
     """Run the DPO probe `req` describes; `state` collects figures as they come, for failures."""
-    cfg = req.config
-    os.environ.update(recipe.process_env(cfg))
+    allocator.apply(req)  # the config's allocator and environment, before the device is touched
     check_support(req)
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, state, now)
@@ -127,9 +126,12 @@ def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str]
     except GateFailed as failed:
         return mismatch_result(req, failed.gate)
     verify_checkpointing(req, state.callback, trained.n_layers)
+    ran = allocator.verify(req)
     assert state.callback is not None
     state.callback.losses = losses  # the DPO loss Trainer logged each step (the forward's own is not it)
-    return kernel_figures(dpo_figures(req, state, trained, pairs, extra), req, state, gate)
+    res = kernel_figures(dpo_figures(req, state, trained, pairs, extra), req, state, gate)
+    res.extra.update(ran)
+    return res
 
 
 class GateFailed(Exception):

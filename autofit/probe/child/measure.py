@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from autofit.config import distributed, recipe
 from autofit.data.batching import Batching, step_shape
 from autofit.data.collate import Batch
-from autofit.probe.child import hostclock
+from autofit.probe.child import allocator, hostclock
 from autofit.probe.child.batches import (
     RealBatches,
     boundary_verdict,
@@ -78,7 +78,7 @@ class Trained:
 
 def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
     """Run the probe `req` describes; `state` collects figures as they come, for failures."""
-    os.environ.update(recipe.process_env(req.config))
+    allocator.apply(req)  # the config's allocator and environment, before the device is touched
     check_support(req)  # kernels that cannot run here: unsupported before the device is touched
     state.mem = Memory(req.device, req.nvml_index, req.memory_limit_bytes if req.device == "cpu" else None)
     state.mem.runaway = lambda now: _stop_runaway(req, state, now)
@@ -101,7 +101,9 @@ def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], No
     state.stage = "setup"
     trained = train(req, state, model, sync, announce, batches)
     verify_checkpointing(req, state.callback, trained.n_layers)
+    ran = allocator.verify(req)
     res = kernel_figures(figures(req, state, trained, batches), req, state, gate)
+    res.extra.update(ran)
     if check is not None:
         res.extra.update(boundary_verdict(req, check))
     return res
