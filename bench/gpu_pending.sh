@@ -9,7 +9,7 @@
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
 set -u
 source bench/gpu_env.sh
-call=${1:?"which call: 1-16 (bench/gpu_pending.sh's list)"}
+call=${1:?"which call: 1-17 (bench/gpu_pending.sh's list)"}
 case "$call" in
   1)  # issue 31 and issue 29's anomaly: measured on 2026-12-05 (plan-live-s5.json, data-anomaly-s2-d1.json)
       echo "gpu_pending: call 1 is measured (bench/results/plan-live-s5.json, data-anomaly-s2-d1.json)" ;;
@@ -22,13 +22,24 @@ case "$call" in
   3)  timeout 590 python3 bench/dpo_bench.py --stage search --budget 7m --deadline 510 ;;
   4)  timeout 570 python3 bench/dpo_bench.py --stage export --deadline 500 ;;   # call 3's dpo-bench-s7-run.tar.gz
   5)  timeout 570 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
-  16) # issue 32 after the allocator fix (probes now run the config's expandable_segments; dpo.yaml searches with
-      # expandable segments only): call 3's new search first, then its winner's export and the compare, one call
-      timeout 270 python3 bench/dpo_bench.py --stage export --deadline 250
-      timeout 300 python3 bench/dpo_bench.py --stage compare --runs 3 ;;
-  14) # issue 32, first in the next session: the S7 export again with expandable segments (the recipe's peak was
-      # 1.117 of the probe's, its allocated peak 1.006: is the gap the allocator's cache on pairs of many lengths?)
-      timeout 400 python3 bench/dpo_bench.py --stage export --export-allocator expandable --deadline 330 ;;
+  16) # issue 32 after the allocator fix, measured on 2026-12-05 (third run: calls 3, then the export and compare, then
+      # this): the winner's TRL export over one epoch (34 steps of 18 pairs): peak 1.001 of the probe's, pairs/s 1.057
+      timeout 520 python3 bench/dpo_bench.py --stage export --export-steps 34 --deadline 470 ;;
+  17) # issue 32: which part of the DPO probe costs it ~4% against the exported recipe (S7's winner: probe 3.235 pairs/s,
+      # recipe 3.419 over one epoch): the probe as searched (A), without its noise controls (B), with all 6 micro-steps
+      # run rather than 4 extended (C), then A again; one probe JSON each in $OUT (~4 minutes on a warm machine)
+      (cd bench && python3 -c "from pathlib import Path; from dpo_bench import preference_set as p; p(Path('/tmp/p.jsonl'), 600, 2048)")
+      S="--set trainer=dpo --set micro_batch_size=3 --set gradient_checkpointing=on --set expandable_segments=true"
+      S="$S --set optimizer=adamw_torch_fused --set global_batch=16 --set max_length=2048 --set batching=pad_longest"
+      for v in "A all 4" "B none 4" "C all 0" "A2 all 4"; do
+        set -- $v
+        AUTOFIT_NOISE_CONTROLS=$2 timeout 150 python3 -m autofit probe --model llama2-7b --dataset /tmp/p.jsonl \
+          --memory-limit 24GiB --max-probe-accumulation $3 --json $S > "${OUT:-/tmp}/dpo-probe-s7-$1.json"
+        python3 -c "import json; d = json.load(open('${OUT:-/tmp}/dpo-probe-s7-$1.json')); print('$v', d['outcome'],
+          d.get('pairs_per_s'), d.get('tokens_per_s'), d['extra'].get('time_model'))"
+      done ;;
+  14) # superseded: the S7 export with expandable segments ran as the searched winner's own setting (call 16)
+      echo "gpu_pending: call 14 is superseded by call 16 (bench/results/dpo-bench-s7-export.json)" ;;
   6)  # issue 29's headline: measured on 2026-12-05 (H100, headline-s1.json: winner 1.40x the forum recipe, Liger
       # winner 1.39x the winner, medians of 3 in one call); again with:
       timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;
@@ -42,5 +53,5 @@ case "$call" in
       timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
   12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
   13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
-  *)  echo "gpu_pending: no call $call (1-16)" >&2; exit 2 ;;
+  *)  echo "gpu_pending: no call $call (1-17)" >&2; exit 2 ;;
 esac
