@@ -126,8 +126,49 @@ def dpo_pairs(best: dict[str, Any], summary: dict[str, Any], passes: list[dict[s
             "pairs_per_s_ratio": with_pass / probe}
 
 
+def at_data_mean(fig: dict[str, Any]) -> dict[str, Any]:
+    """A DPO recipe's pairs/s at the data's mean pair, where the probe's figure is (its time model brings each
+    step there): the recipe's tokens/s over the data's tokens a pair (the probe's tokens/s over its pairs/s), the
+    precomputed pass's seconds a pair added as on the raw figure. The raw pairs/s counts the pairs the recipe's
+    steps happened to draw: S7's 32 steady steps held 907 tokens a pair against the data's 919, so 1.3% more
+    pairs a second at the same speed. Empty without the figures."""
+    probe_pairs, probe_tokens, recipe_tokens = (fig.get(k) for k in ("probe_pairs_per_s", "probe_tokens_per_s",
+                                                                      "recipe_tokens_per_s"))
+    if not (probe_pairs and probe_tokens and recipe_tokens):
+        return {}
+    per_pair = probe_tokens / probe_pairs
+    at_mean = 1 / (per_pair / recipe_tokens + (fig.get("recipe_pass_s_per_pair") or 0.0))
+    return {"tokens_per_pair": per_pair, "recipe_pairs_per_s_at_data_mean": at_mean,
+            "pairs_per_s_ratio_at_data_mean": at_mean / probe_pairs}
+
+
+def meets_targets(fig: dict[str, Any]) -> bool:
+    """Speed within 5% (a DPO run's pairs/s at the data's mean pair) and peak within 3% of the probe's."""
+    speed = fig.get("pairs_per_s_ratio_at_data_mean") or fig.get("tokens_per_s_ratio" if fig["speed"] ==
+                                                                 "tokens_per_s" else "pairs_per_s_ratio")
+    peak = fig.get("peak_ratio")
+    return bool(fig["rc"] == 0 and not fig["oom"] and speed and abs(speed - 1) <= 0.05 and peak
+                and abs(peak - 1) <= 0.03)
+
+
+def refigure(name: str) -> None:
+    """Recompute the derived figures of bench/results/NAME.json from its recorded ones (no run)."""
+    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
+    fig = json.loads(path.read_text())
+    if fig.get("speed") == "pairs_per_s":
+        fig.update(at_data_mean(fig))
+    fig["meets_targets"] = meets_targets(fig)
+    fig.setdefault("refigured", []).append(" ".join(["python3", "bench/export_bench.py", *sys.argv[1:]]))
+    save(name, fig)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if sys.argv[1:2] == ["--refigure"] and len(sys.argv) == 3:
+        refigure(sys.argv[2])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="python3 bench/export_bench.py --refigure NAME: recompute "
+                                       "bench/results/NAME.json's derived figures from its recorded ones")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="a run folder: its winner is exported")
     where.add_argument("--search", metavar="SPACE", help="search SPACE first (a one-point space: that config probed "
@@ -217,10 +258,10 @@ def main() -> None:
                                                       "memory_outside_allocator")},
         "recipe_allocator": allocator[-1] if allocator else None,
         "peak_ratio": peak_ratio, "target_peak_within": 0.03,
-        "meets_targets": bool(proc.returncode == 0 and not oom and tps_ratio and abs(tps_ratio - 1) <= 0.05
-                              and peak_ratio and abs(peak_ratio - 1) <= 0.03),
         "stderr_tail": proc.stderr[-1500:],
     }
+    figures.update(at_data_mean(figures) if dpo else {})
+    figures["meets_targets"] = meets_targets(figures)
     save(a.name, figures)
     print({k: v for k, v in figures.items() if k.endswith(("_per_s", "_ratio", "_bytes")) or k in ("rc", "oom",
                                                                                                 "meets_targets")})
