@@ -135,8 +135,8 @@ BATCHINGS = ("group_by_length", "packed", "padding_free")
 FORUM_ROW, WINNER_ROW, LIGER_ROW = head_row("forum"), head_row("winner"), head_row("kernel_winner")
 HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
     "forum recipe: micro-batch 1 + checkpointing": FORUM_ROW,
-    "autofit's winner: micro-batch 2, no checkpointing, default allocator (see below), searched in the same call (69 s)":
-        WINNER_ROW,
+    "autofit's winner: micro-batch 2, no checkpointing, default allocator (see below), "
+    "searched in the same call (69 s)": WINNER_ROW,
     "winner / forum recipe": (Ratio(WINNER_ROW[0], FORUM_ROW[0]),),
     "with Liger kernels: micro-batch 3, no checkpointing (the winner of a resumed kernel search)": LIGER_ROW,
     "Liger winner / winner": (Ratio(LIGER_ROW[0], WINNER_ROW[0]),),

@@ -101,9 +101,10 @@ def test_checkpointing_exactly_on_the_layers_asked(tmp_path: Path, sets: list[st
 
 @pytest.mark.parametrize("expandable, inherited", [(True, None), (False, "expandable_segments:True")])
 def test_the_allocator_runs_the_configs_setting(tmp_path: Path, expandable: bool, inherited: str | None) -> None:
-    """torch reads PYTORCH_CUDA_ALLOC_CONF once, when it is imported, and the probe child imports it before the
-    request comes: the variable set from the request left the allocator as the parent had it. The probe gives
-    the setting to torch itself, over what the parent set, and says what ran."""
+    """torch's allocator reads PYTORCH_CUDA_ALLOC_CONF once (a CUDA build before the probe's request comes), so the
+    variable set from the request left the allocator as the parent had it; on this CPU build a parent's
+    expandable_segments:True held over a config's false. The probe gives the setting to torch itself, over what
+    the parent set, and says what ran."""
     env = {"PYTORCH_CUDA_ALLOC_CONF": inherited} if inherited else {}
     r = probe_json(*SHORT, "--set", f"expandable_segments={expandable}", cwd=tmp_path, env=env)
     assert r["outcome"] == "fit", r["error_tail"]

@@ -87,7 +87,7 @@ from autofit.protocol.request import ProbeRequest
 
 req = ProbeRequest(TrialConfig(expandable_segments=True), resolve_model("tiny-llama"), "r.json")
 allocator.settings_now()  # the allocator reads its variables now, as a CUDA build's does before a request comes
-os.environ.update({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})  # after the import: too late
+os.environ.update({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})  # after that read: too late
 print(repr(allocator.settings_now()))
 try:
     allocator.verify(req)
@@ -111,7 +111,7 @@ def test_the_allocator_check_fails_where_only_the_environment_was_set() -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parents[2]), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", ALLOCATOR_CHILD], capture_output=True, text=True, env=env,
                          check=True, timeout=120).stdout.splitlines()
-    assert out[0] == "'max_split_size_mb:64'"  # what torch parsed at import: the variable set later is not in it
+    assert out[0] == "'max_split_size_mb:64'"  # what the allocator read first: the variable set later is not in it
     assert out[1].startswith("autofit: the allocator ran with expandable_segments=False, but the config asks for True")
     assert out[2] == ("{'allocator_settings': 'max_split_size_mb:64,expandable_segments:True', "
                       "'expandable_segments_ran': True}")
