@@ -2,18 +2,18 @@
 
 torch reads `PYTORCH_CUDA_ALLOC_CONF` (and `PYTORCH_ALLOC_CONF`) once. A CUDA build has read it before a probe
 child's request arrives (the child imports torch, transformers and Trainer first, the standby's head start), so
-the variable set from the request reached only the processes the child starts, never its own allocator: every
-GPU probe recorded up to December 2026 ran the allocator its parent had, whatever the config said (in the
-committed results, 174 pairs of configs that differ only in `expandable_segments` have byte-identical reserved
-peaks). A CPU build reads it later, at the first call that needs it, so there the variable a parent set still
-held over a config's `false`. The setting is therefore given to torch's own call
+the variable set from the request reached only the processes the child starts, never its own allocator: every GPU
+probe recorded up to December 2026 ran the allocator its parent had, whatever the config said (in the committed
+results, 178 of the 179 pairs of configs that differ only in `expandable_segments` have byte-identical reserved
+peaks, the other 2 MiB apart). A CPU build reads it later, at the first call that needs it, so there the variable
+a parent set still held over a config's `false`. The setting is therefore given to torch's own call
 (`torch._C._accelerator_setAllocatorSettings`, `torch.cuda.memory._set_allocator_settings` before it existed)
 before the device is touched, after what the process inherited, so that the config's value is the last one the
 allocator reads.
 
-When training ends the probe checks what ran: the settings the allocator holds and, on a GPU, whether its
-segments are expandable (`torch.cuda.memory_snapshot()`). A probe whose allocator is not the config's is an
-error, as one whose checkpointing changed is: its figures would belong to another config.
+When training ends the probe checks what ran: the settings the allocator holds and, on a GPU, whether its segments
+are expandable (`torch.cuda.memory_snapshot()`). A probe whose allocator is not the config's is an error, as one
+whose checkpointing changed is: its figures would belong to another config.
 """
 
 from __future__ import annotations
