@@ -60,7 +60,7 @@ def apply(req: ProbeRequest) -> None:
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:
         setter(wanted)
-    else:  # torch before 2.9
+    elif torch.cuda.is_available():  # torch before 2.9; its CPU builds have no CUDA allocator to set
         torch.cuda.memory._set_allocator_settings(wanted)
 
 
