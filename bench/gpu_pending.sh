@@ -7,6 +7,9 @@
 # Carry .gpu-site.tgz and .whl/data-site.txz (calls 12-13: .whl/unsloth-site.tgz instead: the three with the
 # tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
+# Still to run, in this order: issue 29's D2 benches and what reads them, 8, 11 (call 8's archive), 10; then the
+# peer, 12, 13; then the D1 benches, 7, 9 (the README's data table is D2's; D1's anomaly is measured, call 1); then
+# 17, the DPO probe's diagnostic (issue 32 is met without it).
 set -u
 source bench/gpu_env.sh
 call=${1:?"which call: 1-17 (bench/gpu_pending.sh's list)"}
