@@ -51,6 +51,9 @@ def test_an_fsdp2_script_trains_three_steps_sharded_under_torchrun_on_the_cpu(ti
     assert "torchrun --standalone --nproc-per-node 2 train.py [--model PATH]" in text
     assert "\n    fsdp_on_cpu()" in text and training_args(text)["fsdp_config"]["version"] == 2
     assert f"'gradient_accumulation_steps': {cfg.gradient_accumulation_steps}" in text
+    # every rank ends its process group: without it a rank can abort in the interpreter's teardown, after training
+    # (gloo's threads still holding tensors: "terminate called without an active exception", exit -6)
+    assert text.index("torch.distributed.destroy_process_group()") > text.index("trainer.save_model(a.output_dir)")
     (tmp_path / "guard.py").write_text(GUARD)
     out = tmp_path / "out"
     ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
