@@ -60,7 +60,7 @@ from autofit.search.replay import Landscape
 
 HERE = Path(__file__).resolve().parent
 STARTED = time.monotonic()
-STALE = ("export", "export_expandable", "rows", "same_as", "compared_search", "winner_over_forum_pairs",
+STALE = ("export", "rows", "same_as", "compared_search", "winner_over_forum_pairs",
          "winner_over_forum_tokens", "grid_best_over_forum_pairs", "grid_best_over_forum_tokens")
 """What a new search makes stale: its winner's export and the compare (the grid is the search's own business)."""
 WORDS = ("the of and to a in is that for it as with was on be by this are or from at which an not have has but "
@@ -96,11 +96,6 @@ def parse() -> argparse.Namespace:
                    help="seconds from this bench's start by which a search or export stage ends with what it has "
                         "(the search interrupted as by Ctrl-C, the recipe stopped at a step's end): a GPU call's "
                         "limit kept, what was measured saved; default none")
-    p.add_argument("--export-allocator", choices=("as-searched", "expandable"), default="as-searched",
-                   help="expandable: the export stage runs the recipe with PYTORCH_CUDA_ALLOC_CONF="
-                        "expandable_segments:True (a diagnostic: is its peak over the probe's the allocator's cache "
-                        "on pairs of many lengths?), into <name>-export-expandable.json and the JSON's "
-                        "export_expandable, the as-searched export kept")
     p.add_argument("--export-steps", type=int, default=None, help="optimizer steps of the exported recipe "
                                                                   "(default 20; --small 3)")
     p.add_argument("--name", default=None, help="the result file's name (default dpo-bench-s7; --small "
@@ -183,7 +178,7 @@ def stage_search(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
 
 
 def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, Any],
-                 deadline: float | None, allocator: str = "as-searched") -> None:
+                 deadline: float | None) -> None:
     """The search's winner exported and trained (bench/export_bench.py), from the `search` call's tarball: the
     run the JSON's search names, else nothing. Before a deadline the recipe stops at a step's end 60 s before it."""
     tarball = next((f / f"{sc['name']}-run.tar.gz" for f in (out_dir(), HERE / "results")
@@ -197,22 +192,19 @@ def stage_export(sc: dict[str, Any], data: Path, work: Path, figures: dict[str, 
     if run.name != searched:
         sys.exit(f"dpo_bench: {tarball} holds run {run.name}, but {sc['name']}.json's search is {searched}: copy "
                  "the search call's $OUT (both files) here first")
-    expandable = allocator == "expandable"
-    export = f"{sc['name']}-export" + ("-expandable" if expandable else "")
+    export = f"{sc['name']}-export"
     stop = left(deadline, 60)
     cmd = [sys.executable, rel(HERE / "export_bench.py"), "--run", str(run), "--dataset", str(data), "--steps",
            str(sc["steps"]), "--name", export, *(["--stop-after", f"{max(stop - 120, 30):.0f}"] if stop else [])]
     limit = stop or 1800.0
     try:  # the recipe's stop leaves 120 s for the export and the stand-in model's draw before it
-        env = dict(bench_env(), **({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if expandable else {}))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=limit)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(), check=False, timeout=limit)
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess(cmd, 124, "", f"dpo_bench: export_bench still ran after {limit:.0f} s")
     print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
     written = out_dir() / f"{export}.json"  # this call's, never an earlier call's copy under bench/results/
-    figures["export_expandable" if expandable else "export"] = (
-        json.loads(written.read_text()) if written.is_file()
-        else {"rc": proc.returncode, "stderr_tail": proc.stderr[-1500:]})
+    figures["export"] = (json.loads(written.read_text()) if written.is_file()
+                         else {"rc": proc.returncode, "stderr_tail": proc.stderr[-1500:]})
     save(sc["name"], figures)
 
 
@@ -291,7 +283,7 @@ def main() -> None:
     if a.stage in ("search", "all"):
         stage_search(sc, data, work, figures, a.deadline)
     if a.stage in ("export", "all"):
-        stage_export(sc, data, work, figures, a.deadline, a.export_allocator)
+        stage_export(sc, data, work, figures, a.deadline)
     if a.stage in ("grid", "all"):
         stage_grid(sc, a, space, target, model, dataset, work, figures)
     if a.stage in ("compare", "all"):

@@ -144,8 +144,7 @@ def at_data_mean(fig: dict[str, Any]) -> dict[str, Any]:
 
 def meets_targets(fig: dict[str, Any]) -> bool:
     """Speed within 5% (a DPO run's pairs/s at the data's mean pair) and peak within 3% of the probe's."""
-    speed = fig.get("pairs_per_s_ratio_at_data_mean") or fig.get("tokens_per_s_ratio" if fig["speed"] ==
-                                                                 "tokens_per_s" else "pairs_per_s_ratio")
+    speed = fig.get("pairs_per_s_ratio_at_data_mean") or fig.get(f"{fig['speed']}_ratio")
     peak = fig.get("peak_ratio")
     return bool(fig["rc"] == 0 and not fig["oom"] and speed and abs(speed - 1) <= 0.05 and peak
                 and abs(peak - 1) <= 0.03)
@@ -163,13 +162,10 @@ def refigure(name: str) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--refigure"] and len(sys.argv) == 3:
-        refigure(sys.argv[2])
-        return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="python3 bench/export_bench.py --refigure NAME: recompute "
-                                       "bench/results/NAME.json's derived figures from its recorded ones")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--refigure", metavar="NAME", help="recompute bench/results/NAME.json's derived figures "
+                                                          "from its recorded ones (no run)")
     where.add_argument("--run", help="a run folder: its winner is exported")
     where.add_argument("--search", metavar="SPACE", help="search SPACE first (a one-point space: that config probed "
                                                          "now, by this checkout) and export its winner")
@@ -184,6 +180,9 @@ def main() -> None:
                                                     "step (fewer than --steps: the figures say how many ran), and "
                                                     "is killed 4 minutes later; default: no limit")
     a = p.parse_args()
+    if a.refigure:
+        refigure(a.refigure)
+        return
     run = Path(a.run) if a.run else searched(a)
     best = json.loads((run / "best.json").read_text())
     dpo = best["config"].get("trainer") == "dpo"
