@@ -462,7 +462,7 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
                 "                      processing_class=tokenizer, callbacks=[Throughput()])"]
     out += ["    gc.freeze()  # as measured: a garbage collection never scans the model's objects in a step",
             "    trainer.train()", "    trainer.save_model(a.output_dir)"]
-    if w.config.gpus > 1:  # PyTorch's shutdown rule; without it gloo's threads can abort the interpreter's exit
+    if w.config.gpus > 1:  # PyTorch's shutdown rule: each rank ends its groups before it exits
         out += ["    if torch.distributed.is_initialized():  # each rank ends its process group before it exits",
                 "        torch.distributed.destroy_process_group()"]
     out += ["", "", 'if __name__ == "__main__":', "    main()"]
