@@ -7,9 +7,8 @@
 # Carry .gpu-site.tgz and .whl/data-site.txz (calls 12-13: .whl/unsloth-site.tgz instead: the three with the
 # tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
-# Still to run, in this order: issue 29's D2 benches and what reads them, 8, 11 (call 8's archive), 10; then the
-# peer, 12, 13; then the D1 benches, 7, 9 (the README's data table is D2's; D1's anomaly is measured, call 1); then
-# 17, the DPO probe's diagnostic (issue 32 is met without it).
+# Still to run, in this order: issue 29's peer, 12, 13 (pack .whl/unsloth-site.tgz first: bench/unsloth_recipe.py
+# --pack); then S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17.
 set -u
 source bench/gpu_env.sh
 call=${1:?"which call: 1-17 (bench/gpu_pending.sh's list)"}
@@ -30,7 +29,8 @@ case "$call" in
       timeout 520 python3 bench/dpo_bench.py --stage export --export-steps 34 --deadline 470 ;;
   17) # issue 32: which part of the DPO probe costs it ~4% against the exported recipe (S7's winner: probe 3.235 pairs/s,
       # recipe 3.419 over one epoch): the probe as searched (A), without its noise controls (B), with all 6 micro-steps
-      # run rather than 4 extended (C), then A again; one probe JSON each in $OUT (~4 minutes on a warm machine)
+      # run rather than 4 extended (C), then A again; one probe JSON each in $OUT (~4 minutes on a warm machine).
+      # Measured on 2026-12-06 (dpo-probe-s7-*.json): 3.240-3.293 every way, neither is the cause
       (cd bench && python3 -c "from pathlib import Path; from dpo_bench import preference_set as p; p(Path('/tmp/p.jsonl'), 600, 2048)")
       S="--set trainer=dpo --set micro_batch_size=3 --set gradient_checkpointing=on --set expandable_segments=true"
       S="$S --set optimizer=adamw_torch_fused --set global_batch=16 --set max_length=2048 --set batching=pad_longest"
@@ -46,12 +46,14 @@ case "$call" in
   6)  # issue 29's headline: measured on 2026-12-05 (H100, headline-s1.json: winner 1.40x the forum recipe, Liger
       # winner 1.39x the winner, medians of 3 in one call); again with:
       timeout 570 python3 bench/like_for_like.py --search 90s --name headline-s1 ;;
+  # issue 29's data benches: 7, 8 and 10 measured on 2026-12-06 (H100; data-bench-s1-d1.json 3.83x not like for like,
+  # data-bench-s1-d2.json 1.68x, data-bench-s2-d2.json 2.43x, searched baselines, medians of 3); again with:
   7)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D1 --budget 100s --name data-bench-s1-d1 ;;
   8)  timeout 570 python3 bench/data_bench.py --limits 40GiB --datasets D2 --budget 100s --name data-bench-s1-d2 ;;
   9)  timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D1 --budget 100s --name data-bench-s2-d1 ;;
   10) timeout 570 python3 bench/data_bench.py --limits 24GiB --datasets D2 --budget 100s --name data-bench-s2-d2 ;;
   11) # issue 29: loss parity at equal samples per step, on call 8's S1/D2 data-aware search (data_parity finds it
-      # in the archive's 40GiB-D2/searched/<run>/)
+      # in the archive's 40GiB-D2/searched/<run>/); measured on 2026-12-06 (data-parity-d2.json: packed 0.50%)
       rm -rf /tmp/r && mkdir -p /tmp/r && tar xzf bench/results/data-bench-s1-d2-runs.tar.gz -C /tmp/r
       timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
   12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
