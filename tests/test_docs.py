@@ -112,16 +112,18 @@ class Ratio:
 
 
 HEAD = "headline-s1.json"
-S1D2, S2D2 = "data-bench-s1-d2-run4.json", "data-bench-s2-d2.json"
+S1D2, S2D2 = "data-bench-s1-d2.json", "data-bench-s2-d2.json"
 
 
-def batching(file: str, search: str, strategy: str) -> Measured:
-    return Measured(file, f"searches.{search}.best_by_batching.{strategy}.tokens_per_s")
+def repeats(file: str, pair: str, side: str) -> tuple[Measured, Measured]:
+    """One side of a data bench pair measured again in fresh processes: the median of its runs, their spread."""
+    runs = f"pairs.{pair}.repeats.{side}.runs[*].tokens_per_s"
+    return Measured(file, runs, "median"), Measured(file, runs, "spread")
 
 
-def data_row(file: str, search: str) -> tuple[Measured | Ratio, ...]:
-    baseline, packed, flat = (batching(file, search, b) for b in BATCHINGS)
-    return baseline, packed, Ratio(packed, baseline), flat, Ratio(flat, baseline)
+def data_row(file: str, pair: str) -> tuple[Measured | Ratio, ...]:
+    baseline, searched = repeats(file, pair, "baseline"), repeats(file, pair, "searched")
+    return *baseline, *searched, Ratio(searched[0], baseline[0])
 
 
 def head_row(label: str) -> tuple[Measured, Measured, Measured]:
@@ -131,7 +133,6 @@ def head_row(label: str) -> tuple[Measured, Measured, Measured]:
             Measured(HEAD, f"{runs}.peak_gib", "median", "GiB"))
 
 
-BATCHINGS = ("group_by_length", "packed", "padding_free")
 FORUM_ROW, WINNER_ROW, LIGER_ROW = head_row("forum"), head_row("winner"), head_row("kernel_winner")
 HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
     "forum recipe: micro-batch 1 + checkpointing": FORUM_ROW,
