@@ -145,7 +145,8 @@ def multi_gpu_doc(w: Winner) -> list[str]:
 
 
 def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
-    stdlib = ["argparse", "gc", "json", "os", "time"] + (["re"] if text_mode(w) == "paragraphs" else [])
+    stdlib = ["argparse", "gc", "json", "os", "time"] + (["re"] if text_mode(w) == "paragraphs" else []) \
+        + (["sys"] if w.config.gpus > 1 else [])
     if w.config.liger:
         stdlib.append("importlib.util")
     lines = [f"import {m}" for m in sorted(stdlib)] + [""]
@@ -462,11 +463,26 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
                 "                      processing_class=tokenizer, callbacks=[Throughput()])"]
     out += ["    gc.freeze()  # as measured: a garbage collection never scans the model's objects in a step",
             "    trainer.train()", "    trainer.save_model(a.output_dir)"]
-    if w.config.gpus > 1:  # PyTorch's shutdown rule: each rank ends its groups before it exits
-        out += ["    if torch.distributed.is_initialized():  # each rank ends its process group before it exits",
-                "        torch.distributed.destroy_process_group()"]
+    out += ["    if torch.distributed.is_initialized():  # each rank ends its process group before it exits",
+            "        torch.distributed.barrier()  # every rank's part of the save is done before one leaves",
+            "        torch.distributed.destroy_process_group()"] if w.config.gpus > 1 else []
     out += ["", "", 'if __name__ == "__main__":', "    main()"]
+    if w.config.gpus > 1:  # the rank's work is saved: torch's teardown can only abort it now (RANK_EXIT)
+        out += RANK_EXIT
     return out
+
+
+RANK_EXIT = [
+    "    # The interpreter's teardown can abort a rank (exit -6) after its work is saved: a gloo thread still freeing",
+    "    # a finished collective's tensors takes the GIL as Python shuts down (pytorch/pytorch#190489). End here.",
+    "    sys.stdout.flush()",
+    "    sys.stderr.flush()",
+    "    os._exit(0)"]
+"""How a multi-GPU recipe's rank ends once main() returned. Seen on the CPU under torchrun (gloo): a rank aborted at
+Python's teardown in 2 of about 110 runs on a loaded 2-core machine, and in CI, with gloo's worker freeing an
+all-gather's tensors (a core dump: `AsyncAllgatherCoalescedWork::~AsyncAllgatherCoalescedWork` -> `take_gil` ->
+`pthread_exit` -> terminate). The process group stays referenced by DTensor's caches past `destroy_process_group`,
+so its threads outlive it; torch's own fix, destroying the groups at exit (pytorch/pytorch#179291), was abandoned."""
 
 
 def hf_tokenize() -> list[str]:
