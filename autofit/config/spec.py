@@ -127,8 +127,10 @@ class Dimension:
     """Whether a value is allowed (each dimension's check takes a value of its own type)."""
     expected: str = ""
     learning: bool = False
-    """The value changes what is learned (truncation, quantization, ...): the report says so beside the
-    winner."""
+    """A value other than the default changes what is learned (truncation, quantization, ...): the report
+    says so beside such a winner (`changes_learning_at`)."""
+    learns_as_default: tuple[Value, ...] = ()
+    """Other values that train as the default does (adamw_torch: the fused optimizer's update, unfused)."""
     late: bool = False
     """Added after studies were stored: `TrialConfig.key()` leaves it out at its default, so an older study's
     configs keep their keys and `--resume` finds them."""
@@ -192,7 +194,14 @@ class Dimension:
 
     @property
     def changes_learning(self) -> bool:
+        """Some value of this key changes what is learned (the key table's column)."""
         return self.learning
+
+    def changes_learning_at(self, value: Value, reference: Value | None = None) -> bool:
+        """Whether `value` trains otherwise than `reference` (default: the key's default; for max_length the
+        report passes the longest length the space allows, the user's own)."""
+        ref = self.default if reference is None else reference
+        return self.learning and value != ref and value not in self.learns_as_default
 
 
 
@@ -251,8 +260,9 @@ class TrialConfig:
                             gate=5, cost=True, fixed_cost=True, label_at=6,
                             label=lambda c: c.quantization if c.quantization != "none" else None)
     optimizer: str = dim("adamw_torch_fused", "TrainingArguments `optim` name", allowed=OPTIMIZERS,
-                         learning=True, speed={"adamw_torch_fused": 1.0, "adamw_torch": 0.99,
-                                               "paged_adamw_8bit": 0.98, "adamw_8bit": 0.99},
+                         learning=True, learns_as_default=("adamw_torch",),
+                         speed={"adamw_torch_fused": 1.0, "adamw_torch": 0.99, "paged_adamw_8bit": 0.98,
+                                "adamw_8bit": 0.99},
                          label=lambda c: c.optimizer, label_at=7)
     attn_implementation: str = dim(
         "sdpa", "attention kernel: sdpa, eager, flex_attention (compiled; GPU only for training), "

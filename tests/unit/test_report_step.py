@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from autofit.config.space import Space
 from autofit.config.spec import TrialConfig
 from autofit.protocol.result import Outcome, ProbeResult
+from autofit.run.report.markdown import learning_changes
 from autofit.run.report.outputs import write_outputs
 from autofit.run.rundir import load_spec
 from runs import data_run
@@ -84,3 +86,28 @@ def test_the_data_section_says_what_the_search_skipped_and_a_cut_of_nothing_chan
     _, report = _write(tmp_path / "b", step, cuts=[{"max_length": 96, "tokens_lost": 0.05,
                                                     "samples_truncated": 0.1}])
     assert "10.00% of samples truncated** (it changes what is learned)." in report and "rows skipped" not in report
+
+
+def test_only_values_that_train_otherwise_than_the_user_s_setup_are_marked() -> None:
+    """A winner at the defaults (bf16, no quantization, AdamW fused or not) and at the longest length the space
+    allows trains as the user's setup does: nothing is marked. Once the report marked `quantization none` and
+    `optimizer adamw_torch_fused` as changing what is learned, whatever the winner's values."""
+    space = Space("t", fixed={}, dimensions={"max_length": [1024, 2048], "micro_batch_size": [1, 2]})
+    plain = TrialConfig(max_length=2048, optimizer="adamw_torch")  # unfused: the same update as the default
+    assert learning_changes(plain, space=space) == []
+    changed = TrialConfig(max_length=1024, precision="fp16", quantization="nf4", optimizer="paged_adamw_8bit")
+    assert learning_changes(changed, space=space) == ["max_length=1024", "precision=fp16", "quantization=nf4",
+                                                      "optimizer=paged_adamw_8bit"]
+    # a search of one length, the user's: that length changes nothing
+    assert learning_changes(TrialConfig(max_length=1024), space=Space("u", {"max_length": 1024}, {})) == []
+    assert learning_changes(TrialConfig(max_length=1024)) == ["max_length=1024"]  # no space: the default's 2048
+
+
+def test_the_report_marks_the_winner_s_changed_settings_only(tmp_path: Path) -> None:
+    best, report = _write(tmp_path, {"gradient_accumulation_steps": 1, "samples_per_step": 15.2,
+                                     "trained_tokens_per_step": 884.0, "keeps_global_batch": True})
+    # the rows' length 96 against the 128 the run's space allows, their fp32 against the default bf16
+    assert best["learning_changes"] == ["max_length=96", "precision=fp32"]
+    assert "| max_length | `96` (changes what is learned) |" in report
+    assert "| precision | `fp32` (changes what is learned) |" in report
+    assert "| quantization | `none` |" in report and "| optimizer | `adamw_torch_fused` |" in report

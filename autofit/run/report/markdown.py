@@ -8,6 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
+from autofit.config.space import Space
 from autofit.config.spec import KEYS, TrialConfig
 from autofit.config.target import Target
 from autofit.core.documents import JSONObject
@@ -25,14 +26,22 @@ from autofit.search.objective import best_per_length, pairs_per_s
 from autofit.search.study import ProbeRow
 
 
-def learning_changes(cfg: TrialConfig, res: ProbeResult | None = None) -> list[str]:
-    """The winner's settings that change what is learned (length, precision, quantization, optimizer), and
-    its step where the probe measured it off the global batch by more than the tolerance (a token-budget
-    strategy whose accumulation cannot bring the samples per step back: docs/data.md)."""
-    out = [f"{k.name}={getattr(cfg, k.name)}" for k in KEYS.values() if k.changes_learning]
+def learning_changes(cfg: TrialConfig, res: ProbeResult | None = None, space: Space | None = None) -> list[str]:
+    """The winner's settings that change what is learned: a length shorter than the longest the space allows,
+    a precision, quantization or optimizer other than the default (`Dimension.changes_learning_at`); and its
+    step where the probe measured it off the global batch by more than the tolerance (a token-budget strategy
+    whose accumulation cannot bring the samples per step back: docs/data.md)."""
+    out = [f"{k}={getattr(cfg, k)}" for k in KEYS if learns_otherwise(cfg, k, space)]
     if res is not None and res.step.keeps_global_batch is False and res.step.samples_per_step:
         out.append(f"samples_per_step={res.step.samples_per_step:g} (global_batch={cfg.global_batch})")
     return out
+
+
+def learns_otherwise(cfg: TrialConfig, key: str, space: Space | None) -> bool:
+    """`cfg`'s value of `key` trains otherwise than the user's setup would: against the longest length the
+    space allows (the user's own), or the key's default."""
+    longest = space.lengths[0] if key == "max_length" and space is not None and space.lengths else None
+    return KEYS[key].changes_learning_at(getattr(cfg, key), longest)
 
 
 BASELINE_BATCHINGS = ("pad_longest", "group_by_length")
@@ -171,7 +180,7 @@ def _winner(spec: RunSpec, results: list[ProbeResult], best: ProbeResult, limit:
               + _measured_again(best)), "",
              "| setting | value |", "|---|---|"]
     for k in KEYS:
-        mark = " (changes what is learned)" if KEYS[k].changes_learning else ""
+        mark = " (changes what is learned)" if learns_otherwise(cfg, k, spec.space) else ""
         lines.append(f"| {k} | `{getattr(cfg, k)}`{mark} |")  # older runs' later keys: their defaults
     step = step_doc(best)
     tokens = step["trained_tokens_per_step"]

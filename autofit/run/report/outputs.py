@@ -43,7 +43,7 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     best_doc = None
     if best is not None:
         best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
-                    "target": target_dict(target), "learning_changes": learning_changes(best.config, best),
+                    "target": target_dict(target), "learning_changes": learning_changes(best.config, best, spec.space),
                     "step": step_doc(best), "runners_up": [r.to_dict() for r in ranked[1:6]]}
         baseline = baseline_of(results) if len({r.config.batching for r in results}) > 1 else None
         if baseline is not None:  # a data run: the padded strategy the winner is compared with
