@@ -162,7 +162,7 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     tf = ["AutoModelForCausalLM", "AutoTokenizer", "TrainerCallback"]
     tf += ["BitsAndBytesConfig"] if w.quantization else []
     if fmt == "hf-trainer":
-        tf += ["Trainer", "TrainingArguments"] + ([hf_collator_class(w)] if w.batching != "packed" else [])
+        tf += ["Trainer", "TrainingArguments"] + ([hf_collator_class(w)] if w.batching in HF_COLLATED else [])
     lines.append(f"from transformers import {', '.join(sorted(set(tf)))}")
     if w.config.engine == "zero3":
         lines.append("from transformers.integrations import HfDeepSpeedConfig")
@@ -170,7 +170,15 @@ def imports(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
         lines.append("from trl import SFTConfig, SFTTrainer")
     elif w.batching == "packed":  # TRL's best-fit-decreasing packing and its collator of packed rows
         lines.append("from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, pack_dataset")
+    elif w.batching not in HF_COLLATED:  # padded rows: the probe's collator (labels -100 past each row's end)
+        lines.append("from trl.trainer.sft_trainer import DataCollatorForLanguageModeling")
     return lines
+
+
+HF_COLLATED = ("blocks", "padding_free")
+"""The hf-trainer recipe's batchings collated by transformers; the others by TRL's collator, as the probe collates
+them. transformers' `DataCollatorForLanguageModeling` masks every label equal to the pad id, and a tokenizer
+without a pad token pads with its end-of-sequence token: every EOS would go untrained."""
 
 
 def datasets_import(form: DataForm | None) -> str:
@@ -180,9 +188,7 @@ def datasets_import(form: DataForm | None) -> str:
 
 
 def hf_collator_class(w: Winner) -> str:
-    if w.batching == "padding_free":
-        return "DataCollatorWithFlattening"
-    return "default_data_collator" if w.batching == "blocks" else "DataCollatorForLanguageModeling"
+    return "DataCollatorWithFlattening" if w.batching == "padding_free" else "default_data_collator"
 
 
 def decided(w: Winner, default_dataset: str, data_lines: list[str]) -> list[str]:
@@ -519,7 +525,7 @@ def hf_collator(w: Winner) -> str:
     if w.batching == "packed":  # TRL's collator reads the packed rows' seq_lengths: positions restart per sample
         return "DataCollatorForLanguageModeling(tokenizer.pad_token_id, padding_free=True)"
     pad = ", pad_to_multiple_of=MAX_LENGTH" if w.batching == "pad_max" else ""
-    return f"DataCollatorForLanguageModeling(tokenizer, mlm=False{pad})"
+    return f"DataCollatorForLanguageModeling(tokenizer.pad_token_id{pad})"
 
 
 SHAREGPT = '''        role = {"human": "user", "gpt": "assistant"}  # ShareGPT's {from, value}, as the search read it

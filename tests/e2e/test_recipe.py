@@ -80,8 +80,8 @@ def test_the_trl_recipe_trains_three_steps_with_each_strategy(model: Path, tmp_p
 @pytest.mark.parametrize("strategy", ["packed", "padding_free"])
 def test_the_hf_trainer_recipe_trains_three_steps(model: Path, tmp_path: Path, strategy: str) -> None:
     """hf-trainer's own paths: TRL's pack_dataset bins flattened by TRL's collator; micro_batch_size samples
-    flattened by transformers' DataCollatorWithFlattening (the padded strategies are trl's above, with the same
-    collator arguments checked in-process)."""
+    flattened by transformers' DataCollatorWithFlattening (the padded strategies are trl's above, with TRL's
+    collator: below)."""
     script, text = exported(tmp_path, strategy, "hf-trainer")
     _, summary = run_recipe(script, model)
     assert summary["steps"] == 3
@@ -91,6 +91,23 @@ def test_the_hf_trainer_recipe_trains_three_steps(model: Path, tmp_path: Path, s
         assert 4 * 60 < summary["steady_tokens"] <= 4 * 95  # full rows, not one sample a row
     else:  # one step: 2 micro-batches of 2 samples, each cut to 96
         assert "DataCollatorWithFlattening()" in text and 0 < summary["steady_tokens"] <= 4 * 95
+
+
+def test_without_a_pad_token_the_hf_trainer_recipe_trains_every_eos_as_trl_s_does(model: Path, tmp_path: Path) -> None:
+    """A tokenizer without a pad token (Llama's) pads with its EOS. transformers' language-modeling collator then
+    masked every label equal to the pad id, every EOS with it: the hf-trainer recipe trained 274 tokens a steady step
+    here where the trl recipe (and the probe) train 277. It collates the padded strategies with TRL's collator now."""
+    nopad = tmp_path / "model-nopad"
+    shutil.copytree(model, nopad)
+    config = json.loads((nopad / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (nopad / "tokenizer_config.json").write_text(json.dumps(config))
+    hf, text = exported(tmp_path / "hf", "pad_longest", "hf-trainer")
+    trl, _ = exported(tmp_path / "trl", "pad_longest", "trl")
+    assert "mlm=False" not in text and "DataCollatorForLanguageModeling(tokenizer.pad_token_id)" in text
+    with ThreadPoolExecutor(2) as pool:
+        (_, hf_summary), (_, trl_summary) = pool.map(lambda s: run_recipe(s, nopad), [hf, trl])
+    assert hf_summary["steady_tokens"] == trl_summary["steady_tokens"] > 0, (hf_summary, trl_summary)
 
 
 def recipe_module(script: Path) -> dict[str, Any]:
