@@ -18,6 +18,7 @@ from autofit.config import dpo
 from autofit.export.common import ExportRun, comment_block
 from autofit.export.script import (
     EMULATE,
+    PLAIN_CHAT_TEMPLATE,
     THROUGHPUT,
     arguments,
     decided,
@@ -83,7 +84,8 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
     lines += [f"from peft import {', '.join(peft)}"] if peft else []
     lines += [f"from transformers import {', '.join(sorted(tf))}", "from trl import DPOConfig, DPOTrainer"]
     lines += [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
-    lines += decided(w, "prefs.jsonl", [])
+    lines += decided(w, "prefs.jsonl", [f"PLAIN_CHAT = {PLAIN_CHAT_TEMPLATE!r}  # conversations as measured where a "
+                                        "tokenizer has no template"])
     reference = ("a separate copy of the base (dpo_reference=copy)" if copy else
                  "the policy with its adapter disabled (dpo_reference=shared, TRL's default with a PEFT model)")
     comments = {"precompute_ref_log_probs": "the reference's log-probs computed once before training"
@@ -97,7 +99,7 @@ def render_dpo(r: ExportRun, w: Winner, differs: list[str]) -> str:
     kept = dpo.needs_checkpointing_kept(w.config)
     if kept:  # the probe's own fix, as source (the annotation's type-checker comment is the project's, not yours)
         helpers += "\n\n" + re.sub(r"  # type: ignore\[[^]]*\]", "", inspect.getsource(dpo.keep_checkpointing_as_asked))
-    body = []
+    body = ["    tokenizer.chat_template = tokenizer.chat_template or PLAIN_CHAT  # the probe's rendering without one"]
     load = "AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPE, attn_implementation=ATTENTION"
     if w.quantization:
         load += (', quantization_config=QUANTIZATION,\n        device_map={"": "cuda:0" if torch.cuda.is_available() '

@@ -24,13 +24,13 @@ GUARD = ("import sys; sys.modules['autofit'] = None; script = sys.argv[1]; sys.a
 """Runs a recipe where `import autofit` fails: it must need nothing of autofit."""
 
 
-def dpo_run(tmp: Path, **settings: object) -> Path:
-    """A run folder as a DPO search on prefs.jsonl leaves it (written, not searched)."""
+def dpo_run(tmp: Path, prefs: Path = PREFS, **settings: object) -> Path:
+    """A run folder as a DPO search on `prefs` leaves it (written, not searched)."""
     cfg = TrialConfig.from_dict({"trainer": "dpo", "batching": "pad_longest", "max_length": 128,
                                  "micro_batch_size": 2, "global_batch": 4, "precision": "fp32", **settings})
     run = write_run(tmp / "run", config=cfg.to_dict())
     spec = yaml.safe_load((run / "spec.yaml").read_text())
-    spec["dataset"] = DatasetRef.of_preferences(read_preferences(PREFS)).to_dict()
+    spec["dataset"] = DatasetRef.of_preferences(read_preferences(prefs)).to_dict()
     (run / "spec.yaml").write_text(yaml.safe_dump(spec))
     return run
 
@@ -64,3 +64,19 @@ def test_the_trl_dpo_recipe_trains_three_steps_and_hf_trainer_refuses(tmp_path: 
     assert refused.returncode == 2 and "--format trl" in refused.stderr and "Traceback" not in refused.stderr
     default = run_cli("export", str(run))  # without --format a DPO winner gets TRL's script, the same text
     assert default.returncode == 0 and default.stdout == text, default.stderr
+
+
+def test_conversation_pairs_train_where_the_tokenizer_has_no_chat_template(tmp_path: Path) -> None:
+    """The DPO probe renders conversations with autofit's plain rendering where the tokenizer has no template
+    (`data.tokenizer.PLAIN_CHAT`); the recipe stopped at TRL's "Cannot use chat template functions" instead."""
+    run = dpo_run(tmp_path, DATA_DIR / "prefs-chat.jsonl")
+    script = tmp_path / "train_dpo.py"
+    assert run_cli("export", str(run), "--format", "trl", "-o", str(script)).returncode == 0
+    model = save_tiny_model(tmp_path / "m")  # a tokenizer without a chat template
+    assert "chat_template" not in json.loads((model / "tokenizer_config.json").read_text())
+    proc = subprocess.run([sys.executable, "-c", GUARD, str(script), "--model", str(model), "--dataset",
+                           str(DATA_DIR / "prefs-chat.jsonl"), "--output-dir", str(tmp_path / "out"), "--max-steps",
+                           "3"], check=False, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("recipe-summary ")]
+    assert json.loads(line.split(" ", 1)[1])["steps"] == 3
