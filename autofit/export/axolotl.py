@@ -83,6 +83,7 @@ def render(r: ExportRun) -> Rendered:
                                     "field_messages": r.dataset.messages_field,
                                     "message_property_mappings": {"role": form.role, "content": form.content}}]
                 out["chat_template"] = "tokenizer_default"
+                out["train_on_inputs"] = True  # every turn trained, as measured (the assistant's alone otherwise)
             else:
                 out["datasets"] = [{"path": r.dataset.path, "type": "completion",
                                     "field": r.dataset.text_field}]

@@ -70,9 +70,13 @@ def render(r: ExportRun) -> Rendered:
                               "system_tag": "system"}}
             lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` "
                         "to your model's LLaMA-Factory template name (empty adds no role markers)")
+            out["train_on_prompt"] = True  # every token trained, as measured (SFT masks the prompt otherwise)
         else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
             out["stage"] = "pt"
             entry = {"file_name": r.dataset.path, "columns": {"prompt": r.dataset.text_field}}
+            if out.pop("neat_packing", False):  # refused outside SFT; pt's packing joins and cuts the texts
+                out.update({"packing": False, "cutoff_len": w.max_length})
+                lost[:] = [x for x in lost if not x.startswith("batching=packed")] + [PT_PACKED]
         register = f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
@@ -100,6 +104,11 @@ def render(r: ExportRun) -> Rendered:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
     return with_gpus(r, out, lost, register)
+
+
+PT_PACKED = ("batching=packed: LLaMA-Factory's pre-training stage (text rows) packs by joining every text and cutting "
+             "the stream into cutoff_len blocks (samples split, attending to each other), and refuses neat_packing; "
+             "written as one sample a row (dynamic padding), which trains what was measured, slower")
 
 
 def with_gpus(r: ExportRun, out: dict[str, object], lost: list[str], register: str) -> Rendered:

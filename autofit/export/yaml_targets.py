@@ -55,6 +55,9 @@ AXOLOTL: Axolotl = {
         "plugins", "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
         "liger_cross_entropy", "torch_compile", "torch_compile_backend", "flex_attention",
         "group_by_length", "batch_flattening", "chat_template",
+        # schemas/config.py; prompt_strategies/chat_template.py trains a turn where train_on_inputs or its role is
+        # in roles_to_train (["assistant"] by default)
+        "train_on_inputs",
         # docs/multi-gpu.qmd: DeepSpeed (a JSON path) and FSDP2 (schemas/fsdp.py FSDPConfig below)
         "deepspeed", "fsdp_version", "fsdp_config",
     },
@@ -86,6 +89,8 @@ LLAMA_FACTORY: LlamaFactory = {
         # hparams/finetuning_args.py (stage: dpo, examples/train_lora/llama3_lora_dpo.yaml); the preference file
         # is a `ranking` entry of data/dataset_info.json (data/README.md)
         "pref_beta", "pref_loss", "ref_model", "ref_model_quantization_bit",
+        # hparams/data_args.py: the prompt's tokens trained too (SFT only; hparams/parser.py refuses it elsewhere)
+        "train_on_prompt",
     },
     "flash_attn": {"sdpa": "sdpa", "eager": "disabled", "flash_attention_2": "fa2"},
 }

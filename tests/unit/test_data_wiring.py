@@ -185,8 +185,9 @@ def test_the_recipes_tokens_per_s_is_its_steady_steps_tokens_over_their_time(tmp
     ("pad_longest", {"sample_packing": False, "pad_to_sequence_len": False}, {"packing": False}, []),
     ("group_by_length", {"group_by_length": True, "sample_packing": False}, {"group_by_length": True}, []),
     ("padding_free", {"sample_packing": False}, {"packing": False}, ["axolotl", "llama-factory"]),
+    # D1 is text: LLaMA-Factory's pre-training stage, whose packing joins the texts and which refuses neat_packing
     ("packed", {"sample_packing": True, "pad_to_sequence_len": True},
-     {"packing": True, "neat_packing": True, "cutoff_len": 97}, ["axolotl", "llama-factory"]),
+     {"stage": "pt", "packing": False, "cutoff_len": 96}, ["axolotl", "llama-factory"]),
 ])
 def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: str, axolotl: dict,
                                                     llama_factory: dict, lost: list[str]) -> None:
@@ -202,6 +203,7 @@ def test_every_format_carries_the_measured_strategy(tmp_path: Path, strategy: st
     assert yaml.safe_load(ax.text)["datasets"][0]["path"] == str(D1)
     lf = export_run(run, "llama-factory")
     assert yaml.safe_load(lf.text).items() >= llama_factory.items()
+    assert "neat_packing" not in yaml.safe_load(lf.text)  # LLaMA-Factory refuses it outside SFT
     trl, hf = export_run(run, "trl"), export_run(run, "hf-trainer")
     sft = training_args(trl.text)
     assert sft["padding_free"] is (strategy == "padding_free") if "padding_free" in sft else strategy == "packed"
@@ -230,12 +232,17 @@ def test_the_yaml_trainers_read_chats_as_chats_and_text_as_text(tmp_path: Path) 
     assert ax["datasets"] == [{"path": str(CHAT), "type": "chat_template", "field_messages": "messages",
                                "message_property_mappings": {"role": "role", "content": "content"}}]
     assert ax["chat_template"] == "tokenizer_default"
+    assert ax["train_on_inputs"] is True  # the probe trains every token; axolotl the assistant's turns alone
     lf = export_run(chats, "llama-factory")
+    assert yaml.safe_load(lf.text)["train_on_prompt"] is True  # SFT masks the prompt otherwise
     entry = json.loads(lf.text.split('"my_dataset": ', 1)[1].splitlines()[0])
     assert entry["formatting"] == "sharegpt" and entry["columns"] == {"messages": "messages"}
     assert yaml.safe_load(lf.text)["stage"] == "sft" and any("template" in x for x in lf.unexpressed)
     pt = export_run(data_run(tmp_path / "p", "pad_longest"), "llama-factory")
     assert yaml.safe_load(pt.text)["stage"] == "pt" and '"columns": {"prompt": "text"}' in pt.text
+    assert "train_on_prompt" not in yaml.safe_load(pt.text)  # refused outside SFT; pt trains every token
+    packed_chats = yaml.safe_load(export_run(data_run(tmp_path / "pc", "packed", CHAT), "llama-factory").text)
+    assert (packed_chats["stage"], packed_chats["neat_packing"], packed_chats["cutoff_len"]) == ("sft", True, 97)
     sharegpt = tmp_path / "g.jsonl"  # ShareGPT's keys are carried as the message keys
     sharegpt.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
                                                       {"from": "gpt", "value": "yo"}]}) + "\n")
