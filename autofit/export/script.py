@@ -114,7 +114,7 @@ def comments(w: Winner, fmt: str) -> dict[str, str]:
     if w.batching == "packed":
         out["packing"] = "best-fit decreasing: whole samples in rows of max_length, boundaries kept"
     if w.batching == "blocks":
-        out["packing"] = "text cut into full max_length blocks, as measured (no padding)"
+        out["packing"] = "text cut into max_length blocks, as measured (no padding; TRL keeps a shorter last one)"
     if w.batching == "padding_free":
         out["packing"] = "micro_batch_size samples flattened into one row, positions restarting per sample"
     if w.training.get("use_cpu"):
@@ -433,7 +433,9 @@ def main_body(w: Winner, fmt: str, form: DataForm | None) -> list[str]:
     if fmt == "hf-trainer":
         out.append("    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token")
         if w.batching == "blocks":
-            out.append("    data = blocks(data, tokenizer)")
+            out += ["    data = blocks(data, tokenizer)", "    if not len(data):",
+                    '        parser.error(f"--dataset: {a.dataset} holds fewer than MAX_LENGTH ({MAX_LENGTH}) tokens: '
+                    'not one block to train")']
         else:
             out += ["    data = tokenized(data, tokenizer)"] if chat else hf_tokenize()
         if w.batching == "packed":
@@ -556,7 +558,7 @@ def render_script(r: ExportRun, w: Winner, fmt: str, name: str, differs: list[st
     form = data_form(w.dataset) if w.dataset is not None else None
     chats = form is not None and form.chat
     read = "JSONL/JSON/CSV/parquet/text file or save_to_disk folder" if form is None else \
-        "a file (or folder) of DATASET's format, DATA_FORMAT"
+        f"a file (or folder) read as '{form.format}' data whatever its name, as the search read its dataset"
     body = arguments(read, CHAT_CHECK if chats else TEXT_CHECK, LIGER if w.config.liger else "") + EMULATE
     said = [comment_block([f"DIFFERS FROM THE PROBE: {d}" for d in differs])] if differs else []
     lines = [*header(r, w, fmt, name), *imports(w, fmt, form), *said, *constants(w, fmt, form)]

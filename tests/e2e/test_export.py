@@ -53,6 +53,20 @@ def test_python_recipes_train_three_steps(tiny_run: Path, model: Path, tmp_path:
     assert (out / "adapter_config.json").is_file()
 
 
+def test_a_file_shorter_than_one_block_is_one_line_and_exit_2(tiny_run: Path, model: Path, tmp_path: Path) -> None:
+    """A run on random tokens trains full MAX_LENGTH blocks of the text: a file holding fewer tokens than one
+    block gave Trainer's `num_samples=0` traceback."""
+    script = tmp_path / "train.py"
+    assert export(tiny_run, "hf-trainer", script).returncode == 0
+    short = tmp_path / "two.jsonl"
+    short.write_text(json.dumps({"text": "a few words, far fewer tokens than a block"}) + "\n")
+    ran = subprocess.run([sys.executable, str(script), "--model", str(model), "--dataset", str(short),
+                          "--output-dir", str(tmp_path / "out"), "--max-steps", "1"], check=False,
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr[-2000:]
+    assert f"train.py: error: --dataset: {short} holds fewer than MAX_LENGTH (" in ran.stderr
+
+
 def test_yaml_recipes_parse_and_carry_the_winner(tiny_run: Path, tmp_path: Path) -> None:
     best = json.loads((tiny_run / "best.json").read_text())["config"]
     assert export(tiny_run, "axolotl", tmp_path / "a.yaml").returncode == 0
