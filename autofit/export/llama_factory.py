@@ -78,6 +78,10 @@ def render(r: ExportRun) -> Rendered:
                 out.update({"packing": False, "cutoff_len": w.max_length})
                 lost[:] = [x for x in lost if not x.startswith("batching=packed")] + [PT_PACKED]
         register = f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
+    else:  # measured on full max_length rows: the pre-training stage joins the texts and cuts them into such blocks
+        out.update({"stage": "pt", "cutoff_len": w.max_length + 1})  # packing takes one off cutoff_len
+        entry = {"file_name": "data.jsonl", "columns": {"prompt": "text"}}
+        register = f"Register your text file in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
     if cfg.checkpoint_every > 1 or cfg.checkpoint_offload:
         lost.append(f"gradient_checkpointing={cfg.gradient_checkpointing}: LLaMA-Factory "
                     f"{LLAMA_FACTORY['version']} checkpoints every layer or none; written as every layer")

@@ -80,7 +80,11 @@ def test_yaml_recipes_parse_and_carry_the_winner(tiny_run: Path, tmp_path: Path)
     assert f"axolotl {AXOLOTL['version']}" in (tmp_path / "a.yaml").read_text()
     assert export(tiny_run, "llama-factory", tmp_path / "l.yaml").returncode == 0
     lf = yaml.safe_load((tmp_path / "l.yaml").read_text())
-    assert lf["cutoff_len"] == best["max_length"]
+    # measured on full max_length rows: the pre-training stage's packing joins the texts and cuts cutoff_len - 1
+    # blocks (its DataArguments take one off); SFT's packing would fit whole samples and mask their prompts
+    assert (lf["stage"], lf["packing"], lf["cutoff_len"]) == ("pt", True, best["max_length"] + 1)
+    entry = '"my_dataset": {"file_name": "data.jsonl", "columns": {"prompt": "text"}}'
+    assert entry in (tmp_path / "l.yaml").read_text()
     assert lf["per_device_train_batch_size"] == best["micro_batch_size"]
     assert lf["gradient_accumulation_steps"] == best["gradient_accumulation_steps"]
     assert lf["disable_gradient_checkpointing"] == (best["gradient_checkpointing"] == "off")
