@@ -31,7 +31,7 @@ from autofit.core.envinfo import collect, gpus, package_versions
 from autofit.core.errors import CannotWrite, NothingFits, UsageError, gather
 from autofit.core.files import cannot_write
 from autofit.core.paths import output_file, output_folder, shown, source
-from autofit.core.units import parse_duration
+from autofit.core.units import format_size, parse_duration
 from autofit.data import DatasetRef, TextMode
 from autofit.data import summarize as summarize_data
 from autofit.data.preference import PreferenceStats, looks_like_preferences, summarize_preferences
@@ -141,9 +141,14 @@ def _resumed(req: SearchRequest) -> Session:
     spec = load_spec(run_dir, "--resume")
     check_storage(spec.storage, f"--resume: {RunDir(run_dir).spec}: storage")
     check_study_file(spec.storage, run_dir, "--resume", measured_only=True)
-    if req.gpu is not None or req.device is not None:
-        spec = spec.replace(targets=tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom,
-                                                          req.gpus)))
+    if req.gpu is not None or req.device is not None or req.memory_limit is not None or req.headroom != HEADROOM:
+        targets = tuple(resolve_targets(req.gpu, req.device, req.memory_limit, req.headroom, req.gpus))
+        was = spec.targets[0]
+        targets = tuple(replace(t, memory_limit_bytes=t.memory_limit_bytes if req.memory_limit is not None
+                                else was.memory_limit_bytes,
+                                headroom=t.headroom if req.headroom != HEADROOM else was.headroom) for t in targets)
+        same_memory(was, targets[0])
+        spec = spec.replace(targets=targets)
     if req.budget is not None:
         spec = spec.replace(budget_s=parse_duration(req.budget))
     # the measured file moved: the same content, found at its new place
@@ -156,8 +161,31 @@ def _resumed(req: SearchRequest) -> Session:
         raise UsageError("--dataset: this run was searched on random tokens; --resume continues it as it "
                          "was. Start a new search with --dataset to measure on your data.")
     notes = ignored_note(req, "--resume continues the run as it was planned (the study measured that model "
-                              "and space)", (("--storage", req.storage), ("--study-name", req.study_name)))
+                              "and space)", (("--storage", req.storage), ("--study-name", req.study_name),
+                                             *resume_keeps(req)))
     return Session(Mode.RESUME, spec, run_dir, local_storage=_in_folder(spec.storage, run_dir), notes=notes)
+
+
+def same_memory(measured: Target, asked: Target) -> None:
+    """A resumed search may move to another GPU or device of the same memory, not to another memory: its fits and
+    out-of-memory results were judged against the run's limit (or card) and headroom, and hold for them only."""
+    def memory(t: Target) -> str:
+        size = t.memory_limit_bytes or t.card_bytes
+        return (f"{format_size(size)}" if size else "no memory limit") + f" with {t.headroom:.0%} headroom"
+
+    if memory(measured) != memory(asked):
+        raise UsageError(f"--resume: this run was measured under {memory(measured)}, and its fits and "
+                         f"out-of-memory results hold for that alone; asked: {memory(asked)}. Resume without "
+                         "--memory-limit and --headroom (or with the run's), or start a new search for the other "
+                         "memory.")
+
+
+def resume_keeps(req: SearchRequest) -> tuple[tuple[str, object], ...]:
+    """The flags a resumed search takes from its run folder instead (given here: other than their defaults)."""
+    return (("--seed", req.seed or None), ("--policy", None if req.policy == Policy.EDGE.value else req.policy),
+            ("--out", None if req.out == Path("runs") else req.out),
+            ("--probe-timeout, --confirm and the probe's step counts",
+             None if req.probe == ProbeSettings() else req.probe))
 
 
 def _joined(req: SearchRequest) -> Session | None:

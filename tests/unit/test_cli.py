@@ -160,9 +160,27 @@ def test_resume_reads_the_spec_and_overrides_only_what_was_given(tmp_path: Path)
     write_spec(session.run_dir, session.spec)
     resumed = plan(SearchRequest(resume=session.run_dir))
     assert resumed.mode is Mode.RESUME and resumed.spec == session.spec and resumed.local_storage
-    longer = plan(SearchRequest(resume=session.run_dir, budget="5m", device="cpu", memory_limit="1GiB"))
-    assert longer.spec.budget_s == 300.0 and longer.spec.targets[0].memory_limit_bytes == 2**30
-    assert longer.spec.replace(budget_s=120.0, targets=session.spec.targets) == session.spec
+    longer = plan(SearchRequest(resume=session.run_dir, budget="5m", device="cpu"))
+    assert longer.spec.budget_s == 300.0 and longer.spec.replace(budget_s=120.0) == session.spec
+
+
+def test_resume_refuses_another_memory_than_the_run_was_judged_against(tmp_path: Path) -> None:
+    """Fits and out-of-memory results hold for the limit and headroom they were judged against: a resumed search
+    under a smaller --memory-limit kept a winner of 269 MiB as the best "of 100 MiB", and --memory-limit without
+    --device was dropped without a word."""
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--memory-limit", "1GiB")
+    write_spec(session.run_dir, session.spec)
+    for asked in ({"memory_limit": "100MiB"}, {"memory_limit": "100MiB", "device": "cpu"}, {"headroom": 0.1}):
+        with pytest.raises(UsageError) as e:
+            plan(SearchRequest(resume=session.run_dir, **asked))  # type: ignore[arg-type]
+        assert str(e.value).startswith("--resume: this run was measured under 1 GiB with 5% headroom"), asked
+    for same in ({"device": "cpu", "memory_limit": "1GiB"}, {"device": "cpu"}):  # the run's limit, kept
+        resumed = plan(SearchRequest(resume=session.run_dir, **same))  # type: ignore[arg-type]
+        assert resumed.spec == session.spec and resumed.notes == ()
+    kept = plan(SearchRequest(resume=session.run_dir, seed=3, policy="promise", out=tmp_path / "elsewhere"))
+    assert kept.spec == session.spec  # the run's own seed, policy and folder
+    assert kept.notes == ("--resume continues the run as it was planned (the study measured that model and "
+                          "space): --seed, --policy, --out ignored; start a new search to change them.",)
 
 
 def test_resume_says_which_flags_it_cannot_change(tmp_path: Path) -> None:
