@@ -162,3 +162,12 @@ def _creatable(p: Path, flag: str, remedy: str) -> None:
     if too_long is not None:
         raise UsageError(f"{flag}: {shown(p)} has a name of {len(os.fsencode(too_long))} bytes, longer than "
                          f"the {longest} the file system takes.{_then(remedy)}")
+
+
+def python_module(module: str) -> list[str]:
+    """The command that runs `module` in a child Python, the working folder left off its import path (`-P`,
+    Python 3.11+): `python -m` puts the folder first, so a user's own `trl.py` or `datasets.py` there (an
+    exported recipe saved as `trl.py`) would be imported in the library's place."""
+    import sys
+
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]

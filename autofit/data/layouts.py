@@ -23,6 +23,7 @@ from pathlib import Path
 
 from autofit.core.documents import JSONObject
 from autofit.core.files import write_atomic
+from autofit.core.paths import python_module
 from autofit.data.stats import candidates
 
 GROUP_SIZES = (1, 2, 4, 8, 16)
@@ -99,7 +100,7 @@ class Layouts:
         root = str(Path(__file__).resolve().parents[2])  # the folder that holds the autofit package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
                "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "autofit.data.library"], input=json.dumps(request),
+        proc = subprocess.run(python_module("autofit.data.library"), input=json.dumps(request),
                               capture_output=True, text=True, env=env, check=False)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-5:])

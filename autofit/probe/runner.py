@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
 from autofit.core.documents import JSONObject
 from autofit.core.files import write_atomic
+from autofit.core.paths import python_module
 from autofit.probe.standby import HOLD, Standby, writable_logs
 from autofit.protocol import group
 from autofit.protocol.kills import SAMPLE_EVERY_S, KillWatch
@@ -255,7 +255,7 @@ class Runner:
             Path(rank_result_path(req.result_path, r)).unlink(missing_ok=True)
         self._seq += 1
         child = Standby(self.log_dir, self._env(n), self._seq,
-                        cmd=[sys.executable, "-m", "autofit.probe.child.launch", str(n), str(request_file)])
+                        cmd=[*python_module("autofit.probe.child.launch"), str(n), str(request_file)])
         child.hold_while_timing = self.hold_while_timing  # its timed steps hold standbys still importing
         try:
             return self._supervise(child, req, log_path, asked, deadline, timeout, cancel)

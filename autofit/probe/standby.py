@@ -14,7 +14,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from typing import IO
 import psutil
 
 from autofit.core.errors import CannotWrite, UsageError
+from autofit.core.paths import python_module
 from autofit.protocol.request import READY, TIMED_END, TIMED_START
 
 # Tests replace the child with a small program that follows the same protocol (a CUDA OOM
@@ -152,7 +152,7 @@ class Standby:
         launcher = cmd is not None
         if cmd is None:
             cmd = shlex.split(os.environ[CHILD_ENV]) if os.environ.get(CHILD_ENV) else [
-                sys.executable, "-m", "autofit.probe.child", "--standby"]
+                *python_module("autofit.probe.child"), "--standby"]
         self.proc = _SPAWNER.submit(
             subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_fd,
             env=env, start_new_session=True,  # its own process group: a timeout or Ctrl-C stops all of it

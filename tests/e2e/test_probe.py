@@ -360,3 +360,19 @@ def test_weights_that_make_the_loss_non_finite_are_unstable_not_a_fit(tmp_path: 
     # what a search that met only this would tell the user: not "allow more memory"
     msg = nothing_fits_message([ProbeResult.from_dict(r)], 2**30)
     assert "training was unstable" in msg and "non-finite loss" in msg and "Allow next" not in msg
+
+
+def test_modules_in_the_working_folder_do_not_replace_the_libraries_in_the_children(tmp_path: Path) -> None:
+    """`python -m` puts the working folder first on the import path: a `trl.py` there (a recipe exported under
+    that name) broke the batching layouts' child with a traceback, a `datasets.py` every probe. The children
+    leave the folder off their path (`-P`); the `autofit` command itself never had it there."""
+    import json
+
+    for name in ("trl", "datasets"):
+        (tmp_path / f"{name}.py").write_text('raise RuntimeError("the working folder\'s own module was imported")\n')
+    proc = subprocess.run([str(Path(sys.executable).parent / "autofit"), "probe", "--model", "tiny-llama",
+                           "--device", "cpu", "--dataset", str(ROOT / "tests" / "data" / "d1-slice.jsonl"),
+                           "--json", *SHORT], check=False, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["outcome"] == "fit", proc.stdout[-2000:]
