@@ -177,10 +177,27 @@ def known_model_types() -> frozenset[str] | None:
     return frozenset(CONFIG_MAPPING_NAMES)
 
 
+def causal_model_types() -> frozenset[str] | None:
+    """The `model_type`s AutoModelForCausalLM builds (None where it cannot be read). Imports torch: only for a
+    config from a file, which the probe builds the same way."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def _check_model_type(model_type: str, path: Path, flag: str, remote_code: bool) -> None:
     known = known_model_types()
-    if remote_code or known is None or model_type in known:
+    if remote_code or known is None:
         return
+    if model_type in known:
+        causal = causal_model_types()
+        if causal is None or model_type in causal:
+            return
+        raise UsageError(f"{flag}: {path} is a {model_type!r} model, which transformers does not build as a causal "
+                         "language model (AutoModelForCausalLM): autofit fine-tunes causal LMs. Give a decoder "
+                         f"model's config (llama, mistral, qwen2, ...) or a preset ({', '.join(PRESETS)}).")
     close = difflib.get_close_matches(model_type, sorted(known), n=3)
     hint = f" (close: {', '.join(close)})" if close else ""
     raise UsageError(f"{flag}: {path} has model_type {model_type!r}, which the installed transformers does "

@@ -32,6 +32,9 @@ FAULTS = [
           "--budget: '-5m' is not positive"),
     Fault("model-type-unknown", "a config.json whose model_type transformers does not know",
           "autofit search --model ./config.json", 2, "model_type 'nonsense'"),
+    Fault("model-not-causal", "a config.json of a model transformers does not build as a causal LM (T5: every "
+          "probe crashed, then 'a longer --budget')", "autofit search --model ./config.json", 2,
+          "is a 't5' model, which transformers does not build as a causal language model"),
     Fault("model-config-mistyped-field", "a config.json with a field of the wrong type (every probe crashed, then "
           "'nothing fits')", "autofit search --model ./config.json", 2,
           "Field 'hidden_size' expected int, got str"),
@@ -129,6 +132,8 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
     "global-batch-zero": lambda tmp: [*SEARCH, "--global-batch", "0"],
     "budget-negative": lambda tmp: ["search", "--model", "tiny-llama", "--budget", "-5m"],
     "model-type-unknown": _config,
+    "model-not-causal": lambda tmp: [*SEARCH, "--model", str(_write(tmp / "config.json", json.dumps(
+        {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 100}).encode()))],
     "model-config-mistyped-field": lambda tmp: [
         *SEARCH,
         "--model",
