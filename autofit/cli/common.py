@@ -152,7 +152,10 @@ PATH_FLAGS = {"model": ("--model", "a preset, a model folder, a config.json or a
               "storage": ("--storage", "a database URL or a .journal file"),
               "log_dir": ("--log-dir", "a folder"), "run": ("RUN", "a run folder made by `autofit search`"),
               "path": ("PATH", "a dataset file or folder"),
-              "study_name": ("--study-name", "a name for the study")}
+              "study_name": ("--study-name", "a name for the study"),
+              "output": ("-o/--output", "a file path (or - for standard output)"),
+              "json": ("--json", "a file path"), "junit": ("--junit", "a file path"),
+              "gpu": ("--gpu", "a GPU index or a comma list such as 0,1")}
 """Flags that take a path or a name: an empty value (`--out "$DIR"` with DIR unset) is refused, never
 read as the flag's default or the current folder."""
 

@@ -117,6 +117,19 @@ def test_numbers_and_names_at_their_extremes_are_refused(flags: list[str], messa
         check_shared_flags(build_parser().parse_args(["search", "--model", "tiny-llama", *flags]))
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["export", "RUN", "-o", ""], "-o/--output: an empty value"),  # printed the recipe to stdout, wrote no file
+    (["regress", "RUN", "--junit", ""], "--junit: an empty value"),  # CI's --junit "$UNSET": no report, exit 0
+    (["regress", "RUN", "--json", ""], "--json: an empty value"),
+    (["search", "--model", "tiny-llama", "--gpu", ""], "--gpu: an empty value"),  # read as GPU 0
+])
+def test_an_empty_file_or_gpu_is_refused_not_taken_as_the_default(argv: list[str], message: str) -> None:
+    from autofit.cli.common import check_shared_flags
+
+    with pytest.raises(UsageError, match=f"^{message}"):
+        check_shared_flags(build_parser().parse_args(argv))
+
+
 def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["search", "--model", "tiny-llama", "--budget", "-5m", "--out", str(tmp_path)]) == 2
     assert "--budget: '-5m' is not positive" in capsys.readouterr().err
