@@ -164,6 +164,14 @@ def check_shared_flags(args: argparse.Namespace) -> None:
     """The ranges of the shared flags, all problems at once (flags a command lacks are skipped)."""
     problems = [f"{flag}: an empty value; give {what}." for dest, (flag, what) in PATH_FLAGS.items()
                 if isinstance(getattr(args, dest, None), str) and not getattr(args, dest).strip()]
+    reads_data = hasattr(args, "dataset") and hasattr(args, "text_mode")  # search, probe, plan
+    if reads_data and not args.dataset and not getattr(args, "resume", None):
+        given = [flag for flag, on in (("--text-field", args.text_field is not None),
+                                       ("--messages-field", args.messages_field is not None),
+                                       ("--text-mode", args.text_mode != "auto")) if on]
+        if given:  # they read --dataset's rows: without one they were dropped, the probes on random tokens
+            problems.append(f"{' and '.join(given)}: read the rows of --dataset, which is not given; add "
+                            "--dataset PATH (without it the probes train on random tokens).")
     if getattr(args, "warmup_steps", WARMUP_STEPS) < WARMUP_STEPS:
         problems.append(f"--warmup-steps: at least {WARMUP_STEPS} (optimizer state is allocated on the first "
                         "step).")

@@ -90,12 +90,15 @@ def _preferences(args: argparse.Namespace, model: ModelSource, out: Path, length
     return 0
 
 
-def _lengths(values: list[int] | None) -> tuple[int, ...]:
-    bad = [v for v in values or () if v <= 0]
-    if bad:
-        raise UsageError(f"--max-length: {bad[0]} is not a length; give positive token counts such as 1024 "
-                         "2048.")
-    return tuple(values or ())
+def _lengths(values: list[str] | None) -> tuple[int, ...]:
+    """--max-length's candidates, spaced or as search's comma list (1024 2048, or 1024,2048)."""
+    out = []
+    for part in (x.strip() for v in values or () for x in v.split(",")):
+        if not part.isdigit() or int(part) <= 0:
+            raise UsageError(f"--max-length: {part or repr(part)} is not a length; give positive token counts "
+                             "such as 1024 2048 (or 1024,2048).")
+        out.append(int(part))
+    return tuple(out)
 
 
 def add_parser(sub: Subcommands, fmt: Formatter) -> None:
@@ -106,7 +109,7 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     dp.add_argument("--model", required=True,
                     help="preset, local folder, config.json, or hub id (its tokenizer)")
     add_data_flags(dp, with_dataset=False)
-    dp.add_argument("--max-length", type=int, nargs="+", metavar="N",
+    dp.add_argument("--max-length", nargs="+", metavar="N",
                     help="the max_length candidates to show instead of the data's own")
     dp.add_argument("--out", metavar="DIR", help="where lengths.png, data.json and the caches go "
                                                  "(default ./autofit-data/<name>-<hash>)")

@@ -73,6 +73,9 @@ def parse_duration(text: str, flag: str = "--budget") -> float:
         seconds = sum(float(n) * scale[u] for n, u in parts)
     if seconds <= 0:
         raise UsageError(f"{flag}: {text!r} is not a positive duration; give for example 30m.")
+    if seconds < 1:  # shown as 0s, it spent itself before the first probe ("Nothing was probed")
+        raise UsageError(f"{flag}: {text!r} is under a second, shorter than any probe; give for example 30m (a "
+                         "probe takes seconds on a GPU, more on the CPU).")
     return seconds
 
 

@@ -76,13 +76,15 @@ def test_too_many_gpus_names_gpus_once() -> None:
 
 
 def test_the_next_search_carries_the_plans_flags_or_the_saving() -> None:
+    data = "tests/data/d1-slice.jsonl"  # --text-field reads --dataset's rows: refused without it
     proc = run_cli("plan", "--model", "llama2-7b", "--memory-limit", "40GiB", "--global-batch", "4", "--headroom",
-                   "7%", "--text-field", "body", "--gpus", "2", "--max-length", "1024", "--top", "0")
+                   "7%", "--dataset", data, "--text-field", "text", "--gpus", "2", "--max-length", "1024", "--top",
+                   "0", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "  1  L=" not in proc.stdout  # --top 0: no config listed
     assert proc.stdout.splitlines()[-1] == (
-        "next: autofit search --model llama2-7b --text-field body --max-length 1024 --global-batch 4 --gpus 2 "
-        "--memory-limit 40GiB --headroom 7% --budget 30m")
+        f"next: autofit search --model llama2-7b --dataset {data} --text-field text --max-length 1024 "
+        "--global-batch 4 --gpus 2 --memory-limit 40GiB --headroom 7% --budget 30m")
     t4 = run_cli("plan", "--model", "llama2-7b", "--card", "T4")  # nothing fits: the search of QLoRA
     assert t4.returncode == 3 and t4.stdout.splitlines()[-1] == (
         "next: autofit search --model llama2-7b --space qlora --memory-limit 15101MiB --budget 30m")

@@ -122,8 +122,12 @@ def test_numbers_and_names_at_their_extremes_are_refused(flags: list[str], messa
     (["regress", "RUN", "--junit", ""], "--junit: an empty value"),  # CI's --junit "$UNSET": no report, exit 0
     (["regress", "RUN", "--json", ""], "--json: an empty value"),
     (["search", "--model", "tiny-llama", "--gpu", ""], "--gpu: an empty value"),  # read as GPU 0
+    # without --dataset they were dropped, the search on random tokens
+    (["search", "--model", "tiny-llama", "--text-field", "body"], "--text-field: read the rows of --dataset"),
+    (["probe", "--model", "tiny-llama", "--messages-field", "m", "--text-mode", "lines"],
+     "--messages-field and --text-mode: read the rows of --dataset"),
 ])
-def test_an_empty_file_or_gpu_is_refused_not_taken_as_the_default(argv: list[str], message: str) -> None:
+def test_an_empty_file_or_gpu_and_data_flags_without_data_are_refused(argv: list[str], message: str) -> None:
     from autofit.cli.common import check_shared_flags
 
     with pytest.raises(UsageError, match=f"^{message}"):
@@ -133,6 +137,12 @@ def test_an_empty_file_or_gpu_is_refused_not_taken_as_the_default(argv: list[str
 def test_a_value_that_starts_with_a_dash_reaches_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["search", "--model", "tiny-llama", "--budget", "-5m", "--out", str(tmp_path)]) == 2
     assert "--budget: '-5m' is not positive" in capsys.readouterr().err
+
+
+def test_a_budget_under_a_second_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0.001s was taken, shown as "budget 0s", and made a run folder that said only "Nothing was probed"."""
+    assert main(["search", "--model", "tiny-llama", "--budget", "0.001s", "--out", str(tmp_path)]) == 2
+    assert "--budget: '0.001s' is under a second" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 # ----------------------------------------------------------------------------- the session's decisions

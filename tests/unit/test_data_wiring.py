@@ -48,12 +48,17 @@ def test_data_command_json_with_the_users_lengths(tmp_path: Path, capsys) -> Non
     assert out["candidates"] == [64, 128] and out["approximate"] is True
     assert out["cuts"][0]["samples_truncated"] == pytest.approx((values > 64).mean())
     assert out["percentiles"]["p90"] == pytest.approx(np.percentile(values, 90))
+    # search's and plan's comma list too (it was argparse's "invalid int value")
+    assert main(["data", str(CHAT), "--model", "tiny-llama", "--out", str(tmp_path), "--json",
+                 "--max-length", "64,128"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"] == [64, 128]
 
 
 @pytest.mark.parametrize(("content", "args", "match"), [
     ("", (), "PATH: .*is empty"),
     ('{"prompt": "x"}\n', (), "no usable row .*missing 'text'.*--text-field"),
     ('{"text": "x"}\n', ("--max-length", "0"), "--max-length: 0 is not a length"),
+    ('{"text": "x"}\n', ("--max-length", "1024", "2x"), "--max-length: 2x is not a length"),
     ('{"text": "x"}\n', ("--model", "nope-model"), "--model"),
 ])
 def test_data_command_bad_inputs_exit_2_with_a_message(tmp_path: Path, capsys, content: str, args: tuple,
