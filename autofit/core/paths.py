@@ -9,6 +9,7 @@ import errno
 import os
 import shlex
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,6 +169,4 @@ def python_module(module: str) -> list[str]:
     """The command that runs `module` in a child Python, the working folder left off its import path (`-P`,
     Python 3.11+): `python -m` puts the folder first, so a user's own `trl.py` or `datasets.py` there (an
     exported recipe saved as `trl.py`) would be imported in the library's place."""
-    import sys
-
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]

@@ -30,8 +30,15 @@ def axolotl_batching(cfg: TrialConfig) -> tuple[dict[str, object], list[str]]:
         "batching=packed: axolotl's multipack binning is not best-fit-decreasing; rows fill differently"]
 
 
-def llama_factory_batching(cfg: TrialConfig) -> tuple[dict[str, object], list[str]]:
+def llama_factory_batching(cfg: TrialConfig, pretraining: bool = False) -> tuple[dict[str, object], list[str]]:
+    """`pretraining`: text rows, LLaMA-Factory's `stage: pt`, which refuses neat_packing and packs by joining every
+    text into one stream cut into cutoff_len blocks (samples split, attending to each other)."""
     b = cfg.batching
+    if b == "packed" and pretraining:
+        return {"packing": False}, [
+            "batching=packed: LLaMA-Factory's pre-training stage (text rows) packs by joining every text and cutting "
+            "the stream into cutoff_len blocks (samples split, attending to each other), and refuses neat_packing; "
+            "written as one sample a row (dynamic padding), which trains what was measured, slower"]
     if b == "packed":  # neat_packing: no attention across samples; cutoff_len loses one token when packing
         return {"packing": True, "neat_packing": True, "cutoff_len": cfg.max_length + 1}, [
             "batching=packed: LLaMA-Factory packs by a greedy knapsack, not best-fit-decreasing"]

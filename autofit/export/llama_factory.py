@@ -56,10 +56,10 @@ def render(r: ExportRun) -> Rendered:
         missing, register = preference_keys(r, w, out)
         lost += missing
     elif r.dataset is not None:  # searched with --dataset: the measured batching, on the measured rows
-        batching, missing = llama_factory_batching(cfg)
+        form = data_form(r.dataset)
+        batching, missing = llama_factory_batching(cfg, pretraining=not form.chat)
         out.update(batching)
         lost += missing
-        form = data_form(r.dataset)
         lost += [form.note] if form.note else []
         if form.chat:
             entry = {"file_name": r.dataset.path, "formatting": "sharegpt",
@@ -74,9 +74,6 @@ def render(r: ExportRun) -> Rendered:
         else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
             out["stage"] = "pt"
             entry = {"file_name": r.dataset.path, "columns": {"prompt": r.dataset.text_field}}
-            if out.pop("neat_packing", False):  # refused outside SFT; pt's packing joins and cuts the texts
-                out.update({"packing": False, "cutoff_len": w.max_length})
-                lost[:] = [x for x in lost if not x.startswith("batching=packed")] + [PT_PACKED]
         register = f"Register it in data/dataset_info.json first: \"my_dataset\": {json.dumps(entry)}"
     else:  # measured on full max_length rows: the pre-training stage joins the texts and cuts them into such blocks
         out.update({"stage": "pt", "cutoff_len": w.max_length + 1})  # packing takes one off cutoff_len
@@ -108,11 +105,6 @@ def render(r: ExportRun) -> Rendered:
         lost.append("expandable_segments=True: not a LLaMA-Factory key; export "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `llamafactory-cli train`")
     return with_gpus(r, out, lost, register)
-
-
-PT_PACKED = ("batching=packed: LLaMA-Factory's pre-training stage (text rows) packs by joining every text and cutting "
-             "the stream into cutoff_len blocks (samples split, attending to each other), and refuses neat_packing; "
-             "written as one sample a row (dynamic padding), which trains what was measured, slower")
 
 
 def with_gpus(r: ExportRun, out: dict[str, object], lost: list[str], register: str) -> Rendered:

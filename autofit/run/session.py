@@ -173,7 +173,10 @@ def same_memory(measured: Target, asked: Target) -> None:
         size = t.memory_limit_bytes or t.card_bytes
         return (f"{format_size(size)}" if size else "no memory limit") + f" with {t.headroom:.0%} headroom"
 
-    if memory(measured) != memory(asked):
+    def judged(t: Target) -> tuple[int | None, float]:
+        return t.memory_limit_bytes or t.card_bytes, t.headroom
+
+    if judged(measured) != judged(asked):
         raise UsageError(f"--resume: this run was measured under {memory(measured)}, and its fits and "
                          f"out-of-memory results hold for that alone; asked: {memory(asked)}. Resume without "
                          "--memory-limit and --headroom (or with the run's), or start a new search for the other "

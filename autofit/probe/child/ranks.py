@@ -35,8 +35,10 @@ def launch(argv: list[str]) -> int:
     die_with_parent()
     from torch.distributed.run import main as torchrun  # the heavy import, after the tie to the runner
 
-    rank = shlex.split(os.environ[RANK_ENV]) if os.environ.get(RANK_ENV) else ["-m", "autofit.probe.child"]
-    if not os.environ.get(RANK_ENV):  # torchrun starts `python -m`: the working folder off the path (paths.py)
+    if os.environ.get(RANK_ENV):
+        rank = shlex.split(os.environ[RANK_ENV])
+    else:  # torchrun starts `python -m`: the working folder off the ranks' path (paths.python_module)
+        rank = ["-m", "autofit.probe.child"]
         os.environ["PYTHONSAFEPATH"] = "1"
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks' parent: they die with this process
     # torchrun gives each rank one thread unless told: an offloaded optimizer step would run on one core
