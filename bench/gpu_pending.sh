@@ -11,7 +11,7 @@
 # --pack); then S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17.
 set -u
 source bench/gpu_env.sh
-call=${1:?"which call: 1-17 (bench/gpu_pending.sh's list)"}
+call=${1:?"which call: 1-19 (bench/gpu_pending.sh's list)"}
 case "$call" in
   1)  # issue 31 and issue 29's anomaly: measured on 2026-12-05 (plan-live-s5.json, data-anomaly-s2-d1.json)
       echo "gpu_pending: call 1 is measured (bench/results/plan-live-s5.json, data-anomaly-s2-d1.json)" ;;
@@ -58,5 +58,7 @@ case "$call" in
       timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
   12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
   13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
-  *)  echo "gpu_pending: no call $call (1-17)" >&2; exit 2 ;;
+  18) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1-16 --name unsloth-s1-16 ;;   # 16 samples a step each
+  19) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1-u8 --name unsloth-s1-u8 ;;   # Unsloth at micro-batch 8
+  *)  echo "gpu_pending: no call $call (1-19)" >&2; exit 2 ;;
 esac
