@@ -4,11 +4,12 @@
 # .gpu-site.tgz must hold transformers 5.24.0 (TRANSFORMERS_VERSION=5.24.0 when packing it): the lent image's
 # huggingface_hub 1.33 refuses 5.25, and every probe then exits 1 at `import transformers` (gpu_env.sh says so).
 # A fresh machine's first imports take a minute or two longer: the timeouts below leave room for it.
-# Carry .gpu-site.tgz and .whl/data-site.txz (calls 12-13: .whl/unsloth-site.tgz instead: the three with the
+# Carry .gpu-site.tgz and .whl/data-site.txz (calls 12, 13, 18, 19: .whl/unsloth-site.tgz instead: the three with the
 # tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
-# Still to run, in this order: issue 29's peer, 12, 13 (pack .whl/unsloth-site.tgz first: bench/unsloth_recipe.py
-# --pack); then S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17.
+# Still to run, in this order: the Unsloth variants, 18, 19 (pack .whl/unsloth-site.tgz first: bench/unsloth_recipe.py
+# --pack); then S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17;
+# on 2026-12-07 (H100): 12, 13 (unsloth-s1.json 1.63x, unsloth-s5.json 1.12x, medians of 3).
 set -u
 source bench/gpu_env.sh
 call=${1:?"which call: 1-19 (bench/gpu_pending.sh's list)"}
@@ -56,7 +57,7 @@ case "$call" in
       # in the archive's 40GiB-D2/searched/<run>/); measured on 2026-12-06 (data-parity-d2.json: packed 0.50%)
       rm -rf /tmp/r && mkdir -p /tmp/r && tar xzf bench/results/data-bench-s1-d2-runs.tar.gz -C /tmp/r
       timeout 570 python3 bench/data_parity.py --run /tmp/r --together --name data-parity-d2 ;;
-  12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer
+  12) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1 ;;   # issue 29: the peer (measured)
   13) timeout 570 python3 bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5 ;;
   18) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1-16 --name unsloth-s1-16 ;;   # 16 samples a step each
   19) timeout 570 python3 bench/unsloth_recipe.py --scenarios S1-u8 --name unsloth-s1-u8 ;;   # Unsloth at micro-batch 8

@@ -133,6 +133,15 @@ def head_row(label: str) -> tuple[Measured, Measured, Measured]:
             Measured(HEAD, f"{runs}.peak_gib", "median", "GiB"))
 
 
+def peer_row(file: str, scenario: str) -> tuple[Measured | Ratio, ...]:
+    """Unsloth's recipe and autofit's winner of one scenario: each side's median, spread and median peak."""
+    sides = [(Measured(file, f"scenarios.{scenario}.{who}.runs[*].tokens_per_s", "median"),
+              Measured(file, f"scenarios.{scenario}.{who}.runs[*].tokens_per_s", "spread"),
+              Measured(file, f"scenarios.{scenario}.{who}.runs[*].peak_gib", "median", "GiB"))
+             for who in ("unsloth", "autofit")]
+    return *sides[0], *sides[1], Ratio(sides[1][0], sides[0][0])
+
+
 FORUM_ROW, WINNER_ROW, LIGER_ROW = head_row("forum"), head_row("winner"), head_row("kernel_winner")
 HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
     "forum recipe: micro-batch 1 + checkpointing": FORUM_ROW,
@@ -145,6 +154,8 @@ HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
         Measured(HEAD, "configs.stock_at_kernel_config.runs[0].peak_gib", unit="GiB"),),
     "40 GiB": data_row(S1D2, "40GiB/D2"),
     "24 GiB": data_row(S2D2, "24GiB/D2"),
+    "S1, 40 GiB, length 2048": peer_row("unsloth-s1.json", "S1"),
+    "S5, nf4 base, 12 GiB, length 1024": peer_row("unsloth-s5.json", "S5"),
 }
 """Each headline row (by its first cell) and how every figure in it is computed from the files it cites."""
 FIGURE = re.compile(r"\d{1,3}(?:,\d{3})+|\d+\.\d+x|\d+\.\d+ GiB")
