@@ -67,14 +67,36 @@ class NoUsableRows(DatasetError):
 
 
 def row_fields(row: object, asked: tuple[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """A row's fields, other than the `asked` ones, that hold a chat (a non-empty list of dicts) and those that
-    hold a non-empty string."""
+    """A row's fields, other than the `asked` ones, that hold a chat (a non-empty list of messages: dicts with
+    role or ShareGPT's from) and those that hold a non-empty string."""
     if not isinstance(row, dict):
         return (), ()
     other = {k: v for k, v in row.items() if k not in asked}
-    chats = tuple(k for k, v in other.items() if isinstance(v, list) and v and all(isinstance(m, dict) for m in v))
+    chats = tuple(k for k, v in other.items() if isinstance(v, list) and v and all(is_message(m) for m in v))
     texts = tuple(k for k, v in other.items() if isinstance(v, str) and v.strip())
     return chats, texts
+
+
+def is_message(item: object) -> bool:
+    """A chat message as a row may hold one: {role, content} or ShareGPT's {from, value}."""
+    return isinstance(item, dict) and ("role" in item or "from" in item)
+
+
+def row_lists(row: object) -> list[str]:
+    """A row's fields that hold a list of rows (dicts that are not chat messages): a file that is one object
+    wrapping its rows ({"data": [...]})."""
+    if not isinstance(row, dict):
+        return []
+    return [k for k, v in row.items()
+            if isinstance(v, list) and v and all(isinstance(m, dict) and not is_message(m) for m in v)]
+
+
+def wrapped_rows(path: str, lists: list[str], spread: bool) -> DatasetError:
+    """The error for a file that is one JSON object whose rows sit in a list under one of its keys."""
+    how = "spread over several lines" if spread else "on one line"
+    where = f"; its rows may be the list under {', '.join(repr(k) for k in lists)}" if lists else ""
+    return DatasetError(f"{path} is one JSON object {how}, not rows{where}. Give a JSON array of rows or one "
+                        "JSON object a line (JSONL).")
 
 
 class DatasetSource:
@@ -141,6 +163,9 @@ def read_dataset(path: str | os.PathLike[str], text_field: str = "text", message
             chat_keys = chat_keys or (("role", "content") if "role" in first else ("from", "value"))
             roles.update(m.get(chat_keys[0]) for m in row[messages_field])
     if not samples:
+        listed = [row for _, row in rows] if isinstance(rows, list) else []
+        if len(listed) == 1 and not any(fields or ()) and row_lists(listed[0]):
+            raise wrapped_rows(path, row_lists(listed[0]), spread=False)
         raise NoUsableRows(f"{path} has no usable row", bad, fields or ((), ()))
     return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
 
@@ -264,16 +289,13 @@ def json_rows(raw: str, path: str) -> list[tuple[int, object]]:
         except ValueError:
             whole = None
         if isinstance(whole, list):
-            return list(enumerate(whole, start=1))
+            return array_items(raw, whole)
         first = head.split("\n", 1)[0]
         if head.startswith("[") and error is not None and not _parses(first):
             raise DatasetError(f"{path} is not a valid JSON array ({error.msg} at line {error.lineno}, "
                                f"column {error.colno}). Fix it, or write one JSON object a line (JSONL).")
         if isinstance(whole, dict) and "\n" in raw.strip() and not _parses(first):
-            lists = [k for k, v in whole.items() if isinstance(v, list)]
-            where = f"; its rows may be the list under {', '.join(repr(k) for k in lists)}" if lists else ""
-            raise DatasetError(f"{path} is one JSON object spread over several lines, not rows{where}. Give "
-                               "a JSON array of rows or one JSON object a line (JSONL).")
+            raise wrapped_rows(path, [k for k, v in whole.items() if isinstance(v, list)], spread=True)
     rows: list[tuple[int, object]] = []
     for n, line in enumerate(raw.split("\n"), start=1):
         if line.strip():
@@ -282,6 +304,22 @@ def json_rows(raw: str, path: str) -> list[tuple[int, object]]:
             except ValueError:
                 rows.append((n, NotJson))
     return rows
+
+
+def array_items(raw: str, items: list[object]) -> list[tuple[int, object]]:
+    """A JSON array's items with the line each starts on, where every item starts on a line of its own (an
+    indented array); else numbered from 1 (an array on one line: its line numbers would all be 1)."""
+    decoder, lines, i = json.JSONDecoder(), [], raw.index("[") + 1
+    line, counted = 1, 0
+    for _ in items:
+        while raw[i] in " \t\n\r,":
+            i += 1
+        line, counted = line + raw.count("\n", counted, i), i
+        lines.append(line)
+        _, i = decoder.raw_decode(raw, i)
+    if len(set(lines)) < len(lines):
+        return list(enumerate(items, start=1))
+    return list(zip(lines, items, strict=True))
 
 
 def _parses(line: str) -> bool:

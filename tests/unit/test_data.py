@@ -75,7 +75,11 @@ def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -
     array = load_samples(_write(tmp_path, "d.json", json.dumps(rows, indent=2)))
     upper = load_samples(_write(tmp_path, "D.JSONL", "\n".join(json.dumps(r) for r in rows)))
     assert array.samples == lines.samples == upper.samples and len(lines.samples) == 2
-    assert array.bad.by_reason == {"missing 'text'": (3,)} and upper.kind is lines.kind
+    assert upper.kind is lines.kind and lines.bad.by_reason == {"missing 'text'": (3,)}
+    # an indented array's rows are named by the line each starts on (they were its item numbers: 1, 2, 3)
+    assert [s.line for s in array.samples] == [2, 5] and array.bad.by_reason == {"missing 'text'": (13,)}
+    one_line = load_samples(_write(tmp_path, "o.json", json.dumps(rows)))  # every item on line 1: numbered
+    assert [s.line for s in one_line.samples] == [1, 2] and one_line.bad.by_reason == {"missing 'text'": (3,)}
 
 
 @pytest.mark.parametrize(("name", "content", "match"), [
@@ -87,6 +91,8 @@ def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -
     ("field.jsonl", '{"prompt": "x"}\n', r"no usable row .*missing 'text'.*--text-field"),
     # what the rows hold instead, as the flag that reads it: ShareGPT's conversations, Alpaca's fields
     ("sharegpt.jsonl", '{"id": "1", "conversations": [{"from": "human", "value": "hi"}]}\n',
+     r"missing 'text'.* Its rows have a chat list 'conversations': give --messages-field conversations\.$"),
+    ("sharegpt.json", '{"conversations": [{"from": "human", "value": "hi"}]}',  # one row on one line: a chat
      r"missing 'text'.* Its rows have a chat list 'conversations': give --messages-field conversations\.$"),
     ("alpaca.jsonl", '{"instruction": "a", "input": "", "output": "b"}\n',
      r"Its rows' text fields: 'instruction', 'output': give --text-field with the one to train on\.$"),
@@ -189,6 +195,9 @@ def test_what_real_files_hold_is_read_as_rows_and_samples(tmp_path: Path) -> Non
     ("comma.json", '[{"text": "a"},\n {"text": "b"},\n]', r"comma\.json is not a valid JSON array \(.* line 3"),
     ("wrapped.json", json.dumps({"version": 1, "data": [{"text": "a"}]}, indent=1),
      r"wrapped\.json is one JSON object spread over several lines.*the list under 'data'"),
+    # on one line it was read as a row whose 'data' was offered as a chat: --messages-field data, which then failed
+    ("flat.json", json.dumps({"version": 1, "data": [{"text": "a"}, {"messages": []}]}),
+     r"flat\.json is one JSON object on one line, not rows; its rows may be the list under 'data'\. Give a JSON"),
 ])
 def test_files_that_are_not_rows_say_what_they_are(tmp_path: Path, name: str, content: str | bytes,
                                                    match: str) -> None:
