@@ -7,9 +7,9 @@
 # Carry .gpu-site.tgz and .whl/data-site.txz (calls 12, 13, 18, 19: .whl/unsloth-site.tgz instead: the three with the
 # tree pass the 64 MiB a call carries). Every result lands in $OUT: copy it to bench/results/ (s7.json to
 # bench/landscapes/) before the next call, which may read it (the DPO stages add to one file).
-# Still to run, in this order: the Unsloth variants, 18, 19 (pack .whl/unsloth-site.tgz first: bench/unsloth_recipe.py
-# --pack); then S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17;
-# on 2026-12-07 (H100): 12, 13 (unsloth-s1.json 1.63x, unsloth-s5.json 1.12x, medians of 3).
+# Still to run: S2/D1, 9 (the README's data table is D2's). Measured on 2026-12-06 (H100): 8, 11, 10, 7, 17;
+# on 2026-12-07 (H100; pack .whl/unsloth-site.tgz first: bench/unsloth_recipe.py --pack): 12, 13, 18, 19
+# (unsloth-s1.json 1.63x, unsloth-s5.json 1.12x, unsloth-s1-16.json 1.59x, unsloth-s1-u8.json 1.55x, medians of 3).
 set -u
 source bench/gpu_env.sh
 call=${1:?"which call: 1-19 (bench/gpu_pending.sh's list)"}

@@ -27,6 +27,8 @@ its processes run without the .gpu-site folder on their path, bitsandbytes excep
     # on the GPU, .gpu-site.tgz and .whl/ carried, after `source bench/gpu_env.sh`:
     python bench/unsloth_recipe.py --scenarios S1 --name unsloth-s1     # ~8 minutes
     python bench/unsloth_recipe.py --scenarios S5 --name unsloth-s5
+    python bench/unsloth_recipe.py --scenarios S1-16 --name unsloth-s1-16   # both sides at 16 samples a step
+    python bench/unsloth_recipe.py --scenarios S1-u8 --name unsloth-s1-u8   # Unsloth's recipe at micro-batch 8
     python bench/unsloth_recipe.py --train --model-dir DIR ...         # one Unsloth run (the child)
 """
 

@@ -154,7 +154,9 @@ HEADLINE: dict[str, tuple[Measured | Ratio, ...]] = {
         Measured(HEAD, "configs.stock_at_kernel_config.runs[0].peak_gib", unit="GiB"),),
     "40 GiB": data_row(S1D2, "40GiB/D2"),
     "24 GiB": data_row(S2D2, "24GiB/D2"),
-    "S1, 40 GiB, length 2048": peer_row("unsloth-s1.json", "S1"),
+    "S1, 40 GiB, length 2048, 16 samples a step each": peer_row("unsloth-s1-16.json", "S1-16"),
+    "S1, Unsloth given the card": peer_row("unsloth-s1-u8.json", "S1-u8"),
+    "S1, the searched winner": peer_row("unsloth-s1.json", "S1"),
     "S5, nf4 base, 12 GiB, length 1024": peer_row("unsloth-s5.json", "S5"),
 }
 """Each headline row (by its first cell) and how every figure in it is computed from the files it cites."""
