@@ -20,7 +20,10 @@ done
 [ -n "$fresh" ] && python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1
 export PYTHONPATH="$site/.gpu-site:$site/.data-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-python3 -c "import optuna, bitsandbytes, trl, datasets" || echo "gpu_env: a carried package is missing (above)" >&2
+# TRL and datasets are checked only where .whl/data-site.txz came along (the Unsloth calls carry its own instead).
+need="optuna, bitsandbytes"
+[ -f .whl/data-site.txz ] && need="$need, trl, datasets"
+python3 -c "import $need" || echo "gpu_env: a carried package is missing (above)" >&2
 # The carried transformers must accept the machine's huggingface_hub (1.33 on the lent image: transformers 5.25
 # wants >= 2.4, 5.24 does not); a mismatch makes every probe exit 1 at `import transformers`.
 python3 -c "import transformers" 2>/dev/null || echo "gpu_env: the carried transformers does not import here;" \
