@@ -52,7 +52,7 @@ from autofit.run.session import (
     summarize,
 )
 from autofit.run.session import run as run_search
-from autofit.search.driver import Event
+from autofit.search.driver import BUDGET_CUT, Event
 from autofit.search.policy import Policy
 
 if TYPE_CHECKING:
@@ -118,6 +118,8 @@ class Progress:
             # by, beside
             tps = f"{r.measurements[-1]:,.0f}"
             outcome = f"{r.outcome.value} (again; median {r.tokens_per_s:,.0f})"
+        if r and BUDGET_CUT in r.extra:
+            outcome = "cut: budget"  # not a timeout of the config: --resume probes it again
         peak = format_size(r.peak_memory_bytes) if r else "-"
         row = (str(e.number), config_brief(e.config), outcome, tps, peak, format_size(e.predicted), e.worker)
         if e.best is not None:

@@ -58,6 +58,8 @@ __all__ = ["CONFIRM_BAND", "Event", "EventKind", "Search", "SearchSettings", "op
            "skipped_counts", "stop_reason_of", "study_rows", "untried_of"]
 
 INTERRUPTED = "interrupted"
+BUDGET_CUT = "budget_cut"
+"""A probe result's extra key: the budget's end stopped it (the seconds it had); it is probed again on resume."""
 INTERRUPTED_REASON = "interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT); continue with --resume"
 """The stop reason an interrupted search records and reports."""
 NO_WINNER = "no remaining configuration can win"
@@ -171,6 +173,8 @@ class Search:
         if self.token_shapes is not None:
             self.token_shapes.prefetch(self.candidates)  # TRL's and transformers' layouts in one child process
         self.errors: list[BaseException] = []
+        self.cut: int | None = None
+        """The last trial whose probe the budget's end stopped (it runs again on --resume)."""
         self.searched_on = 0
         """Untried configs that measuring the best again reopened, after which the workers ran on."""
         self.time = ProbeTime(s.warmup_steps + s.timed_steps, s.max_probe_accumulation, s.confirm > 0)
@@ -401,6 +405,9 @@ class Search:
             res = self._probe(study, trial, cfg, runner, know.checks(cfg))
             if res is None:  # interrupted
                 return None
+            if BUDGET_CUT in res.extra:
+                self._tell_cut(study, trial, cfg, res, know, target)
+                continue
             self._tell_probe(study, trial, cfg, res, know, target)
         return None
 
@@ -409,7 +416,8 @@ class Search:
         finish in time first when the pace says so."""
         left = self.deadline - self.clock()
         if left <= 0:
-            return "budget spent"
+            return "budget spent" + (f"; the probe it stopped (trial {self.cut}) runs again on --resume"
+                                     if self.cut is not None else "")
         viable = know.viable(self.candidates)
         if not viable:
             return self._nothing_viable(know)
@@ -492,9 +500,28 @@ class Search:
 
     def _run_probe(self, runner: ProbeRunner, cfg: TrialConfig, name: str, cancel: Callable[[], bool],
                    checks: Checks) -> ProbeResult:
+        """One probe, given the probe timeout or what is left of the budget, whichever is shorter; a probe
+        stopped by the budget's end is marked so (`BUDGET_CUT`): that says nothing of the config."""
         left = max(self.deadline - self.clock(), 1.0)
-        return runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left),
-                          cancel=cancel, checks=checks)
+        res = runner.run(cfg, self.s.model, name=name, timeout=min(self.s.probe_timeout_s, left),
+                         cancel=cancel, checks=checks)
+        if res.outcome is Outcome.TIMEOUT and left < self.s.probe_timeout_s:
+            res.extra = {**res.extra, BUDGET_CUT: round(left, 1)}
+            res.reason = (f"stopped at the budget's end after {left:.0f} s, before it measured anything: not a "
+                          "verdict on this config (--resume probes it again)")
+        return res
+
+    def _tell_cut(self, study: optuna.Study, trial: optuna.Trial, cfg: TrialConfig, res: ProbeResult,
+                  know: Knowledge, target: Target) -> None:
+        """A probe the budget's end stopped: not an observation (the study does not learn the config is
+        infeasible) and not a probe result, so a resumed search probes it again."""
+        trial.set_user_attr("kind", TrialKind.BUDGET.value)
+        trial.set_user_attr("detail", res.reason)
+        study.tell(trial, state=TrialState.FAIL)
+        with self.lock:
+            self.cut = trial.number
+        self._event(trial.number, target, cfg, EventKind.PROBE, res, trial.user_attrs.get("predicted_peak"),
+                    know.best())
 
     # ----------------------------------------------------------------------- telling the study
 

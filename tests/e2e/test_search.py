@@ -254,6 +254,24 @@ def test_two_workers_on_a_postgresql_study_never_probe_the_same_config(tmp_path:
     _two_workers(tmp_path, postgres_url)
 
 
+def test_a_probe_the_budget_stops_is_probed_again_on_resume(tmp_path: Path) -> None:
+    """A probe given only what was left of the budget, and stopped by it, was told to the study as a timeout
+    that does not fit: `--resume` never probed the config again, and the error sent the user to `--resume`."""
+    space = tmp_path / "one.yaml"
+    space.write_text(yaml.safe_dump({"method": "lora", "fixed": {"global_batch": 4, "precision": "bf16"},
+                                     "dimensions": {"max_length": [64], "micro_batch_size": [2]}}))
+    first = run_cli("search", "--model", "tiny-llama", "--space", str(space), "--device", "cpu", "--budget", "2s",
+                    "--out", str(tmp_path / "runs"))
+    assert first.returncode == 3, first.stderr[-2000:]  # a 2 s budget cannot start a child and train
+    assert "cut: budget" in first.stdout and "runs again on --resume" in first.stderr, first.stdout + first.stderr
+    run = next((tmp_path / "runs").iterdir())
+    assert read_trials(run) == []  # nothing measured, nothing recorded as a timeout of the config
+    resumed = run_cli("search", "--resume", str(run), "--budget", "3m", "--json")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    trials = read_trials(run)
+    assert [t["outcome"] for t in trials] == ["fit"] and json.loads(resumed.stdout)["best"] is not None
+
+
 def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:
     proc = run_cli("search", "--model", "tiny-llama", "--space", "cpu-demo", "--device", "cpu", "--memory-limit",
                    "3MiB", "--budget", "25s", "--out", str(tmp_path), "--json")

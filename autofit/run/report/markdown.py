@@ -112,8 +112,9 @@ def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResu
     elif best is None and unfinished:
         lines += ["## No fit yet", "", f"No probe has fit so far ({len(results)} measured), and the search "
                   f"did not finish: nothing is known yet of what fits; {resume}.", ""]
-    elif best is None:
-        lines += ["## Nothing fits", "", nothing_fits_message(results, limit, stop_reason), ""]
+    elif best is None:  # with no probe measured, nothing is known to fit or not
+        lines += ["## Nothing fits" if results else "## Nothing measured", "",
+                  nothing_fits_message(results, limit, stop_reason), ""]
     else:
         lines += _winner(spec, results, best, limit, folder, bool(searching))
     if data is not None:
