@@ -46,13 +46,25 @@ class ExportRun:
         return measured if self.dataset is not None and measured else self.config.gradient_accumulation_steps
 
     @property
-    def step_samples(self) -> str:
-        """Samples one optimizer step trains, as the probe counted them (its plan's mean, on data)."""
+    def packed_on_average(self) -> bool:
+        """Packed rows on data: a step's samples are the plan's mean, whatever the accumulation (it is the
+        config's where the rows of one micro-step already hold about the global batch)."""
+        return self.dataset is not None and bool(self.best.step.samples_per_step) and self.config.batching == "packed"
+
+    @property
+    def step_samples(self) -> float:
+        """Samples one optimizer step trains, as the probe counted them (its plan's mean, for packed rows)."""
         measured = self.best.step.samples_per_step
-        as_config = self.accumulation == self.config.gradient_accumulation_steps
-        if self.dataset is None or not measured or as_config:
-            return f"{self.config.effective_batch}"
-        return f"{measured:,.1f}".removesuffix(".0") + " (on average: packed rows hold what fits)"
+        return measured if self.packed_on_average and measured else float(self.config.effective_batch)
+
+    @property
+    def step_change(self) -> str:
+        """", +13% against the global batch of 16: changes what is learned" where a step is off the global
+        batch by more than the tolerance (the probe's verdict); else empty."""
+        if self.best.step.keeps_global_batch is not False:
+            return ""
+        return (f", {self.step_samples / self.config.global_batch - 1:+.0%} against the global batch of "
+                f"{self.config.global_batch}: changes what is learned")
 
     @property
     def weights_ref(self) -> str:

@@ -103,12 +103,12 @@ def comments(w: Winner, fmt: str) -> dict[str, str]:
     out = {}
     if w.config.torch_compile and w.config.precision == "bf16":
         out["bf16"] = "tf32 pinned: compiled in bf16, Trainer would turn TF32 matmuls on by itself"
-    samples = f"{w.step_samples} samples per optimizer step"
+    count = f"{w.step_samples:,.1f}".removesuffix(".0")
     if w.packed_on_average:
-        out["gradient_accumulation_steps"] = f"packed rows: {w.step_samples.split(' ')[0]} samples per optimizer " \
-                                             "step on average, as measured"
+        out["gradient_accumulation_steps"] = f"packed rows: {count} samples per optimizer step on average, as " \
+                                             f"measured{w.step_change}"
     elif w.batching != "blocks":
-        out["gradient_accumulation_steps"] = samples
+        out["gradient_accumulation_steps"] = f"{count} samples per optimizer step{w.step_change}"
     if w.batching == "padding_free":
         out["max_length"] = "TRL cuts nothing without packing: main() cuts the samples to MAX_LENGTH"
     if w.batching == "packed":

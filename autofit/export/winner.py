@@ -88,10 +88,12 @@ class Winner:
     """TrainingArguments fields as the probe passed them, with the accumulation it trained."""
     environment: dict[str, str]
     accumulation: int
-    step_samples: str
+    step_samples: float
     """Samples per optimizer step as the probe counted them (a mean, said so, for packed rows)."""
+    step_change: str
+    """What a step off the global batch changes (ExportRun.step_change); empty where it is kept."""
     packed_on_average: bool
-    """The accumulation comes from the probe's plan: packed rows hold however many samples fit."""
+    """Packed rows on data: a step's samples are the probe's plan's mean (rows hold however many fit)."""
     trainer: str
     """What the winner trains: `sft`, or `dpo` (TRL's DPOTrainer: the trl format's DPO recipe, `export.dpo`)."""
     preference: Preference | None = None
@@ -140,7 +142,8 @@ def describe(r: ExportRun, max_steps: int = 1000) -> Winner:
         dtype=recipe.weights_dtype(cfg), attention=cfg.attn_implementation, lora=recipe.lora_arguments(cfg),
         quantization=recipe.quantization_arguments(cfg), kbit=recipe.kbit_preparation(cfg), training=training,
         environment=recipe.process_env(cfg), accumulation=r.accumulation, step_samples=r.step_samples,
-        packed_on_average=r.accumulation != cfg.gradient_accumulation_steps, trainer=cfg.trainer,
+        step_change=r.step_change,
+        packed_on_average=r.packed_on_average, trainer=cfg.trainer,
         preference=Preference(DPO_BETA, DPO_LOSS, cfg.precompute_ref_log_probs, cfg.dpo_reference)
         if cfg.trainer == "dpo" else None)
 

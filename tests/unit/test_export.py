@@ -236,6 +236,16 @@ def test_the_recipes_follow_the_probes_step_rule_on_data(tmp_path: Path) -> None
         assert training_args(text)["per_device_train_batch_size"] == 2, fmt
     assert yaml.safe_load(export_run(packed, "axolotl").text)["gradient_accumulation_steps"] == 1
     assert yaml.safe_load(export_run(packed, "llama-factory").text)["gradient_accumulation_steps"] == 1
+    # the plan's accumulation equal to the config's (8 rows a micro-step, global batch 8): the comment said the
+    # config's 8 samples, the probe trained 18, off the global batch
+    over = write_run(tmp_path / "over", config=BASE.config.replace(batching="packed", micro_batch_size=8,
+                                                                    global_batch=8).to_dict(),
+                     extra={"gradient_accumulation_steps": 1, "samples_per_step": 18.0, "keeps_global_batch": False})
+    (over / "spec.yaml").write_text(yaml.safe_dump({**yaml.safe_load((over / "spec.yaml").read_text()),
+                                                    "dataset": spec["dataset"]}))
+    for fmt in SCRIPTS:
+        assert ("'gradient_accumulation_steps': 1,  # packed rows: 18 samples per optimizer step on average, as "
+                "measured, +125% against the global batch of 8: changes what is learned") in export_run(over, fmt).text
     random_tokens = write_run(tmp_path / "blocks", extra={"gradient_accumulation_steps": 1})  # no dataset: the config's
     assert f"'gradient_accumulation_steps': {BASE.config.gradient_accumulation_steps}," in export_run(
         random_tokens, "hf-trainer").text
