@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -26,6 +27,10 @@ def cmd_export(args: argparse.Namespace) -> int:
               "best found so far (best.json as `autofit report` last wrote it), which the search may still "
               "beat",
               file=sys.stderr)
+    elif not search_finished(Path(args.run)):
+        print(f"autofit: warning: the search in {shown(args.run)} did not finish (report.md says why); this "
+              f"exports its best so far, which a longer search may beat: `autofit search --resume "
+              f"{shown(args.run)}` continues it", file=sys.stderr)
     for note in rendered.notes:
         print(f"autofit: warning: {note}", file=sys.stderr)
     for item in rendered.unexpressed:
@@ -40,6 +45,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                                run_dir=Path(args.run)):
         print(line, file=sys.stderr)
     return 0
+
+
+def search_finished(run: Path) -> bool:
+    """best.json's word on the search that wrote it (True where it has none: a run written before it said)."""
+    try:
+        return json.loads((run / "best.json").read_text()).get("search_finished", True) is not False
+    except (OSError, ValueError, AttributeError):
+        return True  # export_run has read it already: a file gone since says nothing of the search
 
 
 def add_parser(sub: Subcommands, fmt: Formatter) -> None:

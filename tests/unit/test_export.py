@@ -155,6 +155,27 @@ def test_an_existing_output_needs_force(tmp_path: Path) -> None:
     assert yaml.safe_load(out.read_text())["sequence_len"] == 128
 
 
+@pytest.mark.parametrize(("stop_reason", "unfinished", "warned"), [
+    ("budget spent", False, False),
+    ("interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT); continue with --resume", True, True),
+    ("", False, True),  # killed: the study records no end (`autofit report` rebuilt the outputs)
+])
+def test_export_says_when_the_search_did_not_finish(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    stop_reason: str, unfinished: bool, warned: bool) -> None:
+    """An interrupted or killed search's best so far was exported with no word (report.md said 'not finished')."""
+    from autofit.protocol.result import ProbeResult
+    from autofit.run.report.outputs import write_outputs
+    from autofit.run.rundir import load_spec
+
+    run = write_run(tmp_path / "run")
+    row = {"trial": 0, **ProbeResult.from_dict(json.loads((run / "best.json").read_text())).to_dict()}
+    write_outputs(run, load_spec(run), [row], [(1.0, 1000.0)], stop_reason, unfinished=unfinished)
+    assert json.loads((run / "best.json").read_text())["search_finished"] is not warned
+    assert main(["export", str(run), "-o", str(tmp_path / "train.py")]) == 0
+    err = capsys.readouterr().err
+    assert ("did not finish" in err and f"autofit search --resume {run}" in err) is warned, err
+
+
 ODD = {"method": ("lora", "full"), "precision": ("bf16", "fp16", "fp32"), "quantization": ("none", "8bit", "nf4"),
        "optimizer": ("adamw_torch_fused", "paged_adamw_8bit", "adafactor", "sgd"),
        "attn_implementation": ("sdpa", "eager", "flex_attention", "flash_attention_2"), "liger": (False, True),

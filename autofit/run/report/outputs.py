@@ -23,7 +23,7 @@ from autofit.run.report.markdown import (
 from autofit.run.report.plots import plot_best_so_far, plot_scatter
 from autofit.run.rundir import RunSpec, target_dict
 from autofit.search.objective import best_of, ranked_fits
-from autofit.search.study import ProbeRow
+from autofit.search.study import ProbeRow, finished
 
 
 def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
@@ -44,7 +44,10 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     if best is not None:
         best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
                     "target": target_dict(target), "learning_changes": learning_changes(best.config, best, spec.space),
-                    "step": step_doc(best), "runners_up": [r.to_dict() for r in ranked[1:6]]}
+                    "step": step_doc(best), "runners_up": [r.to_dict() for r in ranked[1:6]],
+                    # a search interrupted, killed or still running: its best so far (export says so)
+                    "search_finished": finished(stop_reason) and not unfinished and not searching,
+                    "stop_reason": stop_reason}
         baseline = baseline_of(results) if len({r.config.batching for r in results}) > 1 else None
         if baseline is not None:  # a data run: the padded strategy the winner is compared with
             best_doc["baseline"] = {"config": baseline.config.to_dict(), "tokens_per_s": baseline.tokens_per_s,
