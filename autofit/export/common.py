@@ -21,6 +21,9 @@ from autofit.data import DatasetRef, RefState, stored_dataset
 from autofit.run.best import Best, read_best, read_env
 from autofit.run.rundir import RunDir, load_spec
 
+PLACEHOLDER = "PATH/TO/MODEL"
+"""The model a recipe names where the run measured a shape preset (random weights)."""
+
 
 @dataclass(frozen=True)
 class ExportRun:
@@ -69,7 +72,7 @@ class ExportRun:
     @property
     def weights_ref(self) -> str:
         """The model to name in a config: the source, or a placeholder for a random-weight preset."""
-        return self.model.ref if self.model.kind not in ("preset", "config") else "PATH/TO/MODEL"
+        return self.model.ref if self.model.kind not in ("preset", "config") else PLACEHOLDER
 
     def repeats(self) -> str:
         """How often the probe's tokens/s was measured: what to expect of the recipe's own figure."""

@@ -382,7 +382,10 @@ def main():
     except Exception as e:  # datasets' own error in one line: its cause's (the row it stopped at); none: no rows
         why = " ".join(str(e.__cause__ or e).split())[:300] or "it has no rows"
         parser.error(f"--dataset: cannot read {a.dataset} ({why}); `autofit data {a.dataset}` lists its bad rows")
-@DATA_CHECK@@BEFORE_MODEL@    try:
+@DATA_CHECK@@BEFORE_MODEL@    if a.model == "PATH/TO/MODEL":
+        parser.error("--model: this recipe was measured on a shape preset with random weights; give --model with "
+                     "a folder or hub id of a model of that shape, with its tokenizer")
+    try:
         tokenizer = AutoTokenizer.from_pretrained(a.model)
     except OSError as e:  # neither a folder nor a hub id this machine has or can download
         parser.error(f"--model: cannot load {a.model} ({' '.join(str(e).split())[:300]}); give the model's folder")

@@ -79,6 +79,9 @@ FAULTS = [
           "python train.py --dataset notext.jsonl", 2, "notext.jsonl has no rows with a 'text' field"),
     Fault("script-dataset-missing", "an exported script given a dataset that does not exist",
           "python train.py --dataset missing.jsonl", 2, "--dataset: cannot read"),
+    Fault("script-model-placeholder", "an exported script of a preset run given no --model (the hub client's "
+          "'Repo id must be in the form' about PATH/TO/MODEL)", "python train.py --dataset data.jsonl", 2,
+          "--model: this recipe was measured on a shape preset with random weights; give --model"),
 ]
 
 
@@ -153,6 +156,7 @@ DATASETS = {
     "script-dataset-not-json": ("notjson.jsonl", '{"text": "fine"}\nnot json\n'),
     "script-dataset-no-text": ("notext.jsonl", '{"txt": "a typo in the field name"}\n'),
     "script-dataset-missing": ("missing.jsonl", None),
+    "script-model-placeholder": ("data.jsonl", '{"text": "fine"}\n'),
 }
 
 
