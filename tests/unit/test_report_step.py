@@ -111,3 +111,16 @@ def test_the_report_marks_the_winner_s_changed_settings_only(tmp_path: Path) -> 
     assert "| max_length | `96` (changes what is learned) |" in report
     assert "| precision | `fp32` (changes what is learned) |" in report
     assert "| quantization | `none` |" in report and "| optimizer | `adamw_torch_fused` |" in report
+
+
+def test_on_the_cpu_the_memory_section_claims_no_measured_term_and_with_nothing_measured_there_is_none(
+        tmp_path: Path) -> None:
+    """The section said activations and overhead were measured, but on the CPU every term is the model's (the
+    probe measures the process's added memory only); a report with no probe had an empty section."""
+    _, report = _write(tmp_path / "a", {})
+    memory = report.split("## Where the memory goes", 1)[1].split("\n## ", 1)[0]
+    assert "On the CPU none is measured" in memory and "are measured where" not in memory
+    run = data_run(tmp_path / "b", "packed")
+    write_outputs(run, load_spec(run), [], [], "budget spent")
+    report = (run / "report.md").read_text()
+    assert "## Where the memory goes" not in report and "## Nothing measured" in report

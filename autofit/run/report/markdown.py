@@ -305,9 +305,6 @@ def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> lis
 
 
 def _memory_section(spec: RunSpec, results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
-    lines = ["## Where the memory goes", "",
-             ("Terms from the analytic model of the shape; activations, allocator overhead and memory "
-              "outside PyTorch are measured where the probe ran to the end."), ""]
     explained = [("winner", best)] if best else []
     ooms = [r for r in results if r.outcome.is_memory()]
     if ooms:
@@ -315,8 +312,15 @@ def _memory_section(spec: RunSpec, results: list[ProbeResult], best: ProbeResult
         near = min(ooms, key=lambda r: abs((r.peak_memory_bytes or 0) - ref) if ref else
                    r.config.tokens_per_micro_batch)
         explained.append(("nearest OOM", near))
-    if not explained:
-        return lines
+    if not explained:  # nothing measured to explain
+        return []
+    on_cpu = all(r.device.startswith("cpu") for _, r in explained)
+    how = ("Terms from the analytic model of the shape. On the CPU none is measured: the probe measures the "
+           "memory its process added (Python, the libraries and the allocator's own included), the measured peak "
+           "below." if on_cpu else
+           "Terms from the analytic model of the shape; activations, allocator overhead and memory outside "
+           "PyTorch are measured where the probe ran to the end.")
+    lines = ["## Where the memory goes", "", how, ""]
     shape = Shape.from_config(spec.model.config)
     lines += ["| term | " + " | ".join(f"{n}: {config_brief(r.config)}" for n, r in explained) + " |",
               "|---|" + "---|" * len(explained)]
