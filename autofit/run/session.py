@@ -183,12 +183,19 @@ def same_memory(measured: Target, asked: Target) -> None:
                          "memory.")
 
 
+PROBE_FLAGS = {"warmup_steps": "--warmup-steps", "timed_steps": "--timed-steps",
+               "max_probe_accumulation": "--max-probe-accumulation", "timeout_s": "--probe-timeout",
+               "confirm": "--confirm", "train_tokens": "--train-tokens", "train_steps": "--train-steps"}
+"""Each field of ProbeSettings and the search flag that sets it."""
+
+
 def resume_keeps(req: SearchRequest) -> tuple[tuple[str, object], ...]:
     """The flags a resumed search takes from its run folder instead (given here: other than their defaults)."""
+    default = ProbeSettings()
+    probe = tuple((flag, getattr(req.probe, name)) for name, flag in PROBE_FLAGS.items()
+                  if getattr(req.probe, name) != getattr(default, name))
     return (("--seed", req.seed or None), ("--policy", None if req.policy == Policy.EDGE.value else req.policy),
-            ("--out", None if req.out == Path("runs") else req.out),
-            ("--probe-timeout, --confirm and the probe's step counts",
-             None if req.probe == ProbeSettings() else req.probe))
+            ("--out", None if req.out == Path("runs") else req.out), *probe)
 
 
 def _joined(req: SearchRequest) -> Session | None:

@@ -206,6 +206,17 @@ def test_resume_refuses_another_memory_than_the_run_was_judged_against(tmp_path:
                           "space): --seed, --policy, --out ignored; start a new search to change them.",)
 
 
+def test_resume_names_the_probe_flags_it_ignores_as_given(tmp_path: Path) -> None:
+    """It said '--probe-timeout, --confirm and the probe's step counts ignored' for --train-tokens alone, naming
+    flags not given and not the one that was."""
+    session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
+    write_spec(session.run_dir, session.spec)
+    resumed = plan(SearchRequest(resume=session.run_dir, probe=replace(ProbeSettings(), train_tokens=1000,
+                                                                        timed_steps=TIMED_STEPS + 1)))
+    assert resumed.notes == ("--resume continues the run as it was planned (the study measured that model and "
+                             "space): --timed-steps, --train-tokens ignored; start a new search to change them.",)
+
+
 def test_resume_says_which_flags_it_cannot_change(tmp_path: Path) -> None:
     session = search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu")
     write_spec(session.run_dir, session.spec)
