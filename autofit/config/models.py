@@ -108,8 +108,9 @@ class ModelSource:
         limit = self.positions
         longest = max(lengths, default=0)
         if limit is not None and longest > limit:
+            how = f" with --max-length (for one, --max-length {limit})" if flag.startswith("--space") else ""
             raise UsageError(f"{flag}: max_length {longest} is longer than {self.ref}'s {limit} positions "
-                             f"(max_position_embeddings in its config); give at most {limit}.")
+                             f"(max_position_embeddings in its config); give at most {limit}{how}.")
 
     def to_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "ref": self.ref, "config": self.config}

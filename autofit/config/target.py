@@ -69,7 +69,8 @@ class Target:
 def check_headroom(headroom: float) -> None:
     """--headroom: the share of the limit kept free, at least 0 and under a half (search and plan alike)."""
     if not 0 <= headroom < 0.5:
-        raise UsageError(f"--headroom: {headroom} is out of range; expected a fraction such as 0.05.")
+        raise UsageError(f"--headroom: {headroom} is out of range; expected a fraction from 0 up to (not including) "
+                         "0.5, such as 0.05 (5%).")
 
 
 def resolve_targets(gpu: str | None, device: str | None, memory_limit: str | None,

@@ -56,7 +56,8 @@ def test_a_headroom_search_refuses_is_refused() -> None:
     """100% would leave no memory (and read as no limit: every config 'fits'); search refuses it, so does plan."""
     proc = run_cli("plan", "--model", "llama2-7b", "--card", "RTX 4090", "--headroom", "100%")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "autofit: error: --headroom: 1.0 is out of range; expected a fraction such as 0.05.\n"
+    assert proc.stderr == ("autofit: error: --headroom: 1.0 is out of range; expected a fraction from 0 up to (not "
+                           "including) 0.5, such as 0.05 (5%).\n")
 
 
 def test_a_dpo_space_plans_for_the_preference_pairs() -> None:

@@ -183,3 +183,15 @@ def test_gpus_no_config_runs_on_are_blamed_on_gpus_not_the_space_file() -> None:
         with pytest.raises(UsageError) as e:
             _space(args, model, load_space(space))
         assert e.value.problems[0].startswith(wanted) and ".yaml" not in str(e.value)
+
+
+def test_a_space_longer_than_the_model_s_positions_names_the_flag_that_fixes_it() -> None:
+    """`plan --model <512-position model>` blamed `--space lora` and never named --max-length."""
+    model = resolve_model("tiny-llama")
+    limit = model.positions
+    assert limit is not None
+    with pytest.raises(UsageError, match=rf"^--space lora: max_length {limit + 1} is longer than .*; give at most "
+                                         rf"{limit} with --max-length \(for one, --max-length {limit}\)\.$"):
+        model.check_lengths([limit + 1], "--space lora")
+    with pytest.raises(UsageError, match=rf"give at most {limit}\.$"):  # --max-length itself: no advice to give it
+        model.check_lengths([limit + 1], "--max-length")
