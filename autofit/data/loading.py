@@ -119,6 +119,9 @@ def load_samples(path: str | Path, text_field: str = "text", messages_field: str
     except reader.DatasetError as e:
         raise UsageError(f"{flag}: {e}") from None
     kind = SourceKind(source.kind)
+    if text_mode is not TextMode.AUTO and kind.has_rows:  # it would be dropped without a word
+        raise UsageError(f"--text-mode {text_mode.value}: {flag} {Path(path).expanduser()} is {kind.value} rows, not "
+                         "plain text; --text-mode splits text files only: drop it (each row is a sample).")
     options = f"{kind.value}|{text_field}|{messages_field}" + (f"|{source.mode}" if source.mode else "")
     samples = tuple(Sample(messages=tuple(Message(m["role"], m["content"]) for m in s["messages"]),
                            line=s.get("line"))

@@ -669,3 +669,14 @@ def test_a_probe_on_data_reports_the_plans_trained_tokens_per_s_not_the_samples_
     assert fig["plan_trained_per_micro_batch"] == pytest.approx(rb.plan_trained, abs=0.01)
     timed = sum(m.trained_tokens for k in steps for m in rb.step_batches(k, acc))
     assert fig["window_tokens_per_s"] == pytest.approx(timed * config_acc / acc / sum(seconds))
+
+
+def test_a_text_mode_given_for_rows_is_refused_not_dropped(tmp_path: Path) -> None:
+    """--text-mode on a JSONL file was accepted without a word (and copied into plan's next command)."""
+    rows = _write(tmp_path, "d.jsonl", '{"text": "a b c"}\n')
+    with pytest.raises(UsageError, match=r"^--text-mode lines: --dataset .*d\.jsonl is jsonl rows, not plain text; "
+                                         r"--text-mode splits text files only: drop it"):
+        load_samples(rows, text_mode=TextMode.LINES)
+    assert len(load_samples(rows)) == 1  # auto: as before
+    text = _write(tmp_path, "t.txt", "a\nb\n")
+    assert len(load_samples(text, text_mode=TextMode.LINES)) == 2
