@@ -536,5 +536,6 @@ def summarize_preferences(path: str | os.PathLike[str], model: ModelSource, out_
     if out_dir:
         from autofit.core.files import write_json
 
+        Path(out_dir).mkdir(parents=True, exist_ok=True)  # a real tokenizer caches nothing there first
         write_json(Path(out_dir) / file, summary.to_dict())
     return summary

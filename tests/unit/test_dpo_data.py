@@ -120,3 +120,17 @@ def test_probe_dataset_reads_a_pair_file_as_pairs(tmp_path: Path) -> None:
                                          text_mode="auto"))
     with pytest.raises(UsageError, match="holds samples, not preference pairs"):
         check_data_kind(TrialConfig(trainer="dpo"), sft)
+
+
+def test_pairs_are_summarized_into_a_new_folder_with_a_real_tokenizer(tmp_path: Path) -> None:
+    """A DPO search (and `autofit data` on pairs) on a model folder crashed before its first probe: the summary was
+    written into a folder nothing had made (a shape preset's stand-in tokenizer made it, caching itself there)."""
+    from recipes import save_tiny_model
+
+    from autofit.data.preference import summarize_preferences
+    from runs import PREFS
+
+    model = resolve_model(str(save_tiny_model(tmp_path / "model")))
+    out = tmp_path / "run" / "data"
+    summary = summarize_preferences(PREFS, model, out, (128,), file="preferences.json")
+    assert not summary.approximate and (out / "preferences.json").is_file()
