@@ -356,8 +356,13 @@ def arrow_rows(path: str, kind: str) -> tuple[str, Iterable[tuple[int, object]]]
     except ImportError:
         raise DatasetError(f"reading {path} needs pyarrow (`pip install pyarrow`); or give a .jsonl "
                            "file.") from None
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")) and os.path.isdir(os.path.join(path, "train")):
-        path = os.path.join(path, "train")  # a DatasetDict saved with save_to_disk: its train split only
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):  # a DatasetDict saved with save_to_disk
+        if not os.path.isdir(os.path.join(path, "train")):  # the recipe reads the train split: nothing else
+            splits = sorted(e.name for e in os.scandir(path) if e.is_dir())
+            raise DatasetError(f"{path} is a DatasetDict with no 'train' split (its splits: "
+                               f"{', '.join(splits) or 'none'}); save the split to train on as a dataset of its "
+                               "own (`dd['validation'].save_to_disk(...)`) and give that folder.")
+        path = os.path.join(path, "train")  # its train split only
     suffix = ".arrow" if kind == "arrow" else ".parquet"
     files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                     # no FIFO, device, dead link

@@ -291,8 +291,10 @@ def throughput(w: Winner) -> str:
 BY_NAME = ('{".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}.get(\n'
            '        os.path.splitext(path)[1].lower(), "arrow" if os.path.isdir(path) else "text")')
 """The loader of a file by its name: a run searched without --dataset measured no file to know it by."""
-TSV = ', **({"sep": "\\t"} if path.endswith(".tsv") else {})'
-"""A .tsv file is read tab-separated (as autofit's reader reads it)."""
+CSV_OPTIONS = ('{"keep_default_na": False, "na_values": [""], '
+               '**({"sep": "\\t", "quoting": 3} if path.lower().endswith(".tsv") else {})}')
+"""A CSV read as autofit's reader reads it: an empty cell is no value, but pandas' NA words (NA, null, N/A, ...)
+are text; a .tsv file tab-separated with no quoting (csv.QUOTE_NONE: a cell may start with a quote)."""
 
 
 def load_data(kind: str | None, mode: str) -> str:
@@ -308,7 +310,8 @@ def load_data(kind: str | None, mode: str) -> str:
     folder = [f"if os.path.isdir(path):  # its {files_of} files, in every subfolder (a DatasetDict: its train split)",
               '    split = "train" if os.path.isfile(os.path.join(path, "dataset_dict.json")) else ""',
               f'    path = os.path.join(path, split, "**", f"*.{{{name}}}")']
-    files = f'return load_dataset({name}, data_files=path, split="train"{TSV if kind in (None, "csv") else ""})'
+    csv_read = {None: f', **({CSV_OPTIONS} if kind == "csv" else {{}})', "csv": f", **{CSV_OPTIONS}"}.get(kind, "")
+    files = f'return load_dataset({name}, data_files=path, split="train"{csv_read})'
     if kind is None:
         doc = "The rows of a JSONL/JSON/CSV/TSV/parquet file (by its name), a `save_to_disk` folder or a text file."
         body = [f"kind = {BY_NAME}", 'if kind == "text":', *("    " + line for line in text), *folder, files]

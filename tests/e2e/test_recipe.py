@@ -136,6 +136,16 @@ def test_the_recipe_reads_the_file_as_the_search_read_it(tmp_path: Path) -> None
         assert recipe["DATA_FORMAT"] == ("json" if data == named else "parquet")
         read = recipe["load_data"](str(data))
         assert list(read["text"]) == [s.text for s in load_samples(data).samples], data
+    # pandas' NA words are text to autofit's reader (the recipe refused the file: 'rows without a text field'),
+    # and a .tsv cell may start with a quote (the recipe merged rows up to the next quote)
+    na, quoted = tmp_path / "na.csv", tmp_path / "quoted.tsv"
+    na.write_text("text,n\nNA,1\nnull,2\nN/A,3\n\"a, quoted one\",4\nplain,5\n")
+    quoted.write_text('text\tn\n"unbalanced start\t1\nplain\t2\n"Quoted" start\t3\nlast\t4\n')
+    for data in (na, quoted):
+        script, _ = exported(tmp_path / f"run-of-{data.name}", "pad_longest", "trl", data)
+        read = recipe_module(script)["load_data"](str(data))
+        assert list(read["text"]) == [s.text for s in load_samples(data).samples], data
+    assert len(load_samples(na)) == 5 and len(load_samples(quoted)) == 4
     pairs = tmp_path / "pairs.txt"
     shutil.copy(PREFS, pairs)
     script = tmp_path / "train_dpo.py"

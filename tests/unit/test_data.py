@@ -680,3 +680,17 @@ def test_a_text_mode_given_for_rows_is_refused_not_dropped(tmp_path: Path) -> No
     assert len(load_samples(rows)) == 1  # auto: as before
     text = _write(tmp_path, "t.txt", "a\nb\n")
     assert len(load_samples(text, text_mode=TextMode.LINES)) == 2
+
+
+def test_a_dataset_dict_without_a_train_split_is_refused_by_name(tmp_path: Path) -> None:
+    """All its splits' rows were searched, while the recipe reads the train split and found none."""
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"validation": Dataset.from_dict({"text": ["a", "b"]}),
+                 "test": Dataset.from_dict({"text": ["c"]})}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(UsageError, match=r"dd is a DatasetDict with no 'train' split \(its splits: test, validation\); "
+                                         r"save the split to train on"):
+        load_samples(tmp_path / "dd")
+    DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"]}),
+                 "test": Dataset.from_dict({"text": ["c"]})}).save_to_disk(str(tmp_path / "tt"))
+    assert [s.text for s in load_samples(tmp_path / "tt").samples] == ["a", "b"]
