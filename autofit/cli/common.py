@@ -37,7 +37,8 @@ __all__ = [
 
 EXIT_CODES = """\
 exit codes: 0 done (a fit was found), 1 a regression found (regress) or an unexpected error,
-  2 usage error (a flag, a value or a file; nothing was run), 3 nothing fits,
+  2 usage error (a flag, a value or a file; nothing was run), 3 no fit found: nothing fits, or no probe
+  finished in the budget (the message says which; --resume continues it),
   4 cannot write (a read-only or full disk, an unwritable storage; what was measured is kept),
   130 interrupted (Ctrl-C, SIGTERM, SIGHUP or SIGQUIT; a search continues with --resume)
 """

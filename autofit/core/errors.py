@@ -1,7 +1,7 @@
 """The exception hierarchy. Only the CLI (`autofit/cli/`) turns these into messages and exit codes.
 
-Exit codes: 0 success, 1 a regression found, 2 usage error, 3 nothing fits, 4 cannot write,
-130 interrupted.
+Exit codes: 0 success, 1 a regression found, 2 usage error, 3 no fit found (nothing fits, or no probe finished
+in the budget), 4 cannot write, 130 interrupted.
 """
 
 from __future__ import annotations
