@@ -385,13 +385,11 @@ def main():
     except Exception as e:  # datasets' own error in one line: its cause's (the row it stopped at); none: no rows
         why = " ".join(str(e.__cause__ or e).split())[:300] or "it has no rows"
         parser.error(f"--dataset: cannot read {a.dataset} ({why}); `autofit data {a.dataset}` lists its bad rows")
-@DATA_CHECK@@BEFORE_MODEL@    if a.model == "PATH/TO/MODEL":
-        parser.error("--model: this recipe was measured on a shape preset with random weights; give --model with "
-                     "a folder or hub id of a model of that shape, with its tokenizer")
-    try:
+@DATA_CHECK@@BEFORE_MODEL@    try:
         tokenizer = AutoTokenizer.from_pretrained(a.model)
     except OSError as e:  # neither a folder nor a hub id this machine has or can download
-        parser.error(f"--model: cannot load {a.model} ({' '.join(str(e).split())[:300]}); give the model's folder")
+        why = "a placeholder: autofit ran a shape preset" if a.model == "PATH/TO/MODEL" else " ".join(str(e).split())
+        parser.error(f"--model: cannot load {a.model} ({why[:300]}); give the model's folder")
 '''
 """A recipe's main() up to its data and tokenizer: its flags and their checks (one line and exit 2 each), the
 data read with `datasets`; `@DATASET_HELP@` and `@DATA_CHECK@` are the SFT or DPO recipe's (`arguments`)."""

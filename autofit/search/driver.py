@@ -416,8 +416,8 @@ class Search:
         finish in time first when the pace says so."""
         left = self.deadline - self.clock()
         if left <= 0:
-            return "budget spent" + (f"; the probe it stopped (trial {self.cut}) runs again on --resume"
-                                     if self.cut is not None else "")
+            return "budget spent" + (f"; the probe it stopped (trial {self.cut}) runs again on --resume with a "
+                                     "longer --budget" if self.cut is not None else "")
         viable = know.viable(self.candidates)
         if not viable:
             return self._nothing_viable(know)

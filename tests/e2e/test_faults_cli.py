@@ -96,7 +96,8 @@ FAULTS = [
     Fault("probe-timeout-nan", "--probe-timeout nan (accepted: no probe ever timed out)",
           "autofit search --probe-timeout nan", 2, "--probe-timeout: give a positive, finite number of seconds"),
     Fault("budget-shorter-than-a-probe", "a budget given as a bare number meant as minutes (3 is 3 s)",
-          "autofit search --model tiny-llama --budget 3", 3, "No probe finished: 1 probe(s) timed out"),
+          "autofit search --model tiny-llama --budget 3", 3,
+          "runs again on --resume with a longer --budget"),
     Fault("out-read-only", "--out on a read-only file system", "autofit search --model tiny-llama --out RO", 4,
           "--out: cannot write the run folder"),
     Fault("search-interrupted", "Ctrl-C (SIGINT) during a search", "autofit search ... (SIGINT)", 130,
@@ -280,6 +281,7 @@ def test_a_budget_no_probe_can_finish_in_says_so_not_that_nothing_fits(tmp_path:
     assert proc.returncode == fault.exit_code, proc.stderr
     assert "--budget 3: a bare number is seconds" in proc.stderr
     assert fault.message in proc.stderr and "No configuration fits" not in proc.stderr
+    assert "Nothing was probed: budget spent; the probe it stopped" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -81,7 +81,8 @@ FAULTS = [
           "python train.py --dataset missing.jsonl", 2, "--dataset: cannot read"),
     Fault("script-model-placeholder", "an exported script of a preset run given no --model (the hub client's "
           "'Repo id must be in the form' about PATH/TO/MODEL)", "python train.py --dataset data.jsonl", 2,
-          "--model: this recipe was measured on a shape preset with random weights; give --model"),
+          "--model: cannot load PATH/TO/MODEL (a placeholder: autofit ran a shape preset); give the "
+          "model's folder"),
 ]
 
 

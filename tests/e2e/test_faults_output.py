@@ -128,7 +128,7 @@ def test_a_search_whose_reader_went_away_exits_with_its_own_code(tmp_path: Path)
     assert proc.returncode == fault.exit_code, err
     assert fault.message in err and "Traceback" not in err and "BrokenPipe" not in err
     run = next(tmp_path.iterdir())  # the run folder is complete all the same
-    assert "## Nothing fits" in (run / "report.md").read_text() and (run / "trials.jsonl").is_file()
+    assert "## Nothing measured" in (run / "report.md").read_text() and (run / "trials.jsonl").is_file()
     _, write = _reader_gone()
     try:  # a success is still a success
         assert autofit("env", "--json", stdout=write).returncode == 0
