@@ -213,7 +213,7 @@ def test_a_killed_search_resumes_without_repeating_a_probe(tmp_path: Path) -> No
 def _two_workers(tmp_path: Path, storage: str) -> list[dict]:
     # generous: both workers keep finding configs to probe, and each finishes some on a busy machine (a probe the
     # budget's end stops is no probe result: it runs again on --resume)
-    common = ["--storage", storage, "--study-name", "shared", "--budget", "40s", "--json", "--device", "cpu",
+    common = ["--storage", storage, "--study-name", "shared", "--budget", "30s", "--json", "--device", "cpu",
               "--memory-limit", "150MiB"]
     first = subprocess.Popen([sys.executable, "-m", "autofit", "search", "--model", "tiny-llama", "--space",
                               "cpu-demo", "--out", str(tmp_path / "a"), *common],
