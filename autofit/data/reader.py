@@ -164,8 +164,9 @@ def read_dataset(path: str | os.PathLike[str], text_field: str = "text", message
             roles.update(m.get(chat_keys[0]) for m in row[messages_field])
     if not samples:
         listed = [row for _, row in rows] if isinstance(rows, list) else []
-        if len(listed) == 1 and not any(fields or ()) and row_lists(listed[0]):
-            raise wrapped_rows(path, row_lists(listed[0]), spread=False)
+        lists = row_lists(listed[0]) if len(listed) == 1 and not any(fields or ()) else []
+        if lists:
+            raise wrapped_rows(path, lists, spread=False)
         raise NoUsableRows(f"{path} has no usable row", bad, fields or ((), ()))
     return DatasetSource(kind, mode, samples, bad, digest, chat_keys, tuple(sorted(r for r in roles if r)))
 

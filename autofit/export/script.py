@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from autofit.config import distributed
 from autofit.config.recipe import Arguments
 from autofit.data.tokenizer import PLAIN_CHAT
-from autofit.export.common import DataForm, ExportRun, comment_block, data_form
+from autofit.export.common import PLACEHOLDER, DataForm, ExportRun, comment_block, data_form
 from autofit.export.winner import Winner
 
 INDENT = "    "
@@ -195,7 +195,7 @@ def decided(w: Winner, default_dataset: str, data_lines: list[str]) -> list[str]
     """The top of a recipe's constants: the model, the dataset (and `data_lines`: its fields), the length, dtype,
     attention, quantization, k-bit preparation and LoRA the search decided (SFT and DPO recipes alike)."""
     model = (f"MODEL = {w.model!r}" if w.model is not None else
-             'MODEL = "PATH/TO/MODEL"  # measured on a shape preset (random weights): give a model of that shape')
+             f'MODEL = "{PLACEHOLDER}"  # measured on a shape preset (random weights): give a model of that shape')
     dataset = w.dataset.path if w.dataset is not None else default_dataset
     lines = ["", "# What the search decided.", model, f"DATASET = {dataset!r}", *data_lines,
              f"MAX_LENGTH = {w.max_length}", f"DTYPE = torch.{w.dtype}", f"ATTENTION = {w.attention!r}"]
