@@ -515,7 +515,7 @@ class Search:
                   know: Knowledge, target: Target) -> None:
         """A probe the budget's end stopped: not an observation (the study does not learn the config is
         infeasible) and not a probe result, so a resumed search probes it again."""
-        trial.set_user_attr("kind", TrialKind.BUDGET.value)
+        trial.set_user_attr("kind", TrialKind.CUT.value)
         trial.set_user_attr("detail", res.reason)
         study.tell(trial, state=TrialState.FAIL)
         with self.lock:

@@ -48,6 +48,8 @@ class TrialKind(StrEnum):
     PROBE = "probe"
     BUDGET = "budget"
     """Proposed, but its probe would not finish in the time left."""
+    CUT = "cut"
+    """Its probe was stopped by the budget's end: not a verdict on the config, it runs again on --resume."""
     INTERRUPTED = "interrupted"
     """Its probe was stopped (Ctrl-C, a killed search): it runs again."""
 

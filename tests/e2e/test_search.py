@@ -268,6 +268,10 @@ def test_a_probe_the_budget_stops_is_probed_again_on_resume(tmp_path: Path) -> N
     assert "cut: budget" in first.stdout and "runs again on --resume" in first.stderr, first.stdout + first.stderr
     run = next((tmp_path / "runs").iterdir())
     assert read_trials(run) == []  # nothing measured, nothing recorded as a timeout of the config
+    spec = read_spec(run)  # a kind of its own: not a proposal the budget could not fit ("budget")
+    kinds = [t.user_attrs.get("kind") for t in open_study(spec["storage"], spec["study_name"], create=False,
+                                                          seed=0).get_trials()]
+    assert kinds == ["cut"], kinds
     resumed = run_cli("search", "--resume", str(run), "--budget", "3m", "--json")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     trials = read_trials(run)
