@@ -15,13 +15,13 @@ from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.outputs import write_outputs
 from autofit.run.rundir import SEARCH_LOCK, RunSpec
 from autofit.run.session import open_run_study, unstarted
-from autofit.search.study import ProbeRow, finished, stop_reason_of, study_rows, untried_of
+from autofit.search.study import ProbeRow, budgets_of, finished, stop_reason_of, study_rows, untried_of
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if not locks.holder(run_dir / SEARCH_LOCK) and (spec := unstarted(run_dir)) is not None:
-        _write(run_dir, spec, [], [], "", {}, None, True)
+        _write(run_dir, spec, [], [], "", {}, None, True, ())
         print("not finished: the search was stopped before its first probe (its study was not made yet); "
               f"nothing was measured. Continue with: autofit search --resume {shown(run_dir)}")
         return 0
@@ -31,7 +31,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         searching = locks.holder(run_dir / SEARCH_LOCK)
         reason = stop_reason_of(study)
         unfinished = not searching and not finished(reason)
-        best = _write(run_dir, spec, rows, timeline, reason, untried_of(study), searching, unfinished)
+        best = _write(run_dir, spec, rows, timeline, reason, untried_of(study), searching, unfinished,
+                      budgets_of(study))
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
             break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
     print(f"rebuilt {shown(run_dir / 'trials.jsonl')} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
@@ -53,10 +54,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _write(run_dir: Path, spec: RunSpec, rows: list[ProbeRow], timeline: list[tuple[float, float]],
            stop_reason: str, untried: dict[str, int], searching: str | None,
-           unfinished: bool) -> JSONObject | None:
+           unfinished: bool, budgets: tuple[float, ...]) -> JSONObject | None:
     """report.write_outputs, a refused write said as exit 4."""
     try:
-        return write_outputs(run_dir, spec, rows, timeline, stop_reason, untried, searching, unfinished)
+        return write_outputs(run_dir, spec, rows, timeline, stop_reason, untried, searching, unfinished, budgets)
     except OSError as e:  # a full or read-only disk, most often; whatever it is, the study is intact
         raise CannotWrite(f"RUN: cannot write the outputs in {shown(run_dir)} ({e.strerror or e}).") from None
 

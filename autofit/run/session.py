@@ -50,7 +50,7 @@ from autofit.search.driver import (
     untried_of,
 )
 from autofit.search.policy import Policy
-from autofit.search.study import ProbeRow
+from autofit.search.study import ProbeRow, budgets_of
 
 DEFAULT_BUDGET = "30m"
 DEFAULT_SPACE = "lora"
@@ -622,7 +622,7 @@ def summarize(session: Session, study: optuna.Study, reason: str, interrupted: b
     untried = untried_of(study)
     try:
         best = write_outputs(session.run_dir, session.spec, rows, timeline, reason, untried,
-                             unfinished=interrupted)
+                             unfinished=interrupted, budgets=budgets_of(study))
     except OSError as e:
         raise CannotWrite(f"cannot write the outputs in {session.run_dir} ({e.strerror or e}); the study "
                           f"keeps every result: `autofit report {shown(session.run_dir)}` rebuilds "

@@ -42,6 +42,7 @@ from autofit.search.study import (
     adopt,
     observation,
     open_study,
+    record_budget,
     record_repeat,
     record_stop_reason,
     record_untried,
@@ -308,6 +309,7 @@ class Search:
             # killed, must not show it (a shared study's other workers may still be running: kept there)
             record_stop_reason(study, "")
             record_untried(study, {})
+            record_budget(study, self.s.budget_s)
         self.unreachable = self._beyond_reach(study)
         if self.unreachable:
             return study

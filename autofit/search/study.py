@@ -58,6 +58,7 @@ REPEAT_PREFIX = "repeat:"
 SUPERSEDED_PREFIX = "superseded:"
 STOP_REASON = "stop_reason"
 UNTRIED = "untried"
+BUDGETS = "budgets"
 
 
 def probe_results(trials: list[FrozenTrial], repeats: dict[int, list[JSONObject]] | None = None,
@@ -123,6 +124,16 @@ def record_untried(study: optuna.Study, counts: dict[str, int]) -> None:
 
 def untried_of(study: optuna.Study) -> dict[str, int]:
     return {str(k): int(v) for k, v in (study.user_attrs.get(UNTRIED) or {}).items()}
+
+
+def record_budget(study: optuna.Study, budget_s: float) -> None:
+    """One more search session of this run folder, with its budget (a resume adds one)."""
+    study.set_user_attr(BUDGETS, [*budgets_of(study), float(budget_s)])
+
+
+def budgets_of(study: optuna.Study) -> tuple[float, ...]:
+    """The budget of each search session, oldest first (empty for a study from before they were kept)."""
+    return tuple(float(b) for b in study.user_attrs.get(BUDGETS) or ())
 
 
 @dataclass(frozen=True)

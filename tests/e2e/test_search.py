@@ -276,6 +276,8 @@ def test_a_probe_the_budget_stops_is_probed_again_on_resume(tmp_path: Path) -> N
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     trials = read_trials(run)
     assert [t["outcome"] for t in trials] == ["fit"] and json.loads(resumed.stdout)["best"] is not None
+    # the report gives both sessions' budgets: "3m00s" alone read as the run's whole budget
+    assert "budget 3m00s this session, 3m02s over 2 sessions" in (run / "report.md").read_text()
 
 
 def test_nothing_fits_exits_3_with_what_to_allow_next(tmp_path: Path) -> None:

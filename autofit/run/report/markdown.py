@@ -91,12 +91,13 @@ def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResu
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
                     data: JSONObject | None = None, untried: dict[str, int] | None = None,
                     run_dir: Path | None = None, searching: str | None = None,
-                    unfinished: bool = False) -> str:
+                    unfinished: bool = False, budgets: tuple[float, ...] = ()) -> str:
     """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>);
-    `searching`: the search still running there, so that nothing below is called its result."""
+    `searching`: the search still running there, so that nothing below is called its result;
+    `budgets`: each search session's budget (study.budgets_of), a resumed run's sessions."""
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
-    lines = _header(spec, results, limit, stop_reason, untried)
+    lines = _header(spec, results, limit, stop_reason, untried, budgets)
     folder = run_dir or Path("runs") / spec.run_id
     resume = f"`autofit search --resume {shown(folder)}` continues it"
     if unfinished:
@@ -148,7 +149,7 @@ def untried_line(untried: dict[str, int] | None) -> str:
 
 
 def _header(spec: RunSpec, results: list[ProbeResult], limit: int | None, stop_reason: str,
-            untried: dict[str, int] | None = None) -> list[str]:
+            untried: dict[str, int] | None = None, budgets: tuple[float, ...] = ()) -> list[str]:
     target = spec.targets[0]
     weights = (", random weights: memory and speed as trained weights"
                if spec.model.kind in ("preset", "config") else "")
@@ -157,12 +158,19 @@ def _header(spec: RunSpec, results: list[ProbeResult], limit: int | None, stop_r
     return [f"# autofit report: {spec.run_id}", "",
             f"- model: `{spec.model.ref}` ({spec.model.kind}{weights})",
             f"- where: {describe_target(target)}{emulated}",
-            (f"- space: `{spec.space.name}`, budget {format_duration(spec.budget_s)}, "
+            (f"- space: `{spec.space.name}`, budget {_budget(spec.budget_s, budgets)}, "
              f"headroom {target.headroom:.0%}"),
             (f"- probes run: {len(results)} ({sum(r.outcome.is_fit() for r in results)} fit, "
              f"{sum(r.outcome.is_memory() for r in results)} out of memory)"
              + (f"; stopped: {stop_reason}" if stop_reason else "")),
             *([f"- {untried_line(untried)}"] if untried else []), ""]
+
+
+def _budget(last: float, budgets: tuple[float, ...]) -> str:
+    """The budget, and over how many sessions where the run was resumed ("30m" alone read as the run's)."""
+    if len(budgets) < 2:
+        return format_duration(last)
+    return f"{format_duration(budgets[-1])} this session, {format_duration(sum(budgets))} over {len(budgets)} sessions"
 
 
 def _pairs(res: ProbeResult) -> str:

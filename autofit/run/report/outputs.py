@@ -29,7 +29,7 @@ from autofit.search.study import ProbeRow, finished
 def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
                   timeline: list[tuple[float, float]], stop_reason: str = "",
                   untried: dict[str, int] | None = None, searching: str | None = None,
-                  unfinished: bool = False) -> JSONObject | None:
+                  unfinished: bool = False, budgets: tuple[float, ...] = ()) -> JSONObject | None:
     """trials.jsonl, best.json, report.md and the plots, from the probe rows (trial + result);
     `untried`: the configs the search left unprobed, by verdict (study.untried_of); `searching`: the
     search still running in the folder ("pid N, since T"), whose best so far this is."""
@@ -62,7 +62,8 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     plot_best_so_far(timeline, run_dir / "best_so_far.png", "best tokens/s found so far")
     write_atomic(run_dir / "report.md",
                  readable(report_markdown(spec, rows, results, best, limit, usable, stop_reason,
-                                          data_summary(run_dir), untried, run_dir, searching, unfinished)))
+                                          data_summary(run_dir), untried, run_dir, searching, unfinished,
+                                          budgets)))
     return best_doc
 
 
