@@ -189,10 +189,14 @@ def merge_repeats(res: ProbeResult, repeats: list[JSONObject]) -> ProbeResult:
     if not repeats or not res.outcome.is_fit():
         return res
     again = [ProbeResult.from_dict(d) for d in repeats]
-    runs = [res.tokens_per_s or 0.0] + [r.tokens_per_s for r in again if r.outcome.is_fit()
-                                        and r.tokens_per_s]
+    fits = [res, *(r for r in again if r.outcome.is_fit() and r.tokens_per_s)]
+    runs = [r.tokens_per_s or 0.0 for r in fits]
     res.extra = {**res.extra, "measurements": [round(x, 1) for x in runs]}
     res.tokens_per_s = combined_tokens_per_s(runs)
+    # the timed steps' slowest and fastest over every run: the first run's alone could sit below the median
+    lows = [r.tokens_per_s_min for r in fits if r.tokens_per_s_min]
+    highs = [r.tokens_per_s_max for r in fits if r.tokens_per_s_max]
+    res.tokens_per_s_min, res.tokens_per_s_max = min(lows, default=None), max(highs, default=None)
     if res.pairs_per_s is not None:  # a DPO fit: its pairs/s follows the combined tokens/s, as the report's does
         res.pairs_per_s = pairs_per_s(res)
         res.extra["pairs_per_s"] = res.pairs_per_s

@@ -115,6 +115,16 @@ def test_a_repeat_sets_the_figures_and_a_repeat_oom_means_no_fit() -> None:
     assert edge.reason.startswith("fit once, out of memory when measured again")
 
 
+def test_a_repeated_fit_s_step_range_spans_every_run() -> None:
+    """best.json gave the first run's fastest step (13,756) below the median of the runs (14,158)."""
+    cfg = {"max_length": 2048, "micro_batch_size": 1}
+    first = ProbeResult(Outcome.FIT, cfg, tokens_per_s=13615.0, tokens_per_s_min=12251.0, tokens_per_s_max=13756.0)
+    again = ProbeResult(Outcome.FIT, cfg, tokens_per_s=14701.0, tokens_per_s_min=14100.0, tokens_per_s_max=14900.0)
+    merged = merge_repeats(first, [again.to_dict()])
+    assert (merged.tokens_per_s_min, merged.tokens_per_s_max) == (12251.0, 14900.0)
+    assert merged.tokens_per_s_min <= merged.tokens_per_s <= merged.tokens_per_s_max
+
+
 def test_a_repeated_dpo_fit_gives_the_pairs_per_s_of_its_combined_tokens_per_s() -> None:
     """best.json and report.md give one pairs/s for a DPO winner measured twice: the combined runs', not the
     first run's (the child's figure is its tokens/s over the mean pair's tokens)."""
