@@ -13,6 +13,11 @@ from autofit.export.multi_gpu import llama_factory as engine_keys
 from autofit.export.winner import Winner, describe, pair_form
 from autofit.export.yaml_targets import LLAMA_FACTORY, yaml_recipe
 
+CHAT_FORMAT = ("the chat format as measured: LLaMA-Factory renders chats with its own `template`, not with the "
+               "tokenizer's chat template the search used (or, where the tokenizer had none, its plain <|role|> "
+               "lines): set `template` to your model's LLaMA-Factory template name (empty adds no role markers)")
+"""What a chat run's recipe cannot keep: the rendering is LLaMA-Factory's choice."""
+
 
 def render(r: ExportRun) -> Rendered:
     w = describe(r)  # what the search decided, as every format reads it
@@ -68,8 +73,7 @@ def render(r: ExportRun) -> Rendered:
                               "user_tag": "human" if "human" in form.roles else "user",
                               "assistant_tag": "gpt" if "gpt" in form.roles else "assistant",
                               "system_tag": "system"}}
-            lost.append("chats were measured rendered with the tokenizer's own chat template: set `template` "
-                        "to your model's LLaMA-Factory template name (empty adds no role markers)")
+            lost.append(CHAT_FORMAT)
             out["train_on_prompt"] = True  # every token trained, as measured (SFT masks the prompt otherwise)
         else:  # text trained on every token, as measured: LLaMA-Factory's pre-training stage and format
             out["stage"] = "pt"
@@ -158,8 +162,7 @@ def preference_keys(r: ExportRun, w: Winner, out: dict[str, object]) -> tuple[li
                  "{role, content} message each, TRL's as lists of messages: give each row its completion's last "
                  "message" + (", and the messages chosen and rejected share as a 'prompt' list" if form.implicit
                               else ""),
-                 "chats were measured rendered with the tokenizer's own chat template: set `template` to your "
-                 "model's LLaMA-Factory template name (empty adds no role markers)"]
+                 CHAT_FORMAT]
     elif form.implicit:
         lost.append("the rows have no 'prompt' (TRL took the shared start of chosen and rejected as it); "
                     "LLaMA-Factory's ranking rows need one: add a 'prompt' field holding that start and cut it "

@@ -243,6 +243,11 @@ def test_the_yaml_trainers_read_chats_as_chats_and_text_as_text(tmp_path: Path) 
     entry = json.loads(lf.text.split('"my_dataset": ', 1)[1].splitlines()[0])
     assert entry["formatting"] == "sharegpt" and entry["columns"] == {"messages": "messages"}
     assert yaml.safe_load(lf.text)["stage"] == "sft" and any("template" in x for x in lf.unexpressed)
+    # the warning reads "llama-factory cannot express <item>": it read "... cannot express chats were measured
+    # rendered with the tokenizer's own chat template", where the stand-in had none
+    said = next(x for x in lf.unexpressed if "template" in x)
+    assert said.startswith("the chat format as measured: LLaMA-Factory renders chats with its own `template`")
+    assert "where the tokenizer had none, its plain <|role|> lines" in said
     pt = export_run(data_run(tmp_path / "p", "pad_longest"), "llama-factory")
     assert yaml.safe_load(pt.text)["stage"] == "pt" and '"columns": {"prompt": "text"}' in pt.text
     assert "train_on_prompt" not in yaml.safe_load(pt.text)  # refused outside SFT; pt trains every token
