@@ -36,7 +36,9 @@ def test_tiny_llama_fits_and_reports_figures(short_fit: dict) -> None:
     assert r["config"]["precision"] == "bf16" and r["config"]["lora_r"] == 16  # defaults included
     assert set(r["phase_peaks"]) == {"forward", "backward", "optimizer"}
     assert r["trainable_params"] < r["total_params"]
-    assert r["loss"] is not None and r["loss"] > 0
+    # the step's mean loss, ~ln(1024) = 6.93 for random weights on random tokens, at any accumulation (it gave a
+    # micro-step's share: 3.47 at accumulation 2, 1.74 at 4)
+    assert 5.5 < r["loss"] < 8.5
     assert Path(r["log_path"]).is_file()
 
 

@@ -128,7 +128,7 @@ def run_dpo_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str]
     verify_checkpointing(req, state.callback, trained.n_layers)
     ran = allocator.verify(req)
     assert state.callback is not None
-    state.callback.losses = losses  # the DPO loss Trainer logged each step (the forward's own is not it)
+    state.callback.losses[:] = losses  # the DPO loss Trainer logged each step (the forward's own is not it)
     res = kernel_figures(dpo_figures(req, state, trained, pairs, extra), req, state, gate)
     res.extra.update(ran)
     return res

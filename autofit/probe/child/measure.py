@@ -74,6 +74,9 @@ class Trained:
     engine: dict[str, object]
     """What Trainer really ran where it matters: its distributed type and FSDP modules (a group, or an
     engine), the compiled regions (torch_compile)."""
+    loss: float | None = None
+    """The last step's loss as Trainer logged it: the mean over the step's tokens, whatever the accumulation
+    (a micro-step's own loss is its share of the step where the model takes `num_items_in_batch`)."""
 
 
 def run_probe(req: ProbeRequest, state: ProbeState, announce: Callable[[str], None]) -> ProbeResult:
@@ -264,7 +267,13 @@ def train(req: ProbeRequest, state: ProbeState, model: Model, sync: Callable[[],
                    total=sum(p.numel() for p in model.parameters()), n_layers=len(decoder_layers(model)),
                    train_seconds=time.perf_counter() - state.t_start,
                    optimizer=describe_optimizer(optimizer), engine=engine,
-                   bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()))
+                   bnb_modules=sum(type(m).__module__.startswith("bitsandbytes") for m in model.modules()),
+                   loss=logged_loss(trainer))
+
+
+def logged_loss(trainer: Trainer) -> float | None:
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return float(logged[-1]) if logged else None
 
 
 def engine_figures(trainer: Trainer) -> dict[str, object]:
@@ -359,7 +368,7 @@ def figures(req: ProbeRequest, state: ProbeState, trained: Trained,
         optimizer_step_s=statistics.median(s["optimizer"] for s in timed),
         probe_accumulation=req.probe_accumulation, checkpointed_layers=cb.checkpointed,
         n_layers=trained.n_layers, trainable_params=int(trained.trainable), total_params=int(trained.total),
-        loss=cb.losses[-1] if cb.losses else None, train_seconds=trained.train_seconds,
+        loss=trained.loss, train_seconds=trained.train_seconds,
         extra={**trained.optimizer, **trained.engine, "bnb_modules": trained.bnb_modules,
                "pinned_cpus": state.pinned_cpus, "noise_controls": [c for c in CONTROLS if enabled(c)],
                # beside step_times' timed steps: the host's share of a slow step (hostclock's docstring)
@@ -391,7 +400,7 @@ def step_figures(req: ProbeRequest, batches: RealBatches | None) -> dict[str, fl
 
 def judge_stability(res: ProbeResult, cb: ProbeCallback, steps: int) -> ProbeResult:
     """Non-finite loss on most micro-steps, or most steps skipped by the fp16 scaler: unstable."""
-    bad = sum(1 for x in cb.losses if not math.isfinite(x))
+    bad = sum(1 for x in cb.losses if not math.isfinite(float(x)))  # device scalars until now: no sync a step
     if cb.losses and bad * 2 > len(cb.losses):
         res.outcome = Outcome.UNSTABLE
         res.reason = f"non-finite loss on {bad} of {len(cb.losses)} micro-steps"

@@ -19,6 +19,7 @@ from autofit.probe.child.sampler import Memory
 from autofit.protocol.request import SPREAD_BOUND
 
 if TYPE_CHECKING:
+    import torch
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 
@@ -96,7 +97,8 @@ class ProbeCallback:
         self.phase_peaks = {"forward": 0, "backward": 0, "optimizer": 0}
         self.max_allocated = 0
         self.max_reserved = 0
-        self.losses: list[float] = []
+        self.losses: list[float | torch.Tensor] = []
+        """Each micro-step's loss, kept on the device (reading it would synchronise every micro-step)."""
         self.skipped_steps = 0
         self.checkpointed: list[int] | None = None
         self.checkpointed_at_end: list[int] | None = None
@@ -146,7 +148,7 @@ class ProbeCallback:
     def forward_hook(self, module: object, args: object, output: object) -> None:
         loss = getattr(output, "loss", None)
         if loss is not None:
-            self.losses.append(float(loss.detach().float()))
+            self.losses.append(loss.detach())
         self.note("forward")
         self.phase = "backward"
 
