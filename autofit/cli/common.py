@@ -226,8 +226,9 @@ def share(text: str) -> float:
 def fraction(text: str, flag: str) -> float:
     value = _percent(text)
     if value is not None and value >= 1:
-        raise UsageError(f"{flag}: {text!r} is 100% or more of the baseline; a tolerance is below 100%, such "
-                         "as 7% (or 0.07).")
+        meant = f"; did you mean {text.strip()}%?" if "%" not in text and value < 100 else "."
+        raise UsageError(f"{flag}: {text!r} is 100% or more of the baseline{meant} A tolerance is below 100%, "
+                         "such as 7% (or 0.07).")
     if value is None or not 0 <= value < 1:
         raise UsageError(f"{flag}: {text!r} is not a tolerance; expected a percentage such as 7% (or 0.07).")
     return value

@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from autofit.cli.common import Formatter, Subcommands, add_target_flags, fraction, gather, warn
+from autofit.cli.report import rebuild_report
 from autofit.core.errors import AutofitError, RegressionFound, UsageError
 from autofit.run import locks, regress
 from autofit.run.rundir import HISTORY, SEARCH_LOCK, RunDir
@@ -53,11 +54,19 @@ def cmd_regress(args: argparse.Namespace) -> int:
         trend = regress.record(p, checks, tol, rule, env_now, reports, history)
         kept = regress.update_baseline(p, checks, env_now) if args.update_baseline else None
     print(f"history: {p.run_dir / HISTORY}; trend: {trend}")
+    if args.update_baseline:
+        noisy = [c.name for c in checks if c.status is regress.Status.INCONCLUSIVE]
+        if noisy:  # its runs are no figure to judge by, nor to judge by tomorrow
+            warn(f"{', '.join(noisy)} inconclusive: {'its' if len(noisy) == 1 else 'their'} baseline is kept; "
+                 "measure again on an idle machine to re-baseline")
     if kept is not None:
         print(f"baseline updated; the previous one is kept as {kept}")
+        rebuild_report(p.run_dir)
         taken = regress.taken_in(checks)
         if taken:  # asked for, so exit 0; but a job that always passes the flag would accept any slowdown
             warn(taken)
+        return 0
+    if args.update_baseline:
         return 0
     failed = [c for c in checks if c.failed]
     if failed:
@@ -113,9 +122,10 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
                             --consecutive checks in a row against the same baseline (default 2, counted in
                             RUN/regress-history.jsonl), or once by more than --severe-factor times the
                             tolerance (default 2). A single check outside is "suspect"; one whose runs
-                            differ among themselves as much as they differ from the baseline is
-                            "inconclusive" (too noisy to judge). Both exit 0 with a warning and a JUnit
-                            <skipped>. No longer fitting is a regression at once, always; so is a GPU peak
+                            differ among themselves as much as they differ from the baseline, or that is
+                            slower by no more than its runs' waits for a CPU explain (a busy machine), is
+                            "inconclusive" (too noisy to judge). Both exit 0 with a warning and a JUnit <skipped>; --update-baseline
+                            keeps the old baseline of an inconclusive check. No longer fitting is a regression at once, always; so is a GPU peak
                             beyond tolerance (the allocator's figure is exact). On the CPU the peak is
                             resident memory, judged like speed.
 

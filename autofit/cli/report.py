@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from autofit.cli.common import Formatter, Subcommands
+import optuna
+
+from autofit.cli.common import Formatter, Subcommands, warn
 from autofit.core.documents import JSONObject
-from autofit.core.errors import CannotWrite
+from autofit.core.errors import AutofitError, CannotWrite
 from autofit.core.paths import shown
 from autofit.protocol.result import ProbeResult
 from autofit.run import locks
@@ -27,12 +29,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 0
     spec, study = open_run_study(run_dir)
     while True:
-        rows, timeline = study_rows(study)
         searching = locks.holder(run_dir / SEARCH_LOCK)
-        reason = stop_reason_of(study)
-        unfinished = not searching and not finished(reason)
-        best = _write(run_dir, spec, rows, timeline, reason, untried_of(study), searching, unfinished,
-                      budgets_of(study))
+        rows, best, reason, unfinished = rebuild(run_dir, spec, study, searching)
         if not searching or locks.holder(run_dir / SEARCH_LOCK):
             break  # else the search ended while this was written, its own outputs replaced: rebuilt as final
     print(f"rebuilt {shown(run_dir / 'trials.jsonl')} ({len(rows)} probe{'' if len(rows) == 1 else 's'}), "
@@ -50,6 +48,28 @@ def cmd_report(args: argparse.Namespace) -> int:
                                    spec.targets[0].memory_limit_bytes, stop_reason_of(study))
         print(f"no best.json: {why}")
     return 0
+
+
+def rebuild(run_dir: Path, spec: RunSpec, study: optuna.Study, searching: str | None,
+            ) -> tuple[list[ProbeRow], JSONObject | None, str, bool]:
+    """Write the outputs from the study: its rows, best.json's document, the stop reason, and whether the
+    search is unfinished (interrupted or killed, and not running)."""
+    rows, timeline = study_rows(study)
+    reason = stop_reason_of(study)
+    unfinished = not searching and not finished(reason)
+    best = _write(run_dir, spec, rows, timeline, reason, untried_of(study), searching, unfinished,
+                  budgets_of(study))
+    return rows, best, reason, unfinished
+
+
+def rebuild_report(run_dir: Path) -> None:
+    """report.md again after `regress --update-baseline` (it gives the accepted baseline); a study that cannot
+    be read now is a warning: best.json is written."""
+    try:
+        spec, study = open_run_study(run_dir)
+        rebuild(run_dir, spec, study, None)
+    except AutofitError as e:
+        warn(f"report.md not rebuilt ({e}); `autofit report {shown(run_dir)}` rebuilds it")
 
 
 def _write(run_dir: Path, spec: RunSpec, rows: list[ProbeRow], timeline: list[tuple[float, float]],

@@ -97,7 +97,7 @@ def output_file(path: str | os.PathLike[str], flag: str, remedy: str = "") -> Pa
     except OSError as e:
         raise UsageError(f"{flag}: {shown(p)} {problem(e)}.{_then(remedy)}") from None
     if mode is not None and stat.S_ISDIR(mode):
-        raise UsageError(f"{flag}: {shown(p)} is a folder; give a file name.{_then(remedy)}")
+        raise UsageError(f"{flag}: {shown(p)} is a folder; give a file name (a path in it, or beside it).")
     if mode is None:
         parent = p.parent
         try:

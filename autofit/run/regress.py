@@ -27,10 +27,11 @@ import enum
 import json
 import math
 import os
+import statistics
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from autofit.run import locks
 from autofit.run.best import Best, BestEntry, read_best, read_env
 from autofit.run.rundir import HISTORY, REGRESS_LOCK, ProbeSettings, RunDir, load_spec
 from autofit.search.objective import combined_tokens_per_s
+from autofit.search.study import merge_repeats
 
 HistoryRecord = dict[str, Any]
 """One line of regress-history.jsonl (JSON): the date, the machine and tolerances, and each check as
@@ -146,6 +148,8 @@ class Measured:
     """tokens/s of each fitting run."""
     peaks: tuple[int, ...] = ()
     """The peak of each fitting run that counts for memory (`combine`)."""
+    slowdowns: tuple[float, ...] = ()
+    """The slowdown each fitting run's waits for a CPU can explain (`cpu_wait_slowdown`)."""
 
 
 @dataclass(frozen=True)
@@ -168,15 +172,21 @@ class Check:
     streak: int = 0
     """Checks in a row, this one included, with the deciding figure outside tolerance against this
     baseline."""
+    slowdowns: tuple[float, ...] = ()
+    """The slowdown each run's waits for a CPU can explain (1.0: none)."""
+    results: tuple[ProbeResult, ...] = field(default=(), compare=False, repr=False)
+    """Tonight's runs as measured (not stored in the history: `--update-baseline` takes them in)."""
 
     @property
     def failed(self) -> bool:
         return self.status.failed()
 
     def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
+        d = asdict(replace(self, results=()))
+        del d["results"]
         d["status"] = self.status.value
         d["runs"], d["peaks"], d["messages"] = list(self.runs), list(self.peaks), list(self.messages)
+        d["slowdowns"] = list(self.slowdowns)
         return d
 
 
@@ -318,6 +328,8 @@ class Figure:
     tolerance: float
     values: tuple[float, ...] = ()
     """The figure of each run (empty for a recorded check: only its combined figure counts)."""
+    explained: float = 1.0
+    """Speed: the slowdown the median run's waits for a CPU can explain (1.0: none, or not read)."""
 
     @property
     def regression(self) -> Status:
@@ -350,6 +362,11 @@ class Figure:
         large can make the difference by itself. A gap wider than the whole spread is no such noise."""
         return self.spread() >= self.distance()
 
+    def contended(self) -> bool:
+        """Slower by no more than the runs' waits for a CPU explain: other processes on the machine's cores
+        can make the difference by themselves."""
+        return self.name == "speed" and self.worse() > 0 and self.explained >= self.distance()
+
 
 def spread(values: Sequence[float]) -> float:
     """How much the runs disagree: the largest over the smallest (1.0 for one run)."""
@@ -358,7 +375,8 @@ def spread(values: Sequence[float]) -> float:
 
 def figures(base: BestEntry, m: Measured, tol: Tolerance) -> tuple[Figure, Figure]:
     """Tonight's speed and memory against the baseline (a config that fits)."""
-    return (Figure("speed", m.tokens_per_s or 0.0, base.tokens_per_s, tol.speed, m.runs),
+    return (Figure("speed", m.tokens_per_s or 0.0, base.tokens_per_s, tol.speed, m.runs,
+                   statistics.median(m.slowdowns) if m.slowdowns else 1.0),
             Figure("memory", m.peak_bytes or 0, base.peak_memory_bytes, tol.memory,
                    tuple(map(float, m.peaks))))
 
@@ -403,7 +421,8 @@ def decide(base: BestEntry, history: Sequence[HistoryRecord], m: Measured, tol: 
     """The verdict on tonight's runs of `base`, given the history of earlier checks (oldest first).
 
     A config that no longer fits is a regression. A figure worse than tolerance is: inconclusive when
-    its runs are too noisy to judge (`Figure.noisy`), whatever else holds; a regression when it is
+    its runs are too noisy to judge (`Figure.noisy`), or slower by no more than their waits for a CPU explain
+    (`Figure.contended`: a busy machine), whatever else holds; a regression when it is
     worse than `rule.severe` tolerances, or outside on `rule.needed` checks in a row; else suspect.
     Faster beyond tolerance is "faster" (inconclusive when noisy); anything else is ok."""
     if not m.fits:
@@ -415,7 +434,7 @@ def decide(base: BestEntry, history: Sequence[HistoryRecord], m: Measured, tol: 
             continue
         nights = 1 + streak(base, history, f.name, tol)
         severe = rule.severe is not None and f.worse() > rule.severe * f.tolerance
-        if f.noisy():
+        if f.noisy() or f.contended():
             found.append(Verdict(Status.INCONCLUSIVE, f, nights))
         elif severe or nights >= rule.needed(f.name):
             found.append(Verdict(f.regression, f, nights))
@@ -441,7 +460,22 @@ def combine(results: Sequence[ProbeResult]) -> Measured:
     clean = [r for r in fits if not ran_checks(r)] or fits  # a check's residue is not the config's memory
     peaks = tuple(r.peak_memory_bytes for r in clean if r.peak_memory_bytes)
     return Measured(True, combined_tokens_per_s(list(runs)), max(peaks, default=0) or None,
-                    fits[0].outcome.value, "", runs, peaks)
+                    fits[0].outcome.value, "", runs, peaks, tuple(cpu_wait_slowdown(r) for r in fits))
+
+
+def cpu_wait_slowdown(r: ProbeResult) -> float:
+    """The slowdown the run's waits for a CPU can explain: over its timed steps, (time its threads waited for
+    a CPU + their CPU time) / their CPU time, from hostclock's `run_wait_s` and `process_cpu_s` (1.0 where the
+    host did not give them). Threads kept waiting half the time they were ready ran at most half as fast."""
+    host = r.extra.get("host_per_step")
+    if not isinstance(host, dict):
+        return 1.0
+
+    def total(key: str) -> float:
+        return sum(x for x in host.get(key) or [] if isinstance(x, (int, float)))
+
+    cpu = total("process_cpu_s")
+    return (total("run_wait_s") + cpu) / cpu if cpu > 0 else 1.0
 
 
 def ran_checks(r: ProbeResult) -> bool:
@@ -465,7 +499,8 @@ def settle(base: BestEntry, results: Sequence[ProbeResult], tol: Tolerance, rule
     m = combine(results)
     v = decide(base, history, m, tol, rule)
     check = Check(base.name, base.config.to_dict(), base.tokens_per_s, base.peak_memory_bytes, m.tokens_per_s,
-                  m.peak_bytes, m.outcome, len(results), v.status, m.runs, (), m.peaks, v.streak)
+                  m.peak_bytes, m.outcome, len(results), v.status, m.runs, (), m.peaks, v.streak, m.slowdowns,
+                  tuple(results))
     return replace(check, messages=describe(check, m, tol, rule, v))
 
 
@@ -497,10 +532,15 @@ def reason(name: str, v: Verdict, rule: Rule) -> str:
     what = f"{side[0] if worse > 0 else side[1]} by {abs(worse):.1%}"
     if v.status is Status.INCONCLUSIVE:
         figure = "tokens/s" if f.name == "speed" else "peak"
-        return (f"{name} is inconclusive: {what}, but its runs differ by {f.spread() - 1:.0%} among "
-                f"themselves, as much as tonight's {figure} differs from the baseline "
-                f"({f.distance() - 1:.0%}): too noisy to judge, and not a regression on this evidence. "
-                "Measure again on an idle machine.")
+        if f.contended():
+            why = (f"its runs waited for a CPU (other processes on this machine's cores) long enough to run "
+                   f"{f.explained:.2f}x slower, as much as tonight's tokens/s differs from the baseline "
+                   f"({f.distance():.2f}x)")
+        else:
+            why = (f"its runs differ {f.spread():.2f}x among themselves, as much as tonight's {figure} differs "
+                   f"from the baseline ({f.distance():.2f}x)")
+        return (f"{name} is inconclusive: {what}, but {why}: too noisy to judge, and not a regression on this "
+                "evidence. Measure again on an idle machine.")
     in_a_row = f"{v.streak} check{'' if v.streak == 1 else 's'} in a row"
     needed = rule.needed(f.name)
     if v.status is Status.SUSPECT:
@@ -838,28 +878,46 @@ def record(p: Plan, checks: Sequence[Check], tol: Tolerance, rule: Rule, env_now
 # --------------------------------------------------------------------------- re-baselining
 
 
+def measured(c: Check) -> JSONObject:
+    """A check's runs as a best.json entry's measured fields: the first fitting run's whole result (its steps,
+    versions and log), the runs combined as the search combines repeats, tokens/s and the peak the check's.
+    Only the figures would leave the old steps, spread and runs beside them."""
+    fits = [r for r in c.results if r.outcome.is_fit() and r.tokens_per_s]
+    if not fits:  # a check rebuilt without its runs: its figures alone
+        return {"tokens_per_s": c.tokens_per_s, "peak_memory_bytes": c.peak_bytes}
+    first = ProbeResult.from_dict(fits[0].to_dict())  # a copy: merge_repeats edits it
+    res = merge_repeats(first, [r.to_dict() for r in fits[1:]])
+    res.tokens_per_s, res.peak_memory_bytes = c.tokens_per_s, c.peak_bytes
+    return res.to_dict()
+
+
 def taken_in(checks: Sequence[Check]) -> str:
     """What a new baseline takes in that a nightly job should not accept silently ("" for nothing):
-    a regression, or figures outside tolerance not yet called one."""
-    worse = [f"{c.name} {c.status.value}" for c in checks if c.failed or c.status.doubtful()]
+    a regression, or figures outside tolerance not yet called one (an inconclusive check's are not taken in)."""
+    worse = [f"{c.name} {c.status.value}" for c in checks
+             if c.failed or (c.status.doubtful() and c.status is not Status.INCONCLUSIVE)]
     if not worse:
         return ""
     what = "a regression" if any(c.failed for c in checks) else "figures outside the tolerance"
     return f"the new baseline takes in {what} ({', '.join(worse)}); drop --update-baseline from a nightly job"
 
 
-def update_baseline(p: Plan, checks: Sequence[Check], env: Env) -> Path:
-    """Rewrite best.json (and env.json) with the new figures; keep the previous ones beside them, each
+def update_baseline(p: Plan, checks: Sequence[Check], env: Env) -> Path | None:
+    """Rewrite best.json (and env.json) with the new measurements; keep the previous ones beside them, each
     file whole or not at all. A config that no longer fits is not a baseline: RegressionFound, nothing
-    rewritten."""
+    rewritten. An inconclusive check keeps its old baseline (its runs are no figure); None where every
+    check is inconclusive (nothing rewritten)."""
     if any(c.status is Status.NO_LONGER_FITS for c in checks):
         raise RegressionFound("a baseline config no longer fits; not re-baselining. Search again.")
+    if all(c.status is Status.INCONCLUSIVE for c in checks):
+        return None
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     kept = p.run_dir / f"best.previous-{stamp}.json"
     best = json.loads(json.dumps(p.best.doc))  # a copy to edit
     entries = [best, *best.get("runners_up", [])]
     for entry, c in zip(entries, checks):
-        entry["tokens_per_s"], entry["peak_memory_bytes"] = c.tokens_per_s, c.peak_bytes
+        if c.status is not Status.INCONCLUSIVE:
+            entry.update(measured(c))
     best["baseline_updated"] = stamp
     env_path = p.run_dir / "env.json"
     steps: list[tuple[Path, Callable[[Path], None]]] = [

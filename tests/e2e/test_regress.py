@@ -163,12 +163,19 @@ def test_update_baseline_keeps_the_previous_one_and_says_what_it_takes_in(run: P
     assert (best["tokens_per_s"], best["peak_memory_bytes"]) == (check["tokens_per_s"], check["peak_bytes"])
     assert best["baseline_updated"] in kept[0].name and len(list(run.glob("env.previous-*.json"))) == 1
     assert f"baseline updated; the previous one is kept as {kept[0]}" in proc.stdout
+    # report.md is rebuilt and names the accepted figures (it kept the search's alone, beside a new best.json)
+    assert (f"- baseline: `autofit regress --update-baseline` accepted {best['tokens_per_s']:,.0f} tokens/s"
+            in (run / "report.md").read_text())
+    assert run_cli("report", str(run)).returncode == 0  # a rebuild keeps both
+    assert json.loads((run / "best.json").read_text()) == best and "accepted" in (run / "report.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
     (["--tolerance", "lots"], "--tolerance: 'lots' is not a tolerance; expected a percentage such as 7% (or 0.07)."),
-    (["--memory-tolerance", "200%"], "--memory-tolerance: '200%' is 100% or more of the baseline; a tolerance is "
+    (["--memory-tolerance", "200%"], "--memory-tolerance: '200%' is 100% or more of the baseline. A tolerance is "
                                      "below 100%, such as 7% (or 0.07)."),
+    (["--tolerance", "7"], "--tolerance: '7' is 100% or more of the baseline; did you mean 7%? A tolerance is "
+                           "below 100%, such as 7% (or 0.07)."),
     (["--top", "0"], "--top: at least 1 (the winner)."),
 ])
 def test_bad_regress_flags_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

@@ -96,4 +96,4 @@ def recorded(check: dict[str, Any]) -> tuple[BestEntry, regress.Measured]:
     base = BestEntry(check["name"], TrialConfig.from_dict(check["config"]), check["baseline_tokens_per_s"],
                      check["baseline_peak_bytes"])
     return base, regress.Measured(True, check["tokens_per_s"], check["peak_bytes"], "fit", "",
-                                  tuple(check["runs"]), tuple(check["peaks"]))
+                                  tuple(check["runs"]), tuple(check["peaks"]), tuple(check.get("slowdowns", ())))

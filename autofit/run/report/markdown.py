@@ -91,13 +91,20 @@ def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResu
                     best: ProbeResult | None, limit: int | None, usable: int | None, stop_reason: str,
                     data: JSONObject | None = None, untried: dict[str, int] | None = None,
                     run_dir: Path | None = None, searching: str | None = None,
-                    unfinished: bool = False, budgets: tuple[float, ...] = ()) -> str:
+                    unfinished: bool = False, budgets: tuple[float, ...] = (),
+                    accepted: JSONObject | None = None) -> str:
     """`run_dir`: where the folder is now, for the export command it gives (else runs/<run id>);
     `searching`: the search still running there, so that nothing below is called its result;
-    `budgets`: each search session's budget (study.budgets_of), a resumed run's sessions."""
+    `budgets`: each search session's budget (study.budgets_of), a resumed run's sessions; `accepted`:
+    best.json where `regress --update-baseline` replaced the search's figures of this winner."""
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried, budgets)
+    if accepted is not None:
+        lines[-1:-1] = [f"- baseline: `autofit regress --update-baseline` accepted {accepted['tokens_per_s']:,.0f} "
+                        f"tokens/s, peak {size_text(accepted.get('peak_memory_bytes'))} for the winner "
+                        f"({accepted['baseline_updated']}); best.json holds them, the figures below are the "
+                        "search's"]
     folder = run_dir or Path("runs") / spec.run_id
     resume = f"`autofit search --resume {shown(folder)}` continues it"
     if unfinished:

@@ -40,7 +40,7 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     usable = usable_bytes(limit, target.headroom)  # the limit's: the card's own size is not the run's limit
     best = best_of(results)
     ranked = ranked_fits(results)
-    best_doc = None
+    best_doc, accepted = None, None
     if best is not None:
         best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
                     "target": target_dict(target), "learning_changes": learning_changes(best.config, best, spec.space),
@@ -52,7 +52,9 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
         if baseline is not None:  # a data run: the padded strategy the winner is compared with
             best_doc["baseline"] = {"config": baseline.config.to_dict(), "tokens_per_s": baseline.tokens_per_s,
                                     "peak_memory_bytes": baseline.peak_memory_bytes, "step": step_doc(baseline)}
-        if not rebaselined(run_dir / "best.json", best.config):
+        if rebaselined(run_dir / "best.json", best.config):
+            accepted = json.loads((run_dir / "best.json").read_text())
+        else:
             write_json(run_dir / "best.json", best_doc)
     else:
         (run_dir / "best.json").unlink(missing_ok=True)
@@ -63,7 +65,7 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     write_atomic(run_dir / "report.md",
                  readable(report_markdown(spec, rows, results, best, limit, usable, stop_reason,
                                           data_summary(run_dir), untried, run_dir, searching, unfinished,
-                                          budgets)))
+                                          budgets, accepted)))
     return best_doc
 
 
