@@ -18,19 +18,25 @@ from runs import data_run
 MIB = 2**20
 
 
-def _row(trial: int, batching: str, tokens_per_s: float, step: dict[str, object]) -> dict[str, object]:
-    cfg = TrialConfig(max_length=96, micro_batch_size=2, global_batch=16, batching=batching, precision="fp32")
+def _row(trial: int, batching: str, tokens_per_s: float, step: dict[str, object], micro_batch_size: int = 2,
+         noisy: bool = False) -> dict[str, object]:
+    cfg = TrialConfig(max_length=96, micro_batch_size=micro_batch_size, global_batch=16, batching=batching,
+                      precision="fp32")
     res = ProbeResult(Outcome.FIT, cfg, device="cpu", tokens_per_s=tokens_per_s, peak_memory_bytes=100 * MIB,
-                      extra={"pad_fraction": 0.0, **step})
+                      extra={"pad_fraction": 0.0, **step}, noisy=noisy)
     return {"trial": trial, **res.to_dict()}
 
 
-def _write(tmp_path: Path, winner_step: dict[str, object], **data: object) -> tuple[dict, str]:
-    run = data_run(tmp_path, "packed")
+def _with_data(run: Path, **data: object) -> Path:
     (run / "data").mkdir()  # what a search with --dataset writes first: the data's lengths
     (run / "data" / "data.json").write_text(json.dumps({
         "dataset": {"path": "d1.jsonl", "content_hash": "0" * 64}, "samples": 200, "tokens": 11_640, "mean": 58.2,
         "percentiles": {"p50": 41, "p99": 301}, "cuts": [], **data}))
+    return run
+
+
+def _write(tmp_path: Path, winner_step: dict[str, object], **data: object) -> tuple[dict, str]:
+    run = _with_data(data_run(tmp_path, "packed"), **data)
     rows = [_row(0, "pad_longest", 900.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
                                            "trained_tokens_per_step": 930.4, "keeps_global_batch": True}),
             _row(1, "group_by_length", 1100.0, {"gradient_accumulation_steps": 8, "samples_per_step": 16,
@@ -124,3 +130,28 @@ def test_on_the_cpu_the_memory_section_claims_no_measured_term_and_with_nothing_
     write_outputs(run, load_spec(run), [], [], "budget spent")
     report = (run / "report.md").read_text()
     assert "## Where the memory goes" not in report and "## Nothing measured" in report
+
+
+def test_a_baseline_at_other_settings_than_the_winner_s_is_said_not_to_be_the_batching_s_speed_up(
+        tmp_path: Path) -> None:
+    """The table credited padding_free with 16.9x over a pad_longest baseline at micro-batch 1 (0% padding): the
+    gap was the micro-batch's. The report says so, and gives the padded strategy at the winner's settings."""
+    run = _with_data(data_run(tmp_path, "padding_free"))
+    step = {"gradient_accumulation_steps": 8, "samples_per_step": 16, "keeps_global_batch": True}
+    rows = [_row(0, "pad_longest", 83.0, step, micro_batch_size=1, noisy=True),
+            _row(1, "padding_free", 1401.0, step, micro_batch_size=8, noisy=True)]
+    write_outputs(run, load_spec(run), rows, [(1.0, 1401.0)])
+    report = (run / "report.md").read_text()
+    assert "| padding_free (winner) | 1,401 (noisy, measured once) | 1.00x |" in report
+    assert "| pad_longest (baseline) | 83 (noisy, measured once) | 16.88x |" in report
+    assert ("The winner also differs from the baseline in micro_batch_size 8 against 1: the speed-up is not the "
+            "batching's alone; a padded strategy at the winner's other settings was not measured.") in report
+    rows.append(_row(2, "group_by_length", 700.0, step, micro_batch_size=8, noisy=True))
+    write_outputs(run, load_spec(run), rows, [(1.0, 1401.0)])
+    report = (run / "report.md").read_text()
+    assert "group_by_length (baseline) | 700 (noisy, measured once) | 2.00x" in report  # now the like-for-like one
+    assert "The winner and the baseline differ in batching alone: the speed-up is the batching's." in report
+    rows[0] = _row(0, "pad_longest", 800.0, step, micro_batch_size=1, noisy=True)  # faster, at micro-batch 1
+    write_outputs(run, load_spec(run), rows, [(1.0, 1401.0)])
+    assert ("micro_batch_size 8 against 1: the speed-up is not the batching's alone; at the winner's other settings, "
+            "group_by_length gave 700 trained tokens/s (the winner 2.00x).") in (run / "report.md").read_text()

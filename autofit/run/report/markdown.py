@@ -22,7 +22,7 @@ from autofit.run.report.advice import nothing_fits_message
 from autofit.run.report.lines import config_brief, export_command, kernel_label, size_text
 from autofit.run.rundir import RunSpec
 from autofit.search.knowledge import promise
-from autofit.search.objective import best_per_length, pairs_per_s
+from autofit.search.objective import best_per_length, once_and_noisy, pairs_per_s
 from autofit.search.study import ProbeRow
 
 
@@ -309,14 +309,33 @@ def _batching_table(results: list[ProbeResult], best: ProbeResult | None) -> lis
     for b, r in sorted(by.items(), key=lambda kv: -(kv[1].tokens_per_s or 0)):
         pad = r.extra.get("pad_fraction")
         role = " (winner)" if r is best else " (baseline)" if r is baseline else ""
-        lines.append(f"| {b}{role} | {r.tokens_per_s:,.0f} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
+        noisy = " (noisy, measured once)" if once_and_noisy(r) else ""
+        lines.append(f"| {b}{role} | {r.tokens_per_s:,.0f}{noisy} | {best.tokens_per_s / (r.tokens_per_s or 1):.2f}x | "
                      f"{'-' if not isinstance(pad, (int, float)) else f'{pad:.1%}'} | {_step_cells(r)} | "
                      f"{config_brief(r.config)} |")
     if baseline is not None:
         lines += ["", ("The baseline is the fastest padded strategy measured (`pad_longest` or `group_by_length`: "
                        "Trainer's dynamic padding); samples and trained tokens per step are what one optimizer step "
                        "trained in the probe.")]
+        if baseline is not best:
+            lines += ["", _like_for_like(fits, best, baseline)]
     return [*lines, ""]
+
+
+def _like_for_like(fits: list[ProbeResult], best: ProbeResult, baseline: ProbeResult) -> str:
+    """Whether the winner's speed-up over the baseline is its batching's: the two may differ in other settings
+    (a micro-batch the padded strategy could not afford, or that the search never tried with it)."""
+    others = sorted(k for k in best.config.differing_keys(baseline.config) if k != "batching")
+    if not others:
+        return "The winner and the baseline differ in batching alone: the speed-up is the batching's."
+    diff = ", ".join(f"{k} {getattr(best.config, k)} against {getattr(baseline.config, k)}" for k in others)
+    same = [r for r in fits if r.config.batching in BASELINE_BATCHINGS
+            and best.config.differing_keys(r.config) == {"batching"}]
+    twin = max(same, key=lambda r: r.tokens_per_s or 0.0, default=None)
+    at = (f"at the winner's other settings, {twin.config.batching} gave {twin.tokens_per_s:,.0f} trained tokens/s "
+          f"(the winner {(best.tokens_per_s or 0) / (twin.tokens_per_s or 1):.2f}x)" if twin is not None else
+          "a padded strategy at the winner's other settings was not measured")
+    return f"The winner also differs from the baseline in {diff}: the speed-up is not the batching's alone; {at}."
 
 
 def _memory_section(spec: RunSpec, results: list[ProbeResult], best: ProbeResult | None) -> list[str]:
