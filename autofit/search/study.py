@@ -220,8 +220,8 @@ def study_rows(study: optuna.Study) -> tuple[list[ProbeRow], list[tuple[float, f
     for t, res in probe_results(trials, repeats_of(study), superseded_of(study)):
         rows.append({"trial": t.number, "predicted_peak": t.user_attrs.get("predicted_peak"),
                      **res.to_dict()})
-        if res.outcome.is_fit() and t.datetime_complete and t0:
-            timeline.append(((t.datetime_complete - t0).total_seconds(), float(res.tokens_per_s or 0)))
+        if res.outcome.is_fit() and t.datetime_complete and t0:  # what was known then: its first run's figure
+            timeline.append(((t.datetime_complete - t0).total_seconds(), float((res.measurements or [0.0])[0])))
     return rows, timeline
 
 

@@ -115,6 +115,30 @@ def test_a_repeat_sets_the_figures_and_a_repeat_oom_means_no_fit() -> None:
     assert edge.reason.startswith("fit once, out of memory when measured again")
 
 
+def test_the_best_so_far_timeline_gives_a_fit_s_first_run_when_it_finished() -> None:
+    """best_so_far.png plotted the median of the runs at the first run's time, before the repeat was measured."""
+    import datetime
+
+    from optuna.distributions import IntDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from autofit.search.study import record_repeat, study_rows
+
+    cfg = {"max_length": 2048, "micro_batch_size": 1}
+    study = optuna.create_study()
+    start = datetime.datetime(2026, 12, 7, 12, 0, 0)
+    trial = create_trial(state=TrialState.COMPLETE, value=13615.0, params={"m": 1},
+                         distributions={"m": IntDistribution(1, 2)},
+                         user_attrs={"kind": "probe", "result": ProbeResult(Outcome.FIT, cfg,
+                                                                            tokens_per_s=13615.0).to_dict()})
+    trial.datetime_start, trial.datetime_complete = start, start + datetime.timedelta(seconds=33)
+    study.add_trial(trial)
+    record_repeat(study, 0, ProbeResult(Outcome.FIT, cfg, tokens_per_s=14701.0))
+    rows, timeline = study_rows(study)
+    assert rows[0]["tokens_per_s"] == pytest.approx(14158.0)  # the row: the median of both runs
+    assert timeline == [(33.0, 13615.0)]  # the plot: what was known when the first run finished
+
+
 def test_a_repeated_fit_s_step_range_spans_every_run() -> None:
     """best.json gave the first run's fastest step (13,756) below the median of the runs (14,158)."""
     cfg = {"max_length": 2048, "micro_batch_size": 1}
