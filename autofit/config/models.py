@@ -131,13 +131,16 @@ def _read_json(path: Path, flag: str) -> ModelConfig:
         )
     _check_model_type(str(data["model_type"]), path, flag, remote_code="auto_map" in data)
     if "auto_map" not in data:
-        _check_fields(data, path, flag)
+        aliases = _check_fields(data, path, flag)
+        # GPT-2's n_embd, n_layer, n_positions: the shape and the positions are read by transformers' names
+        data = {**{name: data[key] for name, key in aliases.items() if name not in data and key in data}, **data}
     return data
 
 
-def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
+def _check_fields(data: ModelConfig, path: Path, flag: str) -> dict[str, str]:
     """Build the config the way the probe will, so a mistyped field is a usage error now
-    rather than a crash in every probe."""
+    rather than a crash in every probe; the config class's `attribute_map` (transformers' field names, each
+    to the name this architecture stores it under)."""
     empty = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
              if isinstance(data.get(k), int) and data[k] < 1]
     if empty:
@@ -155,7 +158,7 @@ def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            AutoConfig.for_model(**data)
+            built = AutoConfig.for_model(**data)
     except (StrictDataclassError, TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:
         # transformers' configs are strict dataclasses: the validation error's text names the field (a
         # ZeroDivisionError: a head count of 0)
@@ -165,6 +168,8 @@ def _check_fields(data: ModelConfig, path: Path, flag: str) -> None:
                          f"({', '.join(PRESETS)}).") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    aliases = getattr(type(built), "attribute_map", None)
+    return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
 
 
 def known_model_types() -> frozenset[str] | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -17,6 +18,7 @@ from autofit.config.target import usable_bytes
 from autofit.core.errors import UsageError
 from autofit.core.units import parse_size
 from autofit.data.shapes import PairShapes
+from autofit.estimate.memory import Shape
 from autofit.protocol.result import ProbeResult
 from autofit.run.plan import Calls, check_calls, forecast, next_step, spearman
 from autofit.search.knowledge import Knowledge
@@ -195,3 +197,19 @@ def test_a_space_longer_than_the_model_s_positions_names_the_flag_that_fixes_it(
         model.check_lengths([limit + 1], "--space lora")
     with pytest.raises(UsageError, match=rf"give at most {limit}\.$"):  # --max-length itself: no advice to give it
         model.check_lengths([limit + 1], "--max-length")
+
+
+def test_a_gpt2_config_is_read_by_transformers_names(tmp_path: Path) -> None:
+    """GPT-2 stores its shape as n_embd, n_layer, n_head and n_positions: `plan` read 0 B of weights and
+    activations for a 1.5B model and said it fit a T4 at micro-batch 12, and the positions went unchecked
+    (the probe then crashed on an IndexError)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=1600, n_layer=48, n_head=25).save_pretrained(tmp_path)
+    model = resolve_model(str(tmp_path / "config.json"))
+    assert model.positions == 1024
+    shape = Shape.from_config(model.config)
+    assert (shape.hidden, shape.layers, shape.heads) == (1600, 48, 25)
+    assert 1.4e9 < shape.total_params() < 2.2e9  # gpt2-xl: 1.56B (the Llama-shaped MLP counts it a little over)
+    with pytest.raises(UsageError, match=r"max_length 2048 is longer than .* 1024 positions"):
+        model.check_lengths([2048], "--space lora")

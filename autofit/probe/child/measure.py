@@ -216,10 +216,14 @@ def check_lora_targets(model: Model, targets: list[str] | str) -> None:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers: peft adapts them too
+
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear)})
+                         if isinstance(m, (torch.nn.Linear, Conv1D))})
         raise ValueError(f"lora_targets: {', '.join(missing)} names no module of {type(model).__name__}; "
-                         f"its linear layers are {', '.join(linear)} (all-linear adapts each but lm_head)")
+                         f"its linear layers are {', '.join(linear)} (all-linear adapts each but lm_head): "
+                         f"--set lora_targets={','.join(n for n in linear if n != 'lm_head')} (probe) or "
+                         "lora_targets in a --space file")
 
 
 def train(req: ProbeRequest, state: ProbeState, model: Model, sync: Callable[[], object],
