@@ -206,6 +206,19 @@ def check_shared_flags(args: argparse.Namespace) -> None:
         raise UsageError(problems)
 
 
+class CommaList(argparse.Action):
+    """A list flag taking its values spaced or as one comma list (`1024 2048` or `1024,2048`, as `autofit data`
+    does): stored as the comma list the space reads."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs="+", **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parts = values if isinstance(values, list) else [values]
+        setattr(namespace, self.dest, ",".join(str(v).strip(",") for v in parts))
+
+
 def _percent(text: str) -> float | None:
     """`5%` or `0.05` -> 0.05; None where it is neither."""
     t = str(text).strip()
@@ -237,7 +250,7 @@ def fraction(text: str, flag: str) -> float:
 def attach_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--budget -5m` -> `--budget=-5m`: a value that starts with '-' reaches the flag's own check
     (argparse would take it for an option and say "expected one argument")."""
-    takes_value = {s for a in _all_actions(parser) if a.nargs is None and a.option_strings
+    takes_value = {s for a in _all_actions(parser) if a.nargs in (None, "+") and a.option_strings
                    for s in a.option_strings}
     known = {s for a in _all_actions(parser) for s in a.option_strings}
     out: list[str] = []

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from autofit.cli.common import add_data_flags, data_fields, share, warn
+from autofit.cli.common import CommaList, add_data_flags, data_fields, share, warn
 from autofit.config.cards import CARDS, Card, cards
 from autofit.config.models import ModelSource
 from autofit.config.space import Space
@@ -64,10 +64,11 @@ def add_parser(sub: Any, fmt: Any) -> None:
     p.add_argument("--headroom", type=share, default=HEADROOM,
                    help=f"share of the memory kept free (default {HEADROOM * 100:g}%%)")
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs one training run spans (default 1)")
-    p.add_argument("--max-length", metavar="N[,N...]",
-                   help="the lengths to plan for (default: the space's, or the data's with --dataset)")
-    p.add_argument("--global-batch", metavar="N",
-                   help="samples (DPO: pairs) per optimizer step (default: the space's)")
+    p.add_argument("--max-length", metavar="N", action=CommaList,
+                   help="the lengths to plan for, spaced or a comma list (default: the space's, or the data's with "
+                        "--dataset)")
+    p.add_argument("--global-batch", metavar="N", action=CommaList,
+                   help="samples (DPO: pairs) per optimizer step, one or several (default: the space's)")
     p.add_argument("--top", type=int, default=TOP, metavar="N",
                    help=f"configs shown with their memory, in the text and in --json (default {TOP}; 0: none)")
     add_data_flags(p)

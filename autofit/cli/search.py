@@ -21,6 +21,7 @@ from rich.table import Table
 
 from autofit.cli.common import (
     EXIT_CODES,
+    CommaList,
     Formatter,
     Subcommands,
     add_data_flags,
@@ -278,8 +279,10 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
     add_target_flags(se)
     se.add_argument("--budget", default=None,
                     help="wall-clock budget for the whole search (default 30m; on --resume: the run's)")
-    se.add_argument("--max-length", help="replace the space's lengths (comma list: longest that fits wins)")
-    se.add_argument("--global-batch", help="replace the space's sequences per optimizer step (comma list)")
+    se.add_argument("--max-length", metavar="N", action=CommaList,
+                    help="replace the space's lengths, spaced or a comma list (the longest that fits wins)")
+    se.add_argument("--global-batch", metavar="N", action=CommaList,
+                    help="replace the space's sequences per optimizer step (one or several)")
     se.add_argument("--out", default="runs", help="where run folders go (default runs/)")
     se.add_argument("--storage", help="Optuna storage URL shared by workers (postgresql+psycopg://..., "
                                       "sqlite:///...) or a .journal file path")

@@ -61,6 +61,16 @@ def test_bad_search_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert not any(tmp_path.iterdir())  # nothing created
 
 
+@pytest.mark.parametrize("command", ["search", "plan"])
+def test_list_flags_take_their_values_spaced_or_as_a_comma_list(command: str) -> None:
+    """`autofit data --max-length 1024 2048` worked; `plan` and `search` said "unrecognized arguments: 2048"."""
+    parser = build_parser()
+    for argv in (["--max-length", "512", "4096"], ["--max-length", "512,4096"], ["--max-length", "512,", "4096"]):
+        args = parser.parse_args([command, "--model", "tiny-llama", *argv, "--global-batch", "8", "16"])
+        assert (args.max_length, args.global_batch) == ("512,4096", "8,16"), argv
+    assert parser.parse_args([command, "--model", "x", "--global-batch", "-4"]).global_batch == "-4"  # its check's
+
+
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as e:
         search_plan(tmp_path, "--model", "nosuch", "--budget", "soon", "--memory-limit", "24", "--device", "cpu")
