@@ -15,7 +15,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-PACKAGES = ("autofit", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl")
+PACKAGES = ("autofit", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl", "datasets",
+            "liger-kernel", "triton", "deepspeed", "flash-attn")
+"""What a run's figures depend on: the stack, and what the settings need (liger, compile's triton, the zero
+engines' deepspeed, flash attention), each "not installed" where absent."""
 
 Env = dict[str, Any]
 """env.json as JSON (`collect`): python, platform, packages, torch_cuda_build, driver, cuda_driver, gpus.

@@ -261,8 +261,14 @@ def test_env_lists_versions() -> None:
     for line in proc.stdout.splitlines():  # first word -> the rest ("torch CUDA ..." comes after "torch")
         name, _, value = line.partition(" ")
         shown.setdefault(name, value.strip())
-    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl"):
+    for pkg in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "optuna", "trl", "datasets",
+                "liger-kernel"):  # datasets and liger were missing: what a recipe and liger=on need
         assert shown[pkg] == metadata.version(pkg), pkg
+    for pkg in ("triton", "deepspeed", "flash-attn"):  # said either way
+        try:
+            assert shown[pkg] == metadata.version(pkg), pkg
+        except metadata.PackageNotFoundError:
+            assert shown[pkg] == "not installed", pkg
     assert shown["driver"] == (driver_info()["driver"] or "none (no NVIDIA driver)")
 
 
