@@ -156,6 +156,8 @@ def _no_usable_rows(p: Path, flag: str, bad: BadRows, text_field: str, messages_
         hint = f"To read it as plain text, give --text-field {messages_field} without --messages-field."
         return (f"{flag}: {p}: every row's '{messages_field}' is a string, not a chat (a list of "
                 f"{{role, content}}), and --messages-field reads it as a chat. {hint}")
+    if not bad.count:  # an empty table (a parquet file of no rows): nothing was skipped
+        return f"{flag}: {p} holds no rows; give a file with at least one."
     chats = (f" or a '{messages_field}' list of {{role, content}} strings (ShareGPT's {{from, value}} is "
              "read too)"
              if messages_field else " (--text-field alone: chats are not read)")

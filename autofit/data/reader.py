@@ -401,8 +401,8 @@ def row_sample(row: object, text_field: str, messages_field: str) -> tuple[RawSa
             return None, f"'{messages_field}' not valid Unicode"
         return {"messages": messages}, ""
     text = row.get(text_field)
-    if text is None:
-        return None, f"missing '{text_field}'"
+    if text is None:  # absent, or JSON's null
+        return None, f"missing '{text_field}'" if text_field not in row else f"no '{text_field}' value"
     if not isinstance(text, str):
         return None, f"'{text_field}' not a string"
     if not text.strip():

@@ -95,9 +95,14 @@ def _notes(values: Sequence[int], max_positions: int | None, table: LengthTable)
     notes = [table.note] if table.approximate and table.note else []
     if max_positions and values[-1] > max_positions:
         over = sum(1 for n in values if n > max_positions)
-        notes.append(f"{over} samples ({over / len(values):.2%}) are longer than the model's {max_positions} "
+        notes.append(f"{_counted(over, 'sample')} ({over / len(values):.2%}) {'is' if over == 1 else 'are'} longer "
+                     f"than the model's {max_positions} "
                      f"positions (longest {values[-1]} tokens); every candidate truncates them")
     return notes
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def histogram_png(table: LengthTable, path: str | Path, cuts: Sequence[int] = ()) -> Path:
@@ -115,7 +120,7 @@ def histogram_png(table: LengthTable, path: str | Path, cuts: Sequence[int] = ()
     approx = " (approximate: stand-in tokenizer)" if table.approximate else ""
     ax.set_xlabel(f"tokens per sample{approx}")
     ax.set_ylabel("samples")
-    ax.set_title(f"{len(table)} samples, {table.total_tokens} tokens")
+    ax.set_title(f"{_counted(len(table), 'sample')}, {_counted(table.total_tokens, 'token')}")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +133,7 @@ def histogram_png(table: LengthTable, path: str | Path, cuts: Sequence[int] = ()
 
 def format_stats(stats: LengthStats) -> str:
     """The text `autofit data` prints."""
-    lines = [f"{stats.count} samples, {stats.total_tokens} tokens, mean {stats.mean:.1f}"
+    lines = [f"{_counted(stats.count, 'sample')}, {_counted(stats.total_tokens, 'token')}, mean {stats.mean:.1f}"
              + (" (approximate lengths)" if stats.approximate else "")]
     lines.append("percentiles: " + ", ".join(f"p{_q(q)} {v:.1f}" for q, v in stats.percentiles.items()))
     lines.append("max_length  samples truncated  tokens lost")

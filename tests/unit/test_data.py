@@ -55,16 +55,26 @@ def _table(path: Path, cache: Path | None = None):
 # ----------------------------------------------------------------------------- loading
 
 
+def test_a_table_of_no_rows_is_said_so(tmp_path: Path) -> None:
+    """An empty parquet file read "has no usable row (no bad rows)"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(UsageError, match=r"empty\.parquet holds no rows; give a file with at least one\.$"):
+        load_samples(tmp_path / "empty.parquet")
+
+
 def test_bad_rows_are_counted_with_their_first_line_numbers(tmp_path: Path) -> None:
     lines = ['{"text": "good one"}', "{not json", '{"other": 1}', '{"text": "  "}', "[1, 2]",
-             '{"text": 5}', '{"messages": [{"role": "user"}]}', '{"text": "good two"}']
+             '{"text": 5}', '{"messages": [{"role": "user"}]}', '{"text": "good two"}', '{"text": null}']
     data = load_samples(_write(tmp_path, "d.jsonl", "\n".join(lines)))
     assert [s.text for s in data.samples] == ["good one", "good two"]
-    assert data.bad.count == 6
+    assert data.bad.count == 7
     assert data.bad.by_reason == {"not JSON": (2,), "missing 'text'": (3,), "empty 'text'": (4,),
                                   "not a JSON object": (5,), "'text' not a string": (6,),
-                                  "malformed 'messages'": (7,)}
-    assert "6 rows skipped" in data.bad.summary() and "not JSON (line 2)" in data.bad.summary()
+                                  "malformed 'messages'": (7,), "no 'text' value": (9,)}  # null: not "missing"
+    assert "7 rows skipped" in data.bad.summary() and "not JSON (line 2)" in data.bad.summary()
 
 
 def test_a_json_array_and_an_upper_case_extension_read_as_rows(tmp_path: Path) -> None:
@@ -353,6 +363,14 @@ def test_a_sample_longer_than_the_model_positions_is_named() -> None:
     assert max(stats.candidates) == 512
     assert any("longer than the model's 512 positions" in n for n in stats.notes)
     assert stats.cuts[0].samples_truncated > 0 and "truncat" in format_stats(stats)
+
+
+def test_one_sample_is_said_in_the_singular(tmp_path: Path) -> None:
+    """`autofit data` printed "1 samples, 2 tokens" and "1 samples (100.00%) are longer"."""
+    _, table = _table(_write(tmp_path, "one.jsonl", '{"text": "hello there, hello world"}\n'))
+    stats = length_stats(table, max_positions=1)
+    assert format_stats(stats).startswith(f"1 sample, {table.total_tokens} tokens, mean")
+    assert any(n.startswith("1 sample (100.00%) is longer than the model's 1 positions") for n in stats.notes)
 
 
 def test_length_table_is_cached_by_content_and_tokenizer(tmp_path: Path) -> None:
