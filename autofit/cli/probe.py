@@ -22,9 +22,10 @@ from autofit.config.models import PRESET_HELP, PRESETS
 from autofit.config.spec import KEYS, TrialConfig, parse_sets
 from autofit.config.target import resolve_targets
 from autofit.core.errors import UsageError, gather
+from autofit.core.files import write_json
 from autofit.core.paths import output_folder
 from autofit.data import DatasetRef
-from autofit.probe.runner import Runner
+from autofit.probe.runner import Runner, result_file
 from autofit.probe.standby import writable_logs
 from autofit.run.report.lines import probe_summary
 from autofit.run.session import model_source
@@ -67,6 +68,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
                 dataset=ref.to_dict() if ref else None, data_cache=log_dir / "data") as runner:
         name = "probe-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         res = runner.run(cfg, model, name=name, timeout=settings.timeout_s)
+    kept = result_file(log_dir, name)
+    if not kept.exists():  # the parent's judgement (a timeout, a kill): kept beside the log as a child's is
+        write_json(kept, res.to_dict())
     if args.json:
         print(json.dumps(res.to_dict(), indent=1))
     else:

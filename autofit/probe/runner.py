@@ -23,6 +23,7 @@ from autofit.config.models import ModelSource
 from autofit.config.spec import TrialConfig
 from autofit.config.target import Target
 from autofit.core.documents import JSONObject
+from autofit.core.envinfo import package_versions
 from autofit.core.files import write_atomic
 from autofit.core.paths import python_module
 from autofit.probe.standby import HOLD, Standby, writable_logs
@@ -203,6 +204,13 @@ class Runner:
         """Run one probe and always return a result; KeyboardInterrupt stops the child first.
         `checks`: the correctness checks to run (all by default; the search leaves out those its
         study has passing verdicts for)."""
+        res = self._run(cfg, model, name, timeout, cancel, checks)
+        if not res.model:  # a result the parent made (a timeout, a kill): the child's identity fields too
+            res.model, res.versions = model.ref, res.versions or package_versions()
+        return res
+
+    def _run(self, cfg: TrialConfig, model: ModelSource, name: str, timeout: float,
+             cancel: Callable[[], bool] | None, checks: Checks) -> ProbeResult:
         asked = time.monotonic()
         deadline = asked + timeout
         result_path = result_file(self.log_dir, name)

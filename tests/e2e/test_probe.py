@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -178,6 +179,10 @@ def test_hang_is_a_timeout_and_its_group_is_stopped(tmp_path: Path) -> None:
     r = probe_json(*SHORT, "--timeout", "3", "--log-dir", str(tmp_path), env=fake_env("hang"), cwd=tmp_path)
     assert r["outcome"] == "timeout"
     assert time.monotonic() - t0 < 60
+    # who and what, as every other outcome says (they were "" and {}), and kept beside its log
+    assert r["model"] == "tiny-llama" and r["versions"]["torch"]
+    (kept,) = tmp_path.glob("probe-*.result.json")
+    assert json.loads(kept.read_text())["outcome"] == "timeout"
     pid = int((tmp_path / "fake-child.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
