@@ -88,6 +88,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shapes = data.shapes if data is not None else None
     if shapes is not None:
         shapes.prefetch(space.candidates())  # TRL's and transformers' layouts in one child process
+    if "bf16" in {c.precision for c in space.candidates()}:
+        notes += tuple(f"--card {card.name}: it has no bf16 (compute capability 7.5), and Trainer refuses bf16 "
+                       "there; the bf16 configs below need fp16 on it (a --space file whose precision is fp16): "
+                       "the same memory, and loss scaling" for card, _ in targets if card is not None and not card.bf16)
     plans = [forecast(model, space, limit, args.headroom, card, shapes, notes) for card, limit in targets]
     if args.json:
         print(json.dumps({"model": model.ref, "space": space.name,
@@ -306,6 +310,7 @@ def plan_dict(plan: Plan, top: int = TOP) -> dict[str, Any]:
     step = None if plan.best else next_step(plan)
     return {"card": plan.card.name if plan.card else None, "memory_bytes": plan.limit,
             "usable_bytes": plan.usable, "estimated": plan.card.estimated if plan.card else False,
+            "bf16": plan.card.bf16 if plan.card else None,
             "fits": len(plan.fitting), "configs": len(plan.forecasts),
             "best": plan.best.to_dict() if plan.best else None,
             "top": [f.to_dict() for f in distinct(plan.fitting)[:top]],

@@ -27,6 +27,8 @@ class Card:
     """As the driver reports it to a program."""
     source: str
     estimated: bool = False
+    bf16: bool = True
+    """Computes in bf16 (compute capability 8.0 or more): Trainer refuses `bf16=True` on a card without it."""
 
     def matches(self, text: str) -> bool:
         return _norm(text) in {_norm(self.name), *(_norm(a) for a in _ALIASES.get(self.name, ()))}
@@ -41,7 +43,7 @@ GLS = "github.com/thamada/gls (commit e20f22d), deviceQuery beside nvidia-smi on
 CARDS: tuple[Card, ...] = (
     Card("T4", "16 GB", 15_835_398_144,
          "deviceQuery, CUDA 12.0: \"15102 MBytes (15835398144 bytes)\" (router-gao/cuda-demo, "
-         "cuda-samples/01-cuda-deviceQuery.md); older drivers show 15843721216"),
+         "cuda-samples/01-cuda-deviceQuery.md); older drivers show 15843721216", bf16=False),  # Turing, 7.5
     Card("L4", "24 GB", 23_570_219_008,
          f"deviceQuery, driver 550: \"22478 MBytes (23570219008 bytes)\" ({GLS})"),
     Card("A10", "24 GB", 23_595_909_120,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -213,3 +214,16 @@ def test_a_gpt2_config_is_read_by_transformers_names(tmp_path: Path) -> None:
     assert 1.4e9 < shape.total_params() < 2.2e9  # gpt2-xl: 1.56B (the Llama-shaped MLP counts it a little over)
     with pytest.raises(UsageError, match=r"max_length 2048 is longer than .* 1024 positions"):
         model.check_lengths([2048], "--space lora")
+
+
+def test_a_card_without_bf16_is_said_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --card T4` proposed bf16 configs (and a qlora search of fixed bf16), which Trainer refuses there."""
+    from autofit.cli import main
+
+    assert main(["plan", "--model", "llama3.2-3b", "--card", "T4", "--top", "0"]) == 0
+    assert "--card T4: it has no bf16 (compute capability 7.5)" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3.2-3b", "--card", "L4", "--top", "0"]) == 0
+    assert "bf16" not in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3.2-3b", "--card", "all", "--top", "0", "--json"]) == 0
+    plans = {p["card"]: p["bf16"] for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert plans["T4"] is False and all(plans[c.name] for c in CARDS if c.name != "T4")
