@@ -11,7 +11,7 @@ from autofit.cli.common import CommaList, add_data_flags, data_fields, share, wa
 from autofit.config.cards import CARDS, Card, cards
 from autofit.config.models import ModelSource
 from autofit.config.space import Space
-from autofit.config.spec import brief
+from autofit.config.spec import TrialConfig, brief
 from autofit.config.target import HEADROOM, check_headroom
 from autofit.core.envinfo import gpus
 from autofit.core.errors import NothingFits, UsageError, gather
@@ -233,11 +233,18 @@ def plan_text(plan: Plan, args: argparse.Namespace) -> str:
            f"headroom; space {plan.space.name} ({len(plan.forecasts)} configs)",
            f"predicted to fit: {len(fits)} of {len(plan.forecasts)} (P(fit) >= 0.5)"]
     shown_fits = distinct(fits)[:args.top]
+    quantized = len({f.cfg.quantization for f in plan.forecasts}) > 1  # then an unquantized base is said too
+
+    def named(cfg: TrialConfig) -> str:
+        return brief(cfg) + (" quantization=none" if quantized and cfg.quantization == "none" else "")
+
     if shown_fits:
-        out += ["", f"{'#':>3}  {'config':<58} {'peak':>20}  {'P(fit)':>6}  speed vs forum recipe"]
+        forum = plan.space.config(plan.space.seed())  # the space's first probe: a qlora space's is nf4
+        out += ["", f"speed vs forum recipe: against {named(forum)}, the space's first probe",
+                "", f"{'#':>3}  {'config':<58} {'peak':>20}  {'P(fit)':>6}  speed vs forum recipe"]
     for i, f in enumerate(shown_fits, 1):
         batch = "" if f.step.keeps_global_batch else f"  ({f.step.describe(unit(f.cfg))})"
-        out.append(f"{i:>3}  {brief(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
+        out.append(f"{i:>3}  {named(f.cfg):<58} {format_size(f.peak):>9} ± {format_size(f.error):>8}  "
                    f"{f.p_fit:>6.2f}  {f.speed:.2f}x{batch}")
         out.append("     " + " · ".join(f"{k} {format_size(v)}" for k, v in f.breakdown.as_dict().items()))
     if not fits:

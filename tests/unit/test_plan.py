@@ -227,3 +227,18 @@ def test_a_card_without_bf16_is_said_so(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["plan", "--model", "llama3.2-3b", "--card", "all", "--top", "0", "--json"]) == 0
     plans = {p["card"]: p["bf16"] for p in json.loads(capsys.readouterr().out)["plans"]}
     assert plans["T4"] is False and all(plans[c.name] for c in CARDS if c.name != "T4")
+
+
+def test_the_plan_says_what_its_speeds_are_relative_to(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same config read 1.18x in the lora space and 5.88x in the qlora space: the forum recipe of each is
+    its own first probe (nf4 in qlora's), which the text never said, nor that its top pick was unquantized."""
+    from autofit.cli import main
+
+    assert main(["plan", "--model", "llama2-7b", "--card", "RTX 4090", "--space", "qlora", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "speed vs forum recipe: against L=2048 mb=1 ga=16 bf16 ckpt=on nf4 adamw_torch_fused, the space's " \
+           "first probe" in out
+    rows = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit() and "L=" in line]
+    assert rows and all(("nf4" in r) != ("quantization=none" in r) for r in rows)  # each says its base
+    assert main(["plan", "--model", "llama2-7b", "--card", "RTX 4090", "--top", "3"]) == 0
+    assert "quantization=none" not in capsys.readouterr().out  # a space of one base: nothing to tell apart
