@@ -3,7 +3,8 @@
 A model folder or a hub id in the local cache has its own tokenizer (transformers AutoTokenizer,
 offline). A shape preset (random weights) has none: the stand-in is a byte-level BPE trained with
 the `tokenizers` package on the dataset itself, to the preset's vocabulary size (fewer tokens if
-the data has fewer merges), deterministic for the same data. Every length it gives is
+the data has fewer merges), deterministic for the same data: tokens of at most 16 bytes, merges learned
+from each sample's first few thousand characters (`_STANDIN_RECIPE`). Every length it gives is
 approximate, and every output says so (`TextTokenizer.approximate`).
 
 Chat samples use the tokenizer's chat template where it has one; otherwise (and always with the
@@ -35,6 +36,22 @@ if TYPE_CHECKING:
 PLAIN_CHAT = "<|{role}|>\n{content}\n"
 STANDIN_EOS = "<eos>"
 _STANDIN_SPECIALS = ["<pad>", STANDIN_EOS]
+_STANDIN_RECIPE = "2"
+"""The stand-in's training recipe, part of its cache key: a stand-in cached by an older recipe is trained again.
+1: merges unbounded, trained on whole samples. 2: tokens of at most `_STANDIN_MAX_TOKEN` bytes, trained on each
+sample's first `_STANDIN_TRAIN_CHARS` characters."""
+_STANDIN_MAX_TOKEN = 16
+"""The longest token, in bytes, the stand-in may learn. Unbounded, BPE trained on a repetitive sample merged it
+into a few giant tokens (a sample of 200,000 x's counted 3 tokens; a real tokenizer's tokens are short). Real
+byte-level vocabularies (GPT-2's, Llama's) keep nearly every token within 16 bytes (a word, or a short run of spaces
+or punctuation); their rare longer tokens could not shorten a sample much. The BPE's ByteLevel alphabet writes each
+byte as one character, so the trainer's `max_token_length` (characters) counts bytes. tokenizers 0.23.3 learns only
+tokens shorter than it (a merge that reaches it is skipped; its docs say "longer than"): at most 15 bytes there,
+16 under the documented reading, within 16 either way."""
+_STANDIN_TRAIN_CHARS = 4096
+"""The stand-in learns its merges from each sample's first this many characters, and encodes every sample whole:
+one giant line (5 MB of one word) kept training busy for over 10 minutes. A few thousand characters of each sample
+hold the words and merges the dataset uses."""
 TRL_IDS = "+trl-eos"
 """Marks a tokenizer's identity (the key of cached length tables) as counting TRL's ids: a table counted before
 text rows got their end-of-sequence token is not read."""
@@ -149,14 +166,14 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
     """Byte-level BPE trained on the dataset itself (cached as tokenizer.json under cache_dir)."""
     from tokenizers import Tokenizer  # deferred: a Rust extension, only needed for presets
 
-    key = hashlib.sha256(f"{data.content_hash}|{vocab_size}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{data.content_hash}|{vocab_size}|recipe{_STANDIN_RECIPE}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"standin-bpe-{key}.json" if cache_dir else None
     # read and written as text: tokenizers takes no path that is not UTF-8
     if path is not None and path.is_file():
         tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
     else:
-        tok = _train_bpe([render_plain_chat(s) if s.is_chat else s.text or "" for s in data.samples],
-                         vocab_size)
+        tok = _train_bpe([(render_plain_chat(s) if s.is_chat else s.text or "")[:_STANDIN_TRAIN_CHARS]
+                          for s in data.samples], vocab_size)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, tok.to_str())  # whole or not at all: a cut cache would be read next time
@@ -186,7 +203,8 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, 300), special_tokens=_STANDIN_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  max_token_length=_STANDIN_MAX_TOKEN)
     tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() > vocab_size:  # a preset smaller than the byte alphabet: cannot honour it
         raise UsageError(f"--model: vocabulary {vocab_size} is smaller than a byte-level stand-in needs "
