@@ -131,10 +131,24 @@ def render_plain_chat(sample: Sample) -> str:
 
 def tokenizer_for(model: ModelSource, data: SampleSet, cache_dir: str | Path | None = None) -> TextTokenizer:
     """The model's tokenizer, or for a preset/config the stand-in BPE trained on `data`."""
+    if model.kind == "config" and has_tokenizer(Path(model.ref).parent):  # a config.json beside its tokenizer
+        return model_tokenizer(str(Path(model.ref).parent))
     if model.random_weights:
         vocab = int(model.config.get("vocab_size", 32000))
         return standin_tokenizer(data, vocab, cache_dir)
+    if model.kind == "local" and not has_tokenizer(Path(model.ref)):
+        raise UsageError(f"--model: {model.ref} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+                         "tokenizer beside the weights (tokenizer.save_pretrained), or give the folder's "
+                         "config.json to measure with a stand-in tokenizer trained on the data.")
     return model_tokenizer(model.ref)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""What a folder saved with a tokenizer holds (one of them at least)."""
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def model_tokenizer(ref: str) -> TextTokenizer:
@@ -143,8 +157,10 @@ def model_tokenizer(ref: str) -> TextTokenizer:
     try:
         tok = AutoTokenizer.from_pretrained(ref, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--model: cannot load the tokenizer of {ref} offline ({str(e).splitlines()[0]}). "
-                         "Give a folder with tokenizer files, or download the model once.") from None
+        where = ("its tokenizer files could not be read" if Path(ref).is_dir() else
+                 "it is not in the local cache; download the model once, or give a folder with tokenizer files")
+        raise UsageError(f"--model: cannot load the tokenizer of {ref}: {where} "
+                         f"({str(e).splitlines()[0] if str(e).strip() else type(e).__name__}).") from None
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     def chat(sample: Sample) -> str:
         msgs = [{"role": m.role, "content": m.content} for m in sample.messages or ()]
@@ -180,8 +196,8 @@ def standin_tokenizer(data: SampleSet, vocab_size: int, cache_dir: str | Path | 
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts)]
-    note = (f"lengths are approximate: the model is a shape preset without a tokenizer; a byte-level BPE "
-            f"trained on the dataset to {tok.get_vocab_size()} tokens (asked {vocab_size}) stands in")
+    note = (f"lengths are approximate: the model is a shape (a preset, or a config.json) without a tokenizer; a "
+            f"byte-level BPE trained on the dataset to {tok.get_vocab_size()} tokens (asked {vocab_size}) stands in")
     pad = tok.token_to_id("<pad>")
     if pad is None:  # one of _STANDIN_SPECIALS: every trained stand-in has it
         raise RuntimeError(f"the stand-in tokenizer {key} has no <pad> token")

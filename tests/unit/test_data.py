@@ -712,3 +712,27 @@ def test_a_dataset_dict_without_a_train_split_is_refused_by_name(tmp_path: Path)
     DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"]}),
                  "test": Dataset.from_dict({"text": ["c"]})}).save_to_disk(str(tmp_path / "tt"))
     assert [s.text for s in load_samples(tmp_path / "tt").samples] == ["a", "b"]
+
+
+def test_a_config_json_beside_its_tokenizer_measures_with_that_tokenizer(tmp_path: Path) -> None:
+    """`autofit data --model folder/config.json` said "a shape preset without a tokenizer" and trained a stand-in,
+    the folder's own tokenizer beside it; a model folder without tokenizer files leaked the loader's
+    "Couldn't instantiate the backend tokenizer" and asked to download a local folder."""
+    from recipes import save_tiny_model
+
+    from autofit.config.models import resolve_model
+    from autofit.data.tokenizer import tokenizer_for
+
+    folder = save_tiny_model(tmp_path / "m")
+    data = load_samples(D1)
+    beside = tokenizer_for(resolve_model(str(folder / "config.json")), data, tmp_path / "cache")
+    assert not beside.approximate and beside.identity.startswith(str(folder))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    with pytest.raises(UsageError, match=r"^--model: .*bare has no tokenizer files \(tokenizer\.json, "
+                                         r"tokenizer_config\.json, tokenizer\.model\); save the tokenizer beside"):
+        tokenizer_for(resolve_model(str(bare)), data, tmp_path / "cache")
+    alone = tokenizer_for(resolve_model(str(bare / "config.json")), data, tmp_path / "cache")
+    assert alone.approximate and "a preset, or a config.json" in alone.note  # no tokenizer: the stand-in
