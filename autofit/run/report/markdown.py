@@ -100,7 +100,7 @@ def report_markdown(spec: RunSpec, rows: list[ProbeRow], results: list[ProbeResu
     if searching:  # a resumed search's study still holds the last session's stop reason
         stop_reason, untried = "", None
     lines = _header(spec, results, limit, stop_reason, untried, budgets)
-    if accepted is not None:
+    if accepted is not None and isinstance(accepted.get("tokens_per_s"), (int, float)):
         lines[-1:-1] = [f"- baseline: `autofit regress --update-baseline` accepted {accepted['tokens_per_s']:,.0f} "
                         f"tokens/s, peak {size_text(accepted.get('peak_memory_bytes'))} for the winner "
                         f"({accepted['baseline_updated']}); best.json holds them, the figures below are the "
