@@ -164,6 +164,7 @@ def _space(args: argparse.Namespace, model: ModelSource,
     space, ref, notes = data_space(space, model, req)
     model.check_lengths(space.lengths,
                         "--max-length" if args.max_length else f"--space {args.space or DEFAULT_SPACE}")
+    model.check_targets(space.lora_targets(), f"--space {args.space or DEFAULT_SPACE}")  # the search's next
     if ref is None:
         return space, None, notes
     if ref.preference:

@@ -55,6 +55,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
     sets = parse_sets(args.set or [])
     model.check_lengths([cfg.max_length], "--set max_length" if "max_length" in sets
                         else f"max_length (default {cfg.max_length}; set it with --set max_length=N)")
+    if cfg.method == "lora":
+        model.check_targets([cfg.lora_targets], "--set lora_targets" if "lora_targets" in sets
+                            else f"lora_targets (default {cfg.lora_targets})")
     target, settings = targets[0], probe_settings(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path("runs") / "probes"
     output_folder(log_dir, "--log-dir" if args.log_dir else "runs/probes",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from autofit.config.spec import ALL_LINEAR
 from autofit.core import paths
 from autofit.core.documents import JSONObject
 from autofit.core.errors import UsageError
@@ -112,12 +113,53 @@ class ModelSource:
             raise UsageError(f"{flag}: max_length {longest} is longer than {self.ref}'s {limit} positions "
                              f"(max_position_embeddings in its config); give at most {limit}{how}.")
 
+    def check_targets(self, targets: list[str], flag: str) -> None:
+        """lora_targets naming no module of this architecture are the user's mistake, said before anything runs
+        (each probe would crash on it). A preset's names are PRESET_MODULES (no model built); a config with
+        remote code is the probe's to build."""
+        named = [t for t in dict.fromkeys(targets) if t != ALL_LINEAR]
+        if "auto_map" in self.config or not named:
+            return
+        modules, linear = ((PRESET_MODULES, list(PRESET_LINEAR)) if self.kind == "preset"
+                           else module_names(self.config))
+        missing = sorted({n for t in named for n in t.split(",") if n not in modules})
+        if missing:
+            adapt = ",".join(n for n in linear if n != "lm_head")
+            raise UsageError(f"{flag}: {self.ref} ({self.config.get('model_type')}) has no module "
+                             f"{', '.join(missing)} for lora_targets to adapt; its linear layers are "
+                             f"{', '.join(linear)}. "
+                             f"Give a --space file with lora_targets: {adapt} (or all-linear); a probe takes "
+                             f"--set lora_targets={adapt}.")
+
     def to_dict(self) -> dict[str, object]:
         return {"kind": self.kind, "ref": self.ref, "config": self.config}
 
     @classmethod
     def from_dict(cls, d: JSONObject) -> ModelSource:
         return cls(kind=d["kind"], ref=d["ref"], config=dict(d.get("config") or {}))
+
+
+PRESET_LINEAR = ("down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj")
+PRESET_MODULES = frozenset({*PRESET_LINEAR, "act_fn", "embed_tokens", "input_layernorm", "layers", "mlp", "model",
+                            "norm", "post_attention_layernorm", "rotary_emb", "self_attn"})
+"""The module names of every preset (Llama-shaped, Mistral's and Qwen2's alike) and of its linear layers, as
+`module_names` reads them (the layers' indices aside); a test builds each preset to hold them to it."""
+
+
+def module_names(config: ModelConfig) -> tuple[frozenset[str], list[str]]:
+    """The last names of an architecture's modules, and of its linear layers (GPT-2's Conv1D counted: peft adapts
+    it), from the model built on the meta device (no memory, no weights)."""
+    # Deferred: torch and the model classes take seconds to import, needed for a model that is not a preset.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    last = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if name]
+    return (frozenset(n for n, _ in last),
+            sorted({n for n, m in last if isinstance(m, (torch.nn.Linear, Conv1D))}))
 
 
 def _read_json(path: Path, flag: str) -> ModelConfig:

@@ -58,6 +58,10 @@ class Space:
         per_step = cfg.micro_step_sequences
         return per_step <= cfg.global_batch and (not self.divisors_only or cfg.global_batch % per_step == 0)
 
+    def lora_targets(self) -> list[str]:
+        """The lora_targets its LoRA configurations adapt (each distinct value once)."""
+        return list(dict.fromkeys(c.lora_targets for c in self.candidates() if c.method == "lora"))
+
     def candidates(self) -> list[TrialConfig]:
         """Every configuration of the space (the exhaustive grid)."""
         keys = list(self.dimensions)

@@ -245,6 +245,7 @@ def _new(req: SearchRequest) -> Session:
     space, ref, notes = data_space(space, model, req)
     model.check_lengths(space.lengths, "--max-length" if req.max_length
                         else f"--space {req.space or DEFAULT_SPACE}")
+    model.check_targets(space.lora_targets(), f"--space {req.space or DEFAULT_SPACE}")
     run_id = new_run_id(model)
     run_dir = req.out / run_id
     storage = absolute_storage(req.storage) if req.storage else RunDir(run_dir).default_storage(len(targets))

@@ -22,8 +22,8 @@ FAULTS = [
     Fault("probe-killed-outside", "kill -9 of a probe child from outside autofit, with memory to spare",
           "kill -9 <probe child>", 0, "killed by SIGKILL from outside autofit"),
     Fault("lora-target-misspelt", "a misspelt LoRA target beside a right one (peft would drop it silently)",
-          "autofit probe --model tiny-llama --set lora_targets=q_proj,zzz_proj", 0,
-          "lora_targets: zzz_proj names no module of LlamaForCausalLM"),
+          "autofit probe --model tiny-llama --set lora_targets=q_proj,zzz_proj", 2,
+          "--set lora_targets: tiny-llama (llama) has no module zzz_proj for lora_targets to adapt"),
 ]
 
 PARENT = textwrap.dedent("""
@@ -95,12 +95,13 @@ def test_an_outside_kill_9_of_a_probe_is_a_retryable_crash(tmp_path: Path) -> No
     assert r["reason"].startswith(FAULTS[1].message)
 
 
-def test_a_misspelt_lora_target_is_the_probes_one_line_reason(tmp_path: Path) -> None:
+def test_a_misspelt_lora_target_is_refused_before_the_probe(tmp_path: Path) -> None:
+    """It was a probe that crashed (exit 0, a traceback in the log): the names are checked before any child."""
     fault = next(f for f in FAULTS if f.id == "lora-target-misspelt")
     proc = subprocess.run([sys.executable, "-m", "autofit", "probe", "--model", "tiny-llama", "--device", "cpu",
                            "--set", "lora_targets=q_proj,zzz_proj", "--set", "max_length=64", "--json",
                            "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == fault.exit_code, proc.stderr
-    res = json.loads(proc.stdout)
-    assert res["outcome"] == "crash" and res["reason"].startswith(fault.message), res["reason"]
-    assert "q_proj, up_proj, v_proj" in res["reason"]  # the names it could have meant
+    assert proc.stderr.startswith(f"autofit: error: {fault.message}") and "Traceback" not in proc.stderr
+    assert "q_proj, up_proj, v_proj" in proc.stderr  # the names it could have meant
+    assert not list(tmp_path.glob("*.log"))  # no probe ran

@@ -423,3 +423,13 @@ def test_a_relative_storage_is_kept_absolute(tmp_path: Path, monkeypatch: pytest
                         ("rel.journal", str(tmp_path / "rel.journal"))):
         assert search_plan(tmp_path, "--model", "tiny-llama", "--device", "cpu", "--storage", given,
                            "--study-name", "s").spec.storage == want
+
+
+def test_a_search_of_lora_targets_the_model_lacks_is_refused_before_it_starts(tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UsageError, match=r"^--space cpu-demo: .* \(gpt2\) has no module q_proj, v_proj"):
+        search_plan(tmp_path, "--model", str(tmp_path / "gpt2" / "config.json"), "--space", "cpu-demo",
+                    "--device", "cpu", "--max-length", "64")
+    assert not (tmp_path / "runs").exists()  # nothing made

@@ -13,7 +13,7 @@ from conftest import ROOT
 from autofit.cli import build_parser
 from autofit.cli.plan import _namesakes, _space, plan_dict, size_flag
 from autofit.config.cards import CARDS, cards
-from autofit.config.models import resolve_model
+from autofit.config.models import PRESET_LINEAR, PRESET_MODULES, PRESETS, module_names, resolve_model
 from autofit.config.space import Space, load_space
 from autofit.config.target import usable_bytes
 from autofit.core.errors import UsageError
@@ -242,3 +242,25 @@ def test_the_plan_says_what_its_speeds_are_relative_to(capsys: pytest.CaptureFix
     assert rows and all(("nf4" in r) != ("quantization=none" in r) for r in rows)  # each says its base
     assert main(["plan", "--model", "llama2-7b", "--card", "RTX 4090", "--top", "3"]) == 0
     assert "quantization=none" not in capsys.readouterr().out  # a space of one base: nothing to tell apart
+
+
+def test_lora_targets_naming_no_module_are_refused_before_any_probe(tmp_path: Path) -> None:
+    """A GPT-2 config searched with the lora space's q_proj,v_proj: each probe crashed on the names (exit 0 for
+    `probe`, a budget of crashes for `search`)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=4).save_pretrained(tmp_path)
+    model = resolve_model(str(tmp_path / "config.json"))
+    with pytest.raises(UsageError, match=r"^--space lora: .*config\.json \(gpt2\) has no module q_proj, v_proj for "
+                                         r"lora_targets to adapt; its linear layers are c_attn, c_fc, c_proj, "
+                                         r"lm_head\. Give a --space file with lora_targets: c_attn,c_fc,c_proj"):
+        model.check_targets(["q_proj,v_proj", "all-linear"], "--space lora")
+    model.check_targets(["c_attn,c_proj", "all-linear"], "--space mine")  # names it has: nothing said
+    with pytest.raises(UsageError, match=r"^--set lora_targets: tiny-llama \(llama\) has no module zzz_proj "):
+        resolve_model("tiny-llama").check_targets(["q_proj,zzz_proj"], "--set lora_targets")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_preset_module_names_are_what_each_preset_builds(name: str) -> None:
+    modules, linear = module_names(PRESETS[name])
+    assert {m for m in modules if not m.isdigit()} == PRESET_MODULES and tuple(linear) == PRESET_LINEAR
