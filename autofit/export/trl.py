@@ -25,7 +25,7 @@ def differences(w: Winner, version: str) -> list[str]:
         out.append(f"liger=on: trl {version} SFTTrainer applies Liger's layer kernels only (use_liger_kernel is "
                    "deprecated there) and its own fused LM head instead of Liger's fused cross-entropy: speed and "
                    "peak differ from the probe's Trainer run")
-    elif w.trainer == "sft":  # on tiny-llama on the CPU (its PyTorch fallback) this recipe ran 10x slower
+    elif w.trainer == "sft":  # on the CPU (its PyTorch fallback) a tiny-llama recipe ran 1.2-1.3x slower
         out.append(f"the loss: trl {version} SFTTrainer computes it through its own fused LM head (log-probabilities, "
                    "entropy and token accuracy in tiles), where the probe's Trainer ran the model's: speed and peak "
                    "were not measured for this recipe; --format hf-trainer is the one measured")
