@@ -124,10 +124,11 @@ def add_parser(sub: Subcommands, fmt: Formatter) -> None:
                             tolerance (default 2). A single check outside is "suspect"; one whose runs
                             differ among themselves as much as they differ from the baseline, or that is
                             slower by no more than its runs' waits for a CPU explain (a busy machine), is
-                            "inconclusive" (too noisy to judge). Both exit 0 with a warning and a JUnit <skipped>; --update-baseline
-                            keeps the old baseline of an inconclusive check. No longer fitting is a regression at once, always; so is a GPU peak
-                            beyond tolerance (the allocator's figure is exact). On the CPU the peak is
-                            resident memory, judged like speed.
+                            "inconclusive" (too noisy to judge). Both exit 0 with a warning and a JUnit
+                            <skipped>; --update-baseline keeps the old baseline of an inconclusive check.
+                            No longer fitting is a regression at once, always; so is a GPU peak beyond
+                            tolerance (the allocator's figure is exact). On the CPU the peak is resident
+                            memory, judged like speed.
 
                             exit codes: 0 within tolerance, faster, suspect or inconclusive; 1 regression
                             (slower, heavier, or no longer fits); 2 usage error (a bad flag, a run folder,

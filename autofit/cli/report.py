@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import optuna
+from typing import TYPE_CHECKING
 
 from autofit.cli.common import Formatter, Subcommands, warn
 from autofit.core.documents import JSONObject
@@ -18,6 +17,9 @@ from autofit.run.report.outputs import write_outputs
 from autofit.run.rundir import SEARCH_LOCK, RunSpec
 from autofit.run.session import open_run_study, unstarted
 from autofit.search.study import ProbeRow, budgets_of, finished, stop_reason_of, study_rows, untried_of
+
+if TYPE_CHECKING:
+    import optuna
 
 
 def cmd_report(args: argparse.Namespace) -> int:
