@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,10 +144,16 @@ def test_missing_attention_kernel_is_unsupported(tmp_path: Path) -> None:
     assert "flash" in r["reason"].lower()
 
 
-def test_crash_keeps_its_traceback_tail(tmp_path: Path) -> None:
-    r = probe_json(*SHORT, "--set", "lora_targets=no_such_module", cwd=tmp_path)
+def test_crash_keeps_its_traceback_tail(tmp_path: Path, saved_tiny: Path) -> None:
+    """A real crash in the child: weights cut short, which only from_pretrained finds (a bad lora_targets, the
+    crash this test used, is refused before any probe now)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(saved_tiny, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:4096])
+    r = probe_json(*SHORT, cwd=tmp_path, model=str(broken))
     assert r["outcome"] == "crash"
-    assert "Traceback" in r["error_tail"] and "no_such_module" in r["error_tail"]
+    assert "Traceback" in r["error_tail"] and "safetensors" in r["error_tail"].lower(), r["error_tail"][-2000:]
 
 
 def test_all_linear_adapts_every_linear_layer_the_memory_model_counts(tmp_path: Path, short_fit: dict) -> None:
