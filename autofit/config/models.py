@@ -152,11 +152,18 @@ def module_names(config: ModelConfig) -> tuple[frozenset[str], list[str]]:
     # Deferred: torch and the model classes take seconds to import, needed for a model that is not a preset.
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
 
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return names_of(model)
+
+
+def names_of(model: Any) -> tuple[frozenset[str], list[str]]:
+    """A built model's module names (the last part of each) and its linear layers' (GPT-2's Conv1D counted)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
     last = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if name]
     return (frozenset(n for n, _ in last),
             sorted({n for n, m in last if isinstance(m, (torch.nn.Linear, Conv1D))}))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autofit.config import distributed, recipe
+from autofit.config.models import names_of
 from autofit.data.batching import Batching, step_shape
 from autofit.data.collate import Batch
 from autofit.probe.child import allocator, hostclock
@@ -208,18 +209,13 @@ def loaded(state: ProbeState) -> None:
 
 def check_lora_targets(model: Model, targets: list[str] | str) -> None:
     """Every lora_targets name must name a module: peft drops a misspelt one silently when another
-    matches, and the adapter would then train fewer layers than the config says."""
-    import torch
-
+    matches, and the adapter would then train fewer layers than the config says (the parent refuses what it can
+    see before a probe: `ModelSource.check_targets`; a config with remote code is known here only)."""
     if isinstance(targets, str):  # peft's own forms ("all-linear", a regex) are peft's to check
         return
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    names, linear = names_of(model)
     missing = [t for t in targets if t not in names]
     if missing:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers: peft adapts them too
-
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, (torch.nn.Linear, Conv1D))})
         raise ValueError(f"lora_targets: {', '.join(missing)} names no module of {type(model).__name__}; "
                          f"its linear layers are {', '.join(linear)} (all-linear adapts each but lm_head): "
                          f"--set lora_targets={','.join(n for n in linear if n != 'lm_head')} (probe) or "

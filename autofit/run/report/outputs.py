@@ -40,7 +40,8 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     usable = usable_bytes(limit, target.headroom)  # the limit's: the card's own size is not the run's limit
     best = best_of(results)
     ranked = ranked_fits(results)
-    best_doc, accepted = None, None
+    best_doc: JSONObject | None = None
+    accepted: JSONObject | None = None
     if best is not None:
         best_doc = {**best.to_dict(), "run_id": spec.run_id, "model": spec.model.ref,
                     "target": target_dict(target), "learning_changes": learning_changes(best.config, best, spec.space),
@@ -52,9 +53,8 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
         if baseline is not None:  # a data run: the padded strategy the winner is compared with
             best_doc["baseline"] = {"config": baseline.config.to_dict(), "tokens_per_s": baseline.tokens_per_s,
                                     "peak_memory_bytes": baseline.peak_memory_bytes, "step": step_doc(baseline)}
-        if rebaselined(run_dir / "best.json", best.config):
-            accepted = json.loads((run_dir / "best.json").read_text())
-        else:
+        accepted = rebaselined(run_dir / "best.json", best.config)
+        if accepted is None:
             write_json(run_dir / "best.json", best_doc)
     else:
         (run_dir / "best.json").unlink(missing_ok=True)
@@ -69,17 +69,19 @@ def write_outputs(run_dir: Path, spec: RunSpec, rows: list[ProbeRow],
     return best_doc
 
 
-def rebaselined(path: Path, config: TrialConfig) -> bool:
-    """best.json holds figures `regress --update-baseline` accepted for this same winner: rebuilding it from
-    the study would put the old baseline back (the accepted one is then only in the history)."""
+def rebaselined(path: Path, config: TrialConfig) -> JSONObject | None:
+    """best.json where it holds figures `regress --update-baseline` accepted for this same winner (else None):
+    rebuilding it from the study would put the old baseline back (the accepted one is then only in the
+    history)."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
+        return None
     if not (isinstance(doc, dict) and doc.get("baseline_updated") and isinstance(doc.get("config"), dict)):
-        return False
+        return None
     try:
         # (a dict from older callers)
-        return TrialConfig.from_dict(doc["config"]) == TrialConfig.from_dict(config)
+        same = TrialConfig.from_dict(doc["config"]) == TrialConfig.from_dict(config)
     except UsageError:  # a config no TrialConfig takes: not this winner's
-        return False
+        return None
+    return doc if same else None
